@@ -1,0 +1,99 @@
+// Shared device code for every kernel family: dtype conversion, 16-byte vectors,
+// warp and block reductions. Included by cuda_src/<family>.cu; compiled by NVRTC.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cuinfer {
+
+// ---------------------------------------------------------------- conversions
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+// Round to nearest even, as numpy's astype does.
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// ------------------------------------------------------------- 16-byte vectors
+// Vec<T, N>: N elements of T loaded or stored as one access of N*sizeof(T) bytes
+// (16 bytes when N = 16 / sizeof(T)). The pointer must be aligned to that size.
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+  __device__ __forceinline__ static Vec load(const T* p) { return *reinterpret_cast<const Vec*>(p); }
+  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<Vec*>(p) = *this; }
+  // Non-coherent, no-L1-allocate load for data read exactly once (weights, streamed rows).
+  __device__ __forceinline__ static Vec load_stream(const T* p) {
+    Vec r;
+    if constexpr (sizeof(Vec) == 16) {
+      int4 raw = __ldcs(reinterpret_cast<const int4*>(p));
+      r = *reinterpret_cast<Vec*>(&raw);
+    } else {
+      r = load(p);
+    }
+    return r;
+  }
+};
+
+template <typename T, int N> struct VecF {  // N floats, the fp32 working copy of a Vec<T, N>
+  float v[N];
+  __device__ __forceinline__ static VecF from(const Vec<T, N>& x) {
+    VecF r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) r.v[i] = to_float(x.v[i]);
+    return r;
+  }
+  __device__ __forceinline__ Vec<T, N> to() const {
+    Vec<T, N> r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) r.v[i] = from_float<T>(v[i]);
+    return r;
+  }
+};
+
+// ------------------------------------------------------------------ reductions
+struct Sum {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+  __device__ __forceinline__ static float identity() { return 0.0f; }
+};
+struct Max {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ static float identity() { return __int_as_float(0xff800000); }  // -inf
+};
+
+template <typename Op = Sum> __device__ __forceinline__ float warp_reduce(float x, Op op = Op()) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Reduce over the whole block; every thread gets the result. `scratch` holds at least
+// 32 floats of shared memory; the call has barriers, so every thread of the block must call it.
+template <typename Op = Sum>
+__device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = Op()) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_warps = (blockDim.x + 31) >> 5;
+  x = warp_reduce(x, op);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < n_warps ? scratch[lane] : Op::identity();
+  return warp_reduce(x, op);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// tanh-approximated GELU, as used by Gemma / GPT-2 ("gelu_pytorch_tanh")
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+  return 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x)));
+}
+
+}  // namespace cuinfer

@@ -1,0 +1,1 @@
+"""Benchmark suites for python -m cuinfer.bench (one module per suite)."""

@@ -1,0 +1,291 @@
+"""Kernel runtime: compile cuda_src/<family>.cu with NVRTC, cache, load through CuPy, launch.
+
+One mechanism serves the GPU path and the compile check:
+
+    compile_family(family, exprs, arch) -> Compiled(cubin, lowered names)
+
+builds every template instantiation in `exprs` (strings such as
+"rms_norm_kernel<__half, 8>") in one NVRTC program for `arch` ("sm_90"). It needs
+no GPU, only NVRTC and the CUDA headers. `kernel(family, expr)` compiles one
+instantiation for the current device (memory cache, then disk cache keyed by the
+source hash, the instantiation, the arch and the NVRTC version) and returns a
+`cupy.RawKernel` loaded through `cupy.RawModule`.
+
+Launchers use `check(...)` to validate arrays before a launch: a bad launch must
+never reach the GPU.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a core dependency
+    bfloat16 = None
+
+
+class CuinferError(Exception):
+    """An error a user can cause or fix; the CLI prints its message, not a traceback."""
+
+
+class NoDeviceError(CuinferError):
+    pass
+
+
+class CompileError(CuinferError):
+    pass
+
+
+# --------------------------------------------------------------------------- arrays
+
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
+if bfloat16 is not None:
+    CTYPES[bfloat16] = "__nv_bfloat16"
+FLOAT_DTYPES = tuple(CTYPES)
+
+
+def ctype(dtype) -> str:
+    """C++ type name of a floating dtype, as used in instantiation strings."""
+    dtype = np.dtype(dtype)
+    if dtype not in CTYPES:
+        raise ValueError(f"dtype {dtype} is not supported: need one of float32, float16, bfloat16")
+    return CTYPES[dtype]
+
+
+def cupy_or_none():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def is_device_array(x) -> bool:
+    cp = cupy_or_none()
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def require_cupy():
+    cp = cupy_or_none()
+    if cp is None:
+        raise CuinferError(
+            "CuPy is not installed: install cuinfer with the extra that matches your CUDA "
+            "driver, pip install 'cuinfer[cuda12]' or 'cuinfer[cuda13]', or use the CPU path "
+            "(numpy arrays, --device cpu)"
+        )
+    return cp
+
+
+def on_device(*arrays) -> bool:
+    """True when every array is a CuPy array, False when every one is NumPy; else ValueError."""
+    flags = {is_device_array(a) for a in arrays if a is not None}
+    if len(flags) > 1:
+        raise ValueError("arguments mix numpy and cupy arrays: pass all of one kind")
+    return flags == {True}
+
+
+def check(name, x, *, dtype=None, ndim=None, shape=None, contiguous=True, align=None):
+    """Validate a launcher argument, raising ValueError that names it, says what it got and needs.
+
+    dtype: a dtype or a tuple of allowed dtypes; shape: a tuple with None for free axes;
+    align: required alignment in bytes of the data pointer (device arrays only).
+    """
+    if dtype is not None:
+        allowed = tuple(np.dtype(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
+        if x.dtype not in allowed:
+            need = " or ".join(str(d) for d in allowed)
+            raise ValueError(f"{name}: got dtype {x.dtype}, need {need}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: got {x.ndim} dimensions (shape {tuple(x.shape)}), need {ndim}")
+    if shape is not None:
+        if len(shape) != x.ndim or any(s is not None and s != g for s, g in zip(shape, x.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: got shape {tuple(x.shape)}, need {want}")
+    if contiguous and not x.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (got strides {x.strides})")
+    if align is not None and is_device_array(x) and x.data.ptr % align:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
+    return x
+
+
+def check_out(out, shape, dtype, like):
+    """Return `out` checked against (shape, dtype), or a new array of the module of `like`."""
+    xp = require_cupy() if is_device_array(like) else np
+    if out is None:
+        return xp.empty(shape, dtype=dtype)
+    if is_device_array(out) != is_device_array(like):
+        raise ValueError("out: must be the same kind of array (numpy or cupy) as the inputs")
+    return check("out", out, dtype=dtype, shape=tuple(shape))
+
+
+def vector_width(*arrays) -> int:
+    """Elements per 16-byte vector that every array's row length and pointer allow (1 if none)."""
+    width = 16 // max(a.dtype.itemsize for a in arrays)
+    while width > 1:
+        if all(a.shape[-1] % width == 0 and a.data.ptr % 16 == 0 for a in arrays):
+            return width
+        width //= 2
+    return 1
+
+
+# ------------------------------------------------------------------------ compiling
+
+def source_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for d in (here.parent / "cuda_src", here / "cuda_src"):
+        if d.is_dir():
+            return d
+    raise CuinferError(f"cuda_src/ not found next to {here}: reinstall cuinfer")
+
+
+def cuda_include_dir() -> str:
+    """Directory that holds cuda_fp16.h (pip wheel, CUDA_PATH or /usr/local/cuda)."""
+    candidates = []
+    try:
+        from cuda import pathfinder
+
+        candidates.append(pathfinder.find_nvidia_header_directory("cudart"))
+    except Exception:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(os.path.join(os.environ[env], "include"))
+    candidates.append("/usr/local/cuda/include")
+    for c in candidates:
+        if c and os.path.exists(os.path.join(c, "cuda_fp16.h")):
+            return c
+    raise CompileError(
+        "the CUDA headers (cuda_fp16.h) were not found: pip install nvidia-cuda-runtime-cu12 "
+        "(or -cu13), or set CUDA_PATH to a CUDA toolkit"
+    )
+
+
+@dataclass(frozen=True)
+class Compiled:
+    cubin: bytes
+    lowered: dict  # instantiation string -> mangled name
+
+
+def _nvrtc():
+    require_cupy()
+    from cupy.cuda import nvrtc
+
+    return nvrtc
+
+
+def nvrtc_version() -> tuple:
+    return tuple(_nvrtc().getVersion())
+
+
+def compile_options(arch: str) -> list:
+    return ["-std=c++17", f"-arch={arch}", "-lineinfo", f"-I{source_dir()}",
+            f"-I{cuda_include_dir()}"]
+
+
+def source_hash(family: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(source_dir().glob("*.cuh")) + [source_dir() / f"{family}.cu"]:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compile_family(family: str, exprs, arch: str) -> Compiled:
+    """Compile the instantiations `exprs` of cuda_src/<family>.cu for `arch` (e.g. "sm_90")."""
+    nvrtc = _nvrtc()
+    path = source_dir() / f"{family}.cu"
+    if not path.exists():
+        raise CompileError(f"no kernel family {family!r}: {path} does not exist")
+    prog = nvrtc.createProgram(path.read_text(), str(path), [], [])
+    try:
+        for e in exprs:
+            nvrtc.addNameExpression(prog, e)
+        try:
+            nvrtc.compileProgram(prog, compile_options(arch))
+        except nvrtc.NVRTCError as err:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC failed on {family} for {arch} ({err}):\n{log}") from None
+        lowered = {e: nvrtc.getLoweredName(prog, e) for e in exprs}
+        return Compiled(bytes(nvrtc.getCUBIN(prog)), lowered)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("CUINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "cuinfer")
+    return Path(base) / "kernels"
+
+
+def device_arch() -> str:
+    cp = require_cupy()
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:
+        n = 0
+    if n == 0:
+        raise NoDeviceError("no CUDA device found: use numpy arrays (the CPU path) or --device cpu")
+    major, minor = cp.cuda.Device().compute_capability[:-1], cp.cuda.Device().compute_capability[-1]
+    if int(major) < 8:
+        raise CuinferError(f"GPU compute capability {major}.{minor} is not supported: need 8.0 or newer")
+    return f"sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(family: str, expr: str):
+    """The compiled `expr` of cuda_src/<family>.cu for the current device, as a cupy.RawKernel."""
+    cp = require_cupy()
+    arch = device_arch()
+    key = hashlib.sha256(
+        f"{source_hash(family)}|{expr}|{arch}|{nvrtc_version()}|{compile_options(arch)}".encode()
+    ).hexdigest()[:24]
+    d = cache_dir()
+    cubin_path, meta_path = d / f"{family}-{key}.cubin", d / f"{family}-{key}.json"
+    if not (cubin_path.exists() and meta_path.exists()):
+        compiled = compile_family(family, [expr], arch)
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write(cubin_path, compiled.cubin)
+        _atomic_write(meta_path, json.dumps(compiled.lowered).encode())
+    lowered = json.loads(meta_path.read_text())[expr]
+    return cp.RawModule(path=str(cubin_path)).get_function(lowered)
+
+
+def _atomic_write(path: Path, data: bytes):
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def launch(k, grid, block, args, smem: int = 0):
+    """Launch a RawKernel; raises dynamic shared memory above 48 KiB first when asked for."""
+    if smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
+        k.max_dynamic_shared_size_bytes = smem
+    grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
+    block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
+    if min(grid) <= 0:
+        return  # empty problem: nothing to launch
+    k(grid, block, args, shared_mem=smem)
+
+
+@functools.lru_cache(maxsize=None)
+def device_info() -> dict:
+    cp = require_cupy()
+    device_arch()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    return {
+        "name": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+        "arch": device_arch(),
+        "sm_count": props["multiProcessorCount"],
+        "l2_bytes": props["l2CacheSize"],
+        "smem_per_block_optin": props["sharedMemPerBlockOptin"],
+        "memory_bytes": props["totalGlobalMem"],
+    }

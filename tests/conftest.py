@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+
+from cuinfer import runtime
+
+# ------------------------------------------------------------------ tolerances
+# |out - ref| <= atol + rtol * |ref|, per output dtype. The reference is float32
+# (float64 where a test says so) computed from the same (already rounded) inputs.
+TOLERANCES = {
+    # fp32 kernels accumulate in a different order than numpy: a few ulp per
+    # reduction step over rows up to ~64k long.
+    np.dtype(np.float32): dict(atol=1e-5, rtol=1e-5),
+    # fp16 output is rounded once from an fp32 result: half an ulp is 2^-11 relative
+    # (4.9e-4); allow one ulp plus fp32 accumulation noise.
+    np.dtype(np.float16): dict(atol=1e-3, rtol=1e-3),
+}
+if runtime.bfloat16 is not None:
+    # bf16 has 8 mantissa bits: one ulp is 2^-7 = 7.8e-3 relative.
+    TOLERANCES[runtime.bfloat16] = dict(atol=1e-2, rtol=8e-3)
+
+
+def assert_close(out, ref, dtype=None, **override):
+    """Compare a kernel output with its reference using the table above."""
+    out = runtime.cupy_or_none().asnumpy(out) if runtime.is_device_array(out) else np.asarray(out)
+    tol = dict(TOLERANCES[np.dtype(dtype or out.dtype)], **override)
+    out32, ref32 = out.astype(np.float32), np.asarray(ref, dtype=np.float32)
+    assert out32.shape == ref32.shape, (out32.shape, ref32.shape)
+    assert not np.isnan(out32).any() or np.array_equal(np.isnan(out32), np.isnan(ref32)), "NaN in output"
+    np.testing.assert_allclose(out32, ref32, **tol)
+
+
+def _has_gpu():
+    cp = runtime.cupy_or_none()
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA device found")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cp():
+    """CuPy, for GPU tests (the test is marked gpu, so a device exists)."""
+    import cupy
+
+    return cupy
+
+
+def poison(cp_module, shape, dtype):
+    """An output buffer filled with NaN, so an element the kernel never writes fails the check."""
+    out = cp_module.empty(shape, dtype=dtype)
+    out.fill(np.nan) if np.dtype(dtype).kind == "f" else out.fill(-1)
+    return out

@@ -1,0 +1,24 @@
+"""Every registered instantiation compiles with NVRTC for sm_80 and sm_90, no GPU needed."""
+import pytest
+
+from cuinfer import ops, runtime
+
+pytest.importorskip("cupy")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("family", ops.FAMILIES)
+def test_family_compiles(family, arch):
+    exprs = ops.family_module(family).INSTANTIATIONS
+    assert exprs, f"{family} registers no instantiations"
+    compiled = runtime.compile_family(family, exprs, arch)
+    assert set(compiled.lowered) == set(exprs)
+    assert len(compiled.cubin) > 0
+
+
+def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
+    (tmp_path / "broken.cu").write_text("template <int N> __global__ void broken_kernel() { int x = ; }\n")
+    (tmp_path / "common.cuh").write_text("")
+    monkeypatch.setattr(runtime, "source_dir", lambda: tmp_path)
+    with pytest.raises(runtime.CompileError, match=r"broken\.cu\(1\)"):
+        runtime.compile_family("broken", ["broken_kernel<1>"], "sm_90")
