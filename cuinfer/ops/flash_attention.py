@@ -1,0 +1,149 @@
+"""Flash attention forward (prefill): packed variable-length sequences, and its paged form.
+
+flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None)
+    q: [tokens, n_heads, head_dim]; k, v: [tokens, n_kv_heads, head_dim]; cu_seqlens: int32 [num_seqs + 1]
+flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None)
+    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]; block_tables: int32
+    [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]. The q rows of sequence i
+    are its last q_len_i positions and attend causally to keys 0 .. context_len - q_len + j.
+
+numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
+cuda_src/flash_attention.cu: FlashAttention-2 forward with mma.sync m16n8k16, ldmatrix,
+cp.async double-buffered K/V tiles, online softmax in fp32. GQA is native: the kernel
+maps query head h to KV head h // (n_heads // n_kv_heads).
+
+The launcher needs the longest query chunk to size the grid; pass `max_seqlen_q` to
+avoid reading cu_seqlens back to the host (a device sync).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import runtime
+from .attention_ref import default_scale, paged_prefix_attention, varlen_attention
+
+HEAD_DIMS = (64, 80, 96, 128, 256)
+KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
+LOG2E = 1.4426950408889634
+
+
+def tile_config(head_dim: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps) for a head dim: 16 query rows per warp m-tile, K/V tiles of BLOCK_N keys."""
+    if head_dim <= 64:
+        return 128, 64, 4
+    if head_dim <= 128:
+        return 128, 64, 4
+    return 64, 32, 4
+
+
+def instantiation(dtype, head_dim: int, paged: bool) -> str:
+    bm, bn, warps = tile_config(head_dim)
+    return (f"flash_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {bm}, {bn}, {warps}, "
+            f"{'true' if paged else 'false'}>")
+
+
+INSTANTIATIONS = [instantiation(dt, d, p) for dt in (np.float16, runtime.bfloat16)
+                  for d in HEAD_DIMS for p in (False, True)]
+
+
+def smem_bytes(head_dim: int, itemsize: int = 2) -> int:
+    """Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes)."""
+    bm, bn, _ = tile_config(head_dim)
+    return (bm + 4 * bn) * (head_dim + 8) * itemsize
+
+
+def _check_q(q, n_kv_heads):
+    runtime.check("q", q, ndim=3)
+    if q.shape[1] % n_kv_heads:
+        raise ValueError(f"q: got {q.shape[1]} heads, need a multiple of n_kv_heads = {n_kv_heads}")
+
+
+def _check_kernel_args(q, dtypes=KERNEL_DTYPES):
+    runtime.check("q", q, dtype=dtypes, align=16)
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"q: got head_dim {q.shape[-1]}, need one of {HEAD_DIMS}")
+
+
+def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, max_seqlen_q=None):
+    """Causal (or full) attention over packed sequences; returns [tokens, n_heads, head_dim] in q's dtype."""
+    dev = runtime.on_device(q, k, v, cu_seqlens, out)
+    runtime.check("k", k, ndim=3)
+    _check_q(q, k.shape[1])
+    tokens, n_heads, d = q.shape
+    runtime.check("k", k, dtype=q.dtype, shape=(tokens, None, d))
+    runtime.check("v", v, dtype=q.dtype, shape=tuple(k.shape))
+    runtime.check("cu_seqlens", cu_seqlens, dtype=np.int32, ndim=1)
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens: got an empty array, need [num_seqs + 1] offsets starting at 0")
+    scale = default_scale(d) if scale is None else float(scale)
+    if not dev:
+        runtime.check("q", q, dtype=runtime.FLOAT_DTYPES)
+        res = varlen_attention(q, k, v, cu_seqlens, causal, scale).astype(q.dtype)  # rounded once
+        out = runtime.check_out(out, q.shape, q.dtype, q)
+        out[...] = res
+        return out
+    _check_kernel_args(q)
+    for name, a in (("k", k), ("v", v)):
+        runtime.check(name, a, align=16)
+    out = runtime.check_out(out, q.shape, q.dtype, q)
+    runtime.check("out", out, align=16)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if num_seqs else 0
+    _launch(q, k, v, out, cu_seqlens, None, None, 0, num_seqs, max_seqlen_q, scale, causal)
+    return out
+
+
+def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None,
+                          out=None, *, max_seqlen_q=None):
+    """Attention of new query chunks against a paged KV cache (chunked prefill, decode when q_len = 1)."""
+    dev = runtime.on_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out)
+    runtime.check("k_cache", k_cache, ndim=4)
+    _check_q(q, k_cache.shape[2])
+    tokens, n_heads, d = q.shape
+    runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, d))
+    runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+    runtime.check("block_tables", block_tables, dtype=np.int32, ndim=2)
+    num_seqs = block_tables.shape[0]
+    runtime.check("cu_seqlens_q", cu_seqlens_q, dtype=np.int32, shape=(num_seqs + 1,))
+    runtime.check("context_lens", context_lens, dtype=np.int32, shape=(num_seqs,))
+    scale = default_scale(d) if scale is None else float(scale)
+    if not dev:
+        runtime.check("q", q, dtype=runtime.FLOAT_DTYPES)
+        res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        out = runtime.check_out(out, q.shape, q.dtype, q)
+        out[...] = res.astype(q.dtype)  # rounded once
+        return out
+    _check_kernel_args(q)
+    bs = k_cache.shape[1]
+    if bs & (bs - 1):
+        raise ValueError(f"k_cache: got block_size {bs}, need a power of two")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        runtime.check(name, a, align=16)
+    out = runtime.check_out(out, q.shape, q.dtype, q)
+    runtime.check("out", out, align=16)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
+    _launch(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, bs, num_seqs,
+            max_seqlen_q, scale, True)
+    return out
+
+
+def _launch(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
+            scale, causal):
+    paged = block_tables is not None
+    n_heads, d = q.shape[1], q.shape[2]
+    n_kv = k.shape[-2]
+    bm, _, warps = tile_config(d)
+    kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged))
+    if paged:
+        extra = (context_lens, block_tables, np.int32(block_tables.shape[1]),
+                 np.int32(int(math.log2(block_size))))
+    else:
+        extra = (cu_q, cu_q, np.int32(0), np.int32(0))  # unused by the contiguous form
+    grid = (-(-max_seqlen_q // bm), n_heads, num_seqs)
+    args = (q, k, v, out, cu_q) + extra + (np.int32(n_heads), np.int32(n_kv),
+                                           np.float32(scale * LOG2E), np.int32(bool(causal)))
+    runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, q.dtype.itemsize))

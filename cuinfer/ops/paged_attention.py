@@ -1,0 +1,122 @@
+"""Paged decode attention: one query token per sequence against a paged KV cache.
+
+paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None)
+    q: [num_seqs, n_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
+    returns [num_seqs, n_heads, head_dim] in q's dtype (zeros where context_lens is 0)
+
+cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
+reads each K/V row once for all query heads of its group; when sequences are few and
+long the context is split (flash-decoding) and a merge kernel combines the fp32
+partials. Pass `max_context_len` (an upper bound) to avoid reading context_lens back
+to the host, e.g. under a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import runtime
+from .attention_ref import default_scale, paged_prefix_attention
+
+HEAD_DIMS = (64, 80, 96, 128, 256)
+GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
+KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
+THREADS = 128
+MIN_PARTITION, MAX_PARTITION = 256, 1024  # tokens per split (multiples of 32)
+LOG2E = 1.4426950408889634
+
+
+def padded_group(n_heads: int, n_kv_heads: int) -> int:
+    g = n_heads // n_kv_heads
+    for p in GROUPS:
+        if g <= p:
+            return p
+    raise ValueError(f"q: got {g} query heads per KV head, need at most {GROUPS[-1]}")
+
+
+def instantiation(dtype, head_dim: int, group: int) -> str:
+    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}>"
+
+
+def merge_instantiation(dtype, head_dim: int) -> str:
+    return f"paged_attention_merge_kernel<{runtime.ctype(dtype)}, {head_dim}>"
+
+
+INSTANTIATIONS = ([instantiation(dt, d, g) for dt in (np.float16, runtime.bfloat16)
+                   for d in HEAD_DIMS for g in GROUPS]
+                  + [merge_instantiation(dt, d) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS])
+
+
+def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int) -> tuple:
+    """(n_splits, partition): enough CTAs for about 4 per SM, partitions of 256..1024 tokens."""
+    work = max(1, num_seqs * n_kv_heads)
+    ctx = max(1, max_context_len)
+    want = -(-4 * sm_count // work)
+    n_splits = max(-(-ctx // MAX_PARTITION), min(want, -(-ctx // MIN_PARTITION)))
+    partition = -(-ctx // n_splits)
+    partition = -(-partition // 32) * 32
+    return -(-ctx // partition), partition
+
+
+def smem_bytes(group: int, partition: int, head_dim: int) -> int:
+    """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)."""
+    return 4 * (group * partition + (THREADS // 32) * group * head_dim + 2 * group * (THREADS // 32))
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
+                    max_context_len=None):
+    dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out)
+    runtime.check("q", q, ndim=3)
+    num_seqs, n_heads, d = q.shape
+    runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, d))
+    runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    if n_heads % n_kv:
+        raise ValueError(f"q: got {n_heads} heads, need a multiple of n_kv_heads = {n_kv}")
+    runtime.check("block_tables", block_tables, dtype=np.int32, shape=(num_seqs, None))
+    runtime.check("context_lens", context_lens, dtype=np.int32, shape=(num_seqs,))
+    scale = default_scale(d) if scale is None else float(scale)
+    if not dev:
+        runtime.check("q", q, dtype=runtime.FLOAT_DTYPES)
+        cu = np.arange(num_seqs + 1, dtype=np.int32)
+        res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
+        out = runtime.check_out(out, q.shape, q.dtype, q)
+        out[...] = res.astype(q.dtype)  # rounded once
+        return out
+    runtime.check("q", q, dtype=KERNEL_DTYPES, align=16)
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: got head_dim {d}, need one of {HEAD_DIMS}")
+    if bs & (bs - 1):
+        raise ValueError(f"k_cache: got block_size {bs}, need a power of two")
+    group = padded_group(n_heads, n_kv)
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        runtime.check(name, a, align=16)
+    out = runtime.check_out(out, q.shape, q.dtype, q)
+    runtime.check("out", out, align=16)
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if num_seqs else 0
+    _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group)
+    return out
+
+
+def _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group):
+    cp = runtime.require_cupy()
+    num_seqs, n_heads, d = q.shape
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    n_splits, partition = split_config(num_seqs, n_kv, max_context_len,
+                                       runtime.device_info()["sm_count"])
+    if n_splits > 1:
+        part_out = cp.empty((num_seqs, n_heads, n_splits, d), dtype=cp.float32)
+        part_ml = cp.empty((num_seqs, n_heads, n_splits, 2), dtype=cp.float32)
+    else:
+        part_out = part_ml = out  # unused: the kernel writes out directly
+    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group))
+    args = (q, k_cache, v_cache, out, part_out, part_ml, block_tables, context_lens,
+            np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
+            np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E))
+    runtime.launch(kern, (n_splits, n_kv, num_seqs), (THREADS,), args,
+                   smem=smem_bytes(group, partition, d))
+    if n_splits > 1:
+        merge = runtime.kernel("paged_attention", merge_instantiation(q.dtype, d))
+        runtime.launch(merge, (n_heads, num_seqs), (THREADS,),
+                       (part_out, part_ml, out, np.int32(n_splits)))

@@ -1,0 +1,65 @@
+"""Fused RoPE + KV-cache write: rotate q and k, store rotated k and v into the paged caches.
+
+write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=None) -> rotated q
+    q: [tokens, n_heads, head_dim]; k, v: [tokens, n_kv_heads, head_dim]; positions: int32 [tokens]
+    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim], updated in place
+    slot_mapping: int32 [tokens], slot = block * block_size + offset; a negative slot skips the token
+    inv_freq: float32 [head_dim // 2] from cuinfer.ops.rope.rope_inv_freq (Hugging Face rotate-half)
+`out` may be q itself (in place). numpy arrays run the reference; cupy arrays launch
+cuda_src/write_kv.cu (one CTA per token).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import runtime
+
+INSTANTIATIONS = [f"write_kv_kernel<{runtime.ctype(dt)}>"
+                  for dt in (np.float32, np.float16, runtime.bfloat16)]
+THREADS = 128
+
+
+def write_kv_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq):
+    """Rotated q (float32); writes rotated k and v (rounded to the cache dtype) into the caches."""
+    from .rope import rope_reference
+
+    q_rot = rope_reference(q, positions, inv_freq)
+    k_rot = rope_reference(k, positions, inv_freq)
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    keep = slots >= 0
+    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])  # flat_k: [num_blocks * block_size, n_kv_heads, head_dim]
+    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
+    flat_k[slots[keep]] = k_rot[keep].astype(k_cache.dtype)  # rounded to the cache dtype
+    flat_v[slots[keep]] = v[keep]
+    return q_rot
+
+
+def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=None):
+    dev = runtime.on_device(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out)
+    runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, ndim=3)
+    tokens, n_heads, d = q.shape
+    if d % 8:
+        raise ValueError(f"q: got head_dim {d}, need a multiple of 8")
+    runtime.check("k", k, dtype=q.dtype, shape=(tokens, None, d))
+    n_kv = k.shape[1]
+    runtime.check("v", v, dtype=q.dtype, shape=(tokens, n_kv, d))
+    runtime.check("positions", positions, dtype=np.int32, shape=(tokens,))
+    runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, n_kv, d))
+    runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+    runtime.check("slot_mapping", slot_mapping, dtype=np.int32, shape=(tokens,))
+    runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(d // 2,))
+    if not dev:
+        # slots beyond the cache raise IndexError in numpy; the kernel trusts the scheduler
+        res = write_kv_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq)
+        out = runtime.check_out(out, q.shape, q.dtype, q)
+        out[...] = res.astype(q.dtype)  # rounded once
+        return out
+    for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        runtime.check(name, a, align=16)
+    out = runtime.check_out(out, q.shape, q.dtype, q)
+    runtime.check("out", out, align=16)
+    kern = runtime.kernel("write_kv", f"write_kv_kernel<{runtime.ctype(q.dtype)}>")
+    args = (q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out,
+            np.int32(n_heads), np.int32(n_kv), np.int32(d))
+    runtime.launch(kern, (tokens,), (THREADS,), args)
+    return out
