@@ -1,0 +1,43 @@
+// Fused RoPE (Hugging Face rotate-half) on q and k + paged KV-cache write, one CTA per token.
+// Each thread rotates pairs (x[j], x[j + D/2]) in fp32 with the angle positions[t] * inv_freq[j]
+// and rounds once; v is copied with 16-byte vectors.
+#include "common.cuh"
+
+using namespace cuinfer;
+
+// grid: (tokens) · block: 128 · smem: none
+// q, out: [tokens, n_heads, head_dim] (out may alias q); k, v: [tokens, n_kv_heads, head_dim]
+// k_cache, v_cache: [num_blocks * block_size, n_kv_heads, head_dim] viewed flat by slot
+// positions, slot_mapping: [tokens] (slot < 0: skip the cache write); inv_freq: [head_dim / 2] fp32
+template <typename T>
+__global__ void __launch_bounds__(128) write_kv_kernel(
+    const T* q, const T* __restrict__ k, const T* __restrict__ v, const int* __restrict__ positions,
+    T* __restrict__ k_cache, T* __restrict__ v_cache, const int* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, T* out, int n_heads, int n_kv_heads, int head_dim) {
+  constexpr int N = 16 / sizeof(T);
+  const int t = blockIdx.x, half = head_dim / 2;
+  const float pos = static_cast<float>(positions[t]);
+  const int slot = slot_mapping[t];
+  const int n_rot = (slot >= 0 ? n_heads + n_kv_heads : n_heads) * half;
+  for (int i = threadIdx.x; i < n_rot; i += blockDim.x) {
+    const int h = i / half, j = i % half;
+    float s, c;
+    sincosf(pos * inv_freq[j], &s, &c);
+    const T* x;
+    T* y;
+    if (h < n_heads) {
+      x = q + ((size_t)t * n_heads + h) * head_dim;
+      y = out + ((size_t)t * n_heads + h) * head_dim;
+    } else {
+      x = k + ((size_t)t * n_kv_heads + (h - n_heads)) * head_dim;
+      y = k_cache + ((size_t)slot * n_kv_heads + (h - n_heads)) * head_dim;
+    }
+    const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
+    y[j] = from_float<T>(x1 * c - x2 * s);
+    y[j + half] = from_float<T>(x2 * c + x1 * s);
+  }
+  if (slot < 0) return;
+  const int row = n_kv_heads * head_dim;  // a multiple of N (head_dim % 8 == 0)
+  for (int i = threadIdx.x * N; i < row; i += blockDim.x * N)
+    Vec<T, N>::load(v + (size_t)t * row + i).store(v_cache + (size_t)slot * row + i);
+}
