@@ -1,0 +1,190 @@
+"""flash_attention / flash_attention_paged: references against float64 loops, kernels against references."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cuinfer import runtime
+from cuinfer.ops.attention_ref import causal_attention, paged_prefix_attention, varlen_attention
+from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged
+from tests.conftest import assert_close, poison
+
+DTYPES = [np.dtype(np.float16), runtime.bfloat16]
+
+
+def attention_loops(q, k, v, scale, causal):
+    """float64, one query and head at a time: softmax over the visible keys, then the weighted sum."""
+    m, h, d = q.shape
+    n, hk = k.shape[:2]
+    out = np.zeros((m, h, d))
+    for i in range(m):
+        for j in range(h):
+            kh = j // (h // hk)
+            last = n - m + i if causal else n - 1
+            s = np.array([scale * np.dot(q[i, j].astype(np.float64), k[t, kh]) for t in range(last + 1)])
+            if len(s):
+                w = np.exp(s - s.max())
+                out[i, j] = (w[:, None] * v[: last + 1, kh].astype(np.float64)).sum(0) / w.sum()
+    return out
+
+
+def scatter_paged(rng, cu, block_size, *arrays, extra_blocks=3):
+    """Packed [tokens, n_kv, d] arrays (sequences by cu) -> block_tables and one paged cache each.
+
+    Sequences get random, non-contiguous blocks; every slot no sequence owns holds NaN.
+    Returns (block_tables [num_seqs, max_blocks], caches [num_blocks, block_size, n_kv, d] ...).
+    """
+    lens = np.diff(cu)
+    per = [-(-int(n) // block_size) for n in lens]
+    n_blocks = sum(per) + extra_blocks
+    perm = rng.permutation(n_blocks).astype(np.int32)
+    tables = np.zeros((len(lens), max(per + [1])), dtype=np.int32)
+    caches = [np.full((n_blocks, block_size) + a.shape[1:], np.nan, dtype=a.dtype) for a in arrays]
+    used = 0
+    for i, n in enumerate(lens):
+        tables[i, : per[i]] = perm[used: used + per[i]]
+        used += per[i]
+        t = np.arange(n)
+        for cache, a in zip(caches, arrays):
+            cache[tables[i, t // block_size], t % block_size] = a[cu[i]: cu[i] + n]
+    return (tables, *caches)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("m,n,h,hk", [(5, 5, 4, 4), (3, 9, 6, 2), (1, 7, 7, 1), (0, 4, 2, 1), (4, 4, 8, 1)])
+def test_reference_matches_loops(m, n, h, hk, causal):
+    rng = np.random.default_rng(m * 100 + n)
+    q = rng.standard_normal((m, h, 16))
+    k, v = rng.standard_normal((2, n, hk, 16))
+    got = causal_attention(q, k, v, 0.3, causal, dtype=np.float64)
+    np.testing.assert_allclose(got, attention_loops(q, k, v, 0.3, causal), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_chunks_long_sequences(monkeypatch):
+    from cuinfer.ops import attention_ref
+
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((3, 40, 4, 8)).astype(np.float32)
+    full = causal_attention(q, k[:, :2], v[:, :2], 0.5)
+    monkeypatch.setattr(attention_ref, "_SCORES_PER_CHUNK", 4 * 40 * 3)  # 3 queries per chunk
+    np.testing.assert_allclose(causal_attention(q, k[:, :2], v[:, :2], 0.5), full, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_paged_reference_matches_contiguous(block_size):
+    rng = np.random.default_rng(block_size)
+    cu = np.array([0, 1, block_size - 1, 3 * block_size + 1, 3 * block_size + 1 + 40], dtype=np.int32)
+    t = cu[-1]
+    q = rng.standard_normal((t, 8, 32)).astype(np.float32)
+    k, v = rng.standard_normal((2, t, 2, 32)).astype(np.float32)
+    tables, k_cache, v_cache = scatter_paged(rng, cu, block_size, k, v)
+    # the whole sequence as one chunk: equals contiguous causal attention
+    got = paged_prefix_attention(q, k_cache, v_cache, tables, cu, np.diff(cu).astype(np.int32))
+    np.testing.assert_allclose(got, varlen_attention(q, k, v, cu), rtol=1e-5, atol=1e-6)
+    # the last 3 tokens of each (long enough) sequence as the chunk
+    lens = np.diff(cu)
+    q_lens = np.minimum(lens, 3)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    rows = np.concatenate([np.arange(cu[i + 1] - q_lens[i], cu[i + 1]) for i in range(len(lens))])
+    got = paged_prefix_attention(q[rows], k_cache, v_cache, tables, cu_q, lens.astype(np.int32))
+    np.testing.assert_allclose(got, varlen_attention(q, k, v, cu)[rows], rtol=1e-5, atol=1e-6)
+
+
+def test_argument_checks():
+    q = np.zeros((4, 8, 64), np.float16)
+    k3, k = np.zeros((4, 3, 64), np.float16), np.zeros((4, 2, 64), np.float16)
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match="q: got 8 heads"):
+        flash_attention(q, k3, k3, cu)
+    with pytest.raises(ValueError, match="cu_seqlens: got dtype int64"):
+        flash_attention(q, k, k, cu.astype(np.int64))
+    with pytest.raises(ValueError, match=r"v: got shape"):
+        flash_attention(q, k, k[:3], cu)
+    with pytest.raises(ValueError, match="k: got dtype float32"):
+        flash_attention(q, k.astype(np.float32), k, cu)
+    with pytest.raises(ValueError, match="k: must be C-contiguous"):
+        flash_attention(q, k3[:, :2], k, cu)
+    cache = np.zeros((2, 16, 2, 64), np.float16)
+    with pytest.raises(ValueError, match="context_lens: got shape"):
+        flash_attention_paged(q, cache, cache, np.zeros((1, 2), np.int32), cu, np.array([4, 4], np.int32))
+
+
+def test_numpy_path_fp32_and_out():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, 6, 2, 8)).astype(np.float32)
+    out = np.empty_like(q)
+    res = flash_attention(q, k, v, np.array([0, 2, 6], np.int32), out=out)
+    assert res is out
+    np.testing.assert_allclose(out, varlen_attention(q, k, v, np.array([0, 2, 6])), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ GPU
+def _rand(cp, rng, shape, dtype, mag=1.0):
+    x = (rng.standard_normal(shape) * mag).astype(np.float32).astype(dtype)  # rounded inputs
+    return x, cp.asarray(x)
+
+
+seq_len = st.one_of(st.sampled_from([0, 1, 2, 15, 16, 17, 63, 64, 65, 111, 127, 128, 129, 989]),
+                    st.integers(1, 700))
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(seq_len, min_size=1, max_size=5), ratio=st.sampled_from([1, 3, 4, 7, 8]),
+       n_kv=st.sampled_from([1, 2]), d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES),
+       causal=st.booleans(), mag=st.sampled_from([0.5, 1.0, 4.0]), seed=st.integers(0, 2**31))
+def test_flash_attention_kernel(cp, lens, ratio, n_kv, d, dtype, causal, mag, seed):
+    rng = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    q, q_d = _rand(cp, rng, (t, n_kv * ratio, d), dtype, mag)  # mag scales the scores: saturated softmax
+    k, k_d = _rand(cp, rng, (t, n_kv, d), dtype)
+    v, v_d = _rand(cp, rng, (t, n_kv, d), dtype)
+    out = poison(cp, q.shape, dtype)
+    flash_attention(q_d, k_d, v_d, cp.asarray(cu), causal, out=out)
+    assert_close(out, varlen_attention(q, k, v, cu, causal), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s,d,dtype", [(8191, 128, np.float16), (8193, 64, runtime.bfloat16),
+                                       (4097, 256, np.float16)])
+def test_flash_attention_long(cp, s, d, dtype):
+    rng = np.random.default_rng(s)
+    q, q_d = _rand(cp, rng, (s, 2, d), dtype)
+    k, k_d = _rand(cp, rng, (s, 1, d), dtype)
+    v, v_d = _rand(cp, rng, (s, 1, d), dtype)
+    cu = np.array([0, s], np.int32)
+    out = poison(cp, q.shape, dtype)
+    flash_attention(q_d, k_d, v_d, cp.asarray(cu), True, out=out)
+    assert_close(out, varlen_attention(q, k, v, cu, True), dtype)
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None)
+@given(ctx=st.lists(seq_len, min_size=1, max_size=4), data=st.data(), ratio=st.sampled_from([1, 4, 7, 8]),
+       d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
+       seed=st.integers(0, 2**31))
+def test_flash_attention_paged_kernel(cp, ctx, data, ratio, d, dtype, block_size, seed):
+    rng = np.random.default_rng(seed)
+    q_lens = [data.draw(st.sampled_from(sorted({0, 1, min(n, 3), n, n // 2}))) for n in ctx]
+    cu_kv = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
+    k, _ = _rand(cp, rng, (int(cu_kv[-1]), 2, d), dtype)
+    v, _ = _rand(cp, rng, (int(cu_kv[-1]), 2, d), dtype)
+    tables, k_cache, v_cache = scatter_paged(rng, cu_kv, block_size, k, v)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q, q_d = _rand(cp, rng, (int(cu_q[-1]), 2 * ratio, d), dtype)
+    lens = np.array(ctx, np.int32)
+    out = poison(cp, q.shape, dtype)
+    flash_attention_paged(q_d, cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
+                          cp.asarray(cu_q), cp.asarray(lens), out=out)
+    assert_close(out, paged_prefix_attention(q, k_cache, v_cache, tables, cu_q, lens), dtype)
+
+
+@pytest.mark.gpu
+def test_kernel_argument_checks(cp):
+    q = cp.zeros((4, 2, 72), cp.float16)
+    with pytest.raises(ValueError, match="head_dim 72"):
+        flash_attention(q, q[:, :1], q[:, :1], cp.asarray([0, 4], dtype=cp.int32))
+    q = cp.zeros((4, 2, 64), cp.float32)
+    with pytest.raises(ValueError, match="q: got dtype float32"):
+        flash_attention(q, q, q, cp.asarray([0, 4], dtype=cp.int32))

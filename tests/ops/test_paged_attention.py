@@ -1,0 +1,113 @@
+"""paged_attention (decode): reference against contiguous attention, kernel (split-K + merge) against reference."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cuinfer import runtime
+from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
+from cuinfer.ops.paged_attention import HEAD_DIMS, paged_attention, split_config
+from tests.conftest import assert_close, poison
+from tests.ops.test_flash_attention import attention_loops, scatter_paged
+
+DTYPES = [np.dtype(np.float16), runtime.bfloat16]
+
+
+def decode_reference(q, k_cache, v_cache, tables, lens):
+    cu = np.arange(len(lens) + 1, dtype=np.int32)
+    return paged_prefix_attention(q, k_cache, v_cache, tables, cu, lens)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reference_is_last_row_of_contiguous(block_size):
+    rng = np.random.default_rng(block_size)
+    lens = np.array([1, block_size - 1, block_size + 1, 3 * block_size, 0], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    k, v = rng.standard_normal((2, cu[-1], 2, 16)).astype(np.float32)
+    q_full = rng.standard_normal((cu[-1], 6, 16)).astype(np.float32)
+    tables, k_cache, v_cache = scatter_paged(rng, cu, block_size, k, v)
+    last = np.maximum(cu[1:] - 1, 0)
+    got = paged_attention(q_full[last], k_cache, v_cache, tables, lens)
+    want = varlen_attention(q_full, k, v, cu)[last]
+    want[lens == 0] = 0  # an empty context gives zeros
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    i = 3  # and against the float64 loops
+    ref = attention_loops(q_full[cu[i]:cu[i + 1]], k[cu[i]:cu[i + 1]], v[cu[i]:cu[i + 1]], 0.25, True)[-1]
+    np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_split_config():
+    assert split_config(64, 8, 1024, 132) == (2, 512)
+    n, part = split_config(1, 8, 32768, 132)
+    assert n * part >= 32768 and part <= 1024 and n * 8 >= 4 * 132 // 2
+    assert split_config(256, 8, 100, 132) == (1, 128)
+    n, part = split_config(3, 1, 1, 132)
+    assert (n, part) == (1, 32)
+
+
+def test_argument_checks():
+    q = np.zeros((2, 8, 64), np.float16)
+    cache = np.zeros((4, 16, 2, 64), np.float16)
+    tables, lens = np.zeros((2, 2), np.int32), np.array([3, 4], np.int32)
+    with pytest.raises(ValueError, match="block_tables: got shape"):
+        paged_attention(q, cache, cache, tables[:1], lens)
+    with pytest.raises(ValueError, match="v_cache: got shape"):
+        paged_attention(q, cache, cache[:, :8], tables, lens)
+    with pytest.raises(ValueError, match="context_lens: got dtype int64"):
+        paged_attention(q, cache, cache, tables, lens.astype(np.int64))
+    with pytest.raises(ValueError, match="q: got 8 heads"):
+        cache3 = np.zeros((4, 16, 3, 64), np.float16)
+        paged_attention(q, cache3, cache3, tables, lens)
+
+
+ctx_len = st.one_of(st.sampled_from([0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 255, 256, 257, 1023, 1025]),
+                    st.integers(1, 3000))
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(ctx_len, min_size=1, max_size=9), ratio=st.sampled_from([1, 3, 4, 7, 8]),
+       n_kv=st.sampled_from([1, 2, 3]), d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES),
+       block_size=st.sampled_from([8, 16, 32]), mag=st.sampled_from([0.5, 1.0, 4.0]),
+       seed=st.integers(0, 2**31))
+def test_paged_attention_kernel(cp, lens, ratio, n_kv, d, dtype, block_size, mag, seed):
+    rng = np.random.default_rng(seed)
+    lens = np.array(lens, np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    k = rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype)
+    v = rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype)
+    tables, k_cache, v_cache = scatter_paged(rng, cu, block_size, k, v)
+    q = (rng.standard_normal((len(lens), n_kv * ratio, d)) * mag).astype(np.float32).astype(dtype)
+    out = poison(cp, q.shape, dtype)
+    paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
+                    cp.asarray(lens), out=out)
+    assert_close(out, decode_reference(q, k_cache, v_cache, tables, lens), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,ratio,d", [([20000], 4, 128), ([8193, 1, 5000], 8, 64), ([12345], 7, 256)])
+def test_paged_attention_long_split(cp, lens, ratio, d):
+    rng = np.random.default_rng(len(lens))
+    lens = np.array(lens, np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    k, v = rng.standard_normal((2, cu[-1], 2, d)).astype(np.float16)
+    tables, k_cache, v_cache = scatter_paged(rng, cu, 16, k, v)
+    q = rng.standard_normal((len(lens), 2 * ratio, d)).astype(np.float16)
+    out = poison(cp, q.shape, np.float16)
+    paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
+                    cp.asarray(lens), out=out)
+    assert_close(out, decode_reference(q, k_cache, v_cache, tables, lens))
+
+
+@pytest.mark.gpu
+def test_matches_flash_attention_paged_decode(cp):
+    from cuinfer.ops.flash_attention import flash_attention_paged
+
+    rng = np.random.default_rng(5)
+    lens = np.array([1, 300, 77], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    k, v = rng.standard_normal((2, cu[-1], 2, 128)).astype(np.float16)
+    tables, k_cache, v_cache = (cp.asarray(a) for a in scatter_paged(rng, cu, 16, k, v))
+    q = cp.asarray(rng.standard_normal((3, 8, 128)).astype(np.float16))
+    a = paged_attention(q, k_cache, v_cache, tables, cp.asarray(lens))
+    b = flash_attention_paged(q, k_cache, v_cache, tables, cp.arange(4, dtype=cp.int32), cp.asarray(lens))
+    assert_close(a, cp.asnumpy(b).astype(np.float32))
