@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   constexpr int DT = D / 8;              // n8 tiles of O
   constexpr int KS = D / 16;             // k16 steps of Q K^T
   constexpr int THREADS = 32 * WARPS;
+  constexpr bool Q_IN_REGS = MT * KS * 4 <= 32;  // else Q fragments are re-read from sQ each tile
   static_assert(MT >= 1 && BM == MT * 16 * WARPS, "BM must be a multiple of 16 * WARPS");
   static_assert(BN % 16 == 0 && D % 16 == 0, "BN and D must be multiples of 16");
 
@@ -138,7 +139,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   load_kv(0, 0);
   cp_async_commit();
 
-  unsigned qf[MT][KS][4];
+  unsigned qf[MT][Q_IN_REGS ? KS : 1][4];
   float o[MT][DT][4];
   float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
@@ -154,13 +155,13 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     const int stage = j & 1;
     cp_async_wait_all();
     __syncthreads();  // tile j visible to all; every warp is done with tile j - 1's stage
-    if (j == 0) {
+    if (Q_IN_REGS && j == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
           const int r = warp * MT * 16 + mt * 16 + (lane % 16), col = ks * 16 + (lane / 16) * 8;
-          ldmatrix_x4(qf[mt][ks], smem_u32(sQ + r * STRIDE + col));
+          ldmatrix_x4(qf[mt][Q_IN_REGS ? ks : 0], smem_u32(sQ + r * STRIDE + col));
         }
     }
     if (j + 1 < n_tiles) load_kv(j + 1, stage ^ 1);
@@ -174,7 +175,18 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
       for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
     const T* kt = sK + stage * BN * STRIDE;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
+    for (int ks = 0; ks < KS; ++ks) {
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][ks][i];
+        } else {
+          const int r = warp * MT * 16 + mt * 16 + (lane % 16), col = ks * 16 + (lane / 16) * 8;
+          ldmatrix_x4(a[mt], smem_u32(sQ + r * STRIDE + col));
+        }
+      }
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         unsigned b[4];
@@ -182,10 +194,11 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
         ldmatrix_x4(b, smem_u32(kt + key * STRIDE + col));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(s[mt][2 * np], qf[mt][ks], b[0], b[1]);
-          mma16816<T>(s[mt][2 * np + 1], qf[mt][ks], b[2], b[3]);
+          mma16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
       }
+    }
 
     // mask keys past the sequence or (causal) past each query's limit; online softmax
     const int n0 = j * BN;

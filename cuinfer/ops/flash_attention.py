@@ -30,9 +30,9 @@ LOG2E = 1.4426950408889634
 
 
 def tile_config(head_dim: int) -> tuple:
-    """(BLOCK_M, BLOCK_N, warps) per head dim: the largest tile whose O, S and Q fragments
-    stay in registers (ptxas -v, sm_90: d=64 254 regs, d=80/96 < 200, d=128 219 regs, no spills;
-    d=256 spills ~50 bytes)."""
+    """(BLOCK_M, BLOCK_N, warps) per head dim: the largest tile whose O and S accumulators stay
+    in registers without spills (ptxas -v, sm_90: d=64 255 regs, d=80/96 <= 218, d=128 219,
+    d=256 242 with Q re-read from shared memory)."""
     if head_dim <= 64:
         return 128, 64, 4  # 2 m16 tiles per warp
     if head_dim < 128:

@@ -1,7 +1,7 @@
 """write_kv: RoPE on q and k + paged cache write, against an independent rotation and rope_reference."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cuinfer import runtime
 from cuinfer.ops.write_kv import write_kv
@@ -70,7 +70,7 @@ def test_argument_checks():
 
 
 @pytest.mark.gpu
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tokens=st.sampled_from([1, 2, 17, 111, 989]), heads=st.sampled_from([(8, 8), (12, 4), (7, 1), (32, 8)]),
        d=st.sampled_from([64, 80, 96, 128, 256]), dtype=st.sampled_from([np.float32, np.float16, runtime.bfloat16]),
        in_place=st.booleans(), max_pos=st.sampled_from([16, 4096, 131072]), seed=st.integers(0, 2**31))
