@@ -1,0 +1,223 @@
+"""The engine: requests in, tokens out, many sequences per model step.
+
+    engine = Engine.from_pretrained(path, device="gpu")
+    outputs = engine.generate(["Hello", "Tell me a joke"], SamplingParams(max_new_tokens=64))
+    for index, text in engine.stream(prompts, params): ...
+
+Each step the Scheduler picks sequences and token counts (decodes plus prefill
+chunks), the step becomes one flat Batch, the Model returns the logits of each
+sequence's last token, and the sequences whose chunk reached their end get a
+sampled token. Finished sequences free their KV blocks; waiting ones take them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import runtime
+from .kv_cache import CacheShape, KVCache, kv_memory
+from .model import Batch, Model
+from .sampling import SamplingParams, draw_uniform, sample
+from .scheduler import Scheduler, Sequence
+
+CPU_KV_TOKENS = 16384
+
+
+class PromptTooLongError(runtime.CuinferError):
+    pass
+
+
+@dataclass
+class Output:
+    prompt_ids: list
+    token_ids: list
+    text: str
+    finish_reason: str  # "stop" (end token or stop string) or "length"
+    ttft_s: float = 0.0
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # first request: submission to its first token
+    prefill_s: float = 0.0  # steps that carried prompt tokens
+    prefill_tokens: int = 0
+    decode_s: float = 0.0  # steps of decodes only
+    decode_tokens: int = 0
+    preemptions: int = 0
+    peak_kv_blocks: int = 0
+    kv: dict = field(default_factory=dict)  # kv_memory() of the finished sequences
+
+
+@dataclass(eq=False)
+class _Request:
+    index: int
+    seq: Sequence
+    seed: int
+    submitted: float
+    decoder: object = None  # tokenizer stream: token id -> new text
+    text: str = ""
+    emitted: int = 0  # characters already handed to the caller
+    ttft_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, model: Model, kv_cache: KVCache, tokenizer=None, eos_token_ids=(),
+                 max_batch_tokens: int = 512, max_num_seqs: int = 256, seed: int = 0):
+        self.model, self.kv_cache, self.tokenizer = model, kv_cache, tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.scheduler = Scheduler(kv_cache.allocator, kv_cache.block_size, max_batch_tokens, max_num_seqs)
+        self.max_len = min(model.config.max_position_embeddings, kv_cache.num_blocks * kv_cache.block_size)
+        self._rng = np.random.default_rng(seed)
+        self._requests = {}
+        self._next_id = 0
+        self.stats = Stats()
+
+    @classmethod
+    def from_pretrained(cls, path=None, device="gpu", dtype=None, quant=None, kv_tokens=None,
+                        block_size: int = 16, max_batch_tokens: int = 512, seed: int = 0) -> "Engine":
+        from .checkpoint import load_checkpoint
+        from .tokenizer import Tokenizer
+
+        if path is None:
+            from .default_model import default_model_dir
+
+            path = default_model_dir()
+        if device == "gpu":
+            cp = runtime.require_cupy()
+            try:
+                found = cp.cuda.runtime.getDeviceCount() > 0
+            except cp.cuda.runtime.CUDARuntimeError:
+                found = False
+            if not found:
+                raise runtime.NoDeviceError("no CUDA device found: use --device cpu")
+        elif device != "cpu":
+            raise runtime.CuinferError(f"device: got {device!r}, need 'gpu' or 'cpu'")
+        config, tensors = load_checkpoint(path)
+        model = Model.from_tensors(config, tensors, device, dtype, quant)
+        del tensors
+        shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
+        if device == "cpu" and kv_tokens is None:
+            kv_tokens = CPU_KV_TOKENS
+        cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
+        tok = Tokenizer.from_pretrained(path)
+        return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, seed=seed)
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, prompt) -> list:
+        """A prompt as token ids: a list of ints is taken as is, a string goes through the tokenizer."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise runtime.CuinferError("this engine has no tokenizer: pass prompts as token id lists")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams, index: int = 0) -> Sequence:
+        ids = self.encode(prompt)
+        if not ids:
+            raise runtime.CuinferError("prompt: empty, need at least one token")
+        if len(ids) >= self.max_len:
+            raise PromptTooLongError(f"prompt: {len(ids)} tokens, the context holds {self.max_len} "
+                                     f"(room for at least one new token needed)")
+        seq = Sequence(self._next_id, ids, params)
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
+        decoder = self.tokenizer.stream() if self.tokenizer is not None else None
+        self._requests[seq.seq_id] = _Request(index, seq, seed, time.perf_counter(), decoder)
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+        return seq
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list:
+        """Run one model step; returns [(request, new text, finished)] for sequences that got a token."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan:
+            raise runtime.CuinferError("the scheduler found nothing to run: the KV cache is too small")
+        alloc = self.kv_cache.allocator
+        self.stats.peak_kv_blocks = max(self.stats.peak_kv_blocks, alloc.num_blocks - alloc.num_free)
+        chunks = [(s.token_ids[s.num_computed:s.num_computed + n], s.num_computed, s.block_table)
+                  for s, n in plan]
+        batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
+        logits = self.model.forward(batch, self.kv_cache)  # logits: [num_seqs, vocab]
+        for s, n in plan:
+            s.num_computed += n
+        ready = [i for i, (s, _) in enumerate(plan) if s.num_computed == s.num_tokens]
+        events = []
+        if ready:
+            seqs = [plan[i][0] for i in ready]
+            reqs = [self._requests[s.seq_id] for s in seqs]
+            params = [s.params for s in seqs]
+            histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
+            uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids))
+                        for r, s, p in zip(reqs, seqs, params)]
+            rows = logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))]
+            tokens = sample(rows, params, histories, uniforms)
+            now = time.perf_counter()
+            events = [self._append(r, int(t), now) for r, t in zip(reqs, tokens)]
+        elapsed = time.perf_counter() - t0
+        prompt_tokens = sum(n for s, n in plan if n > 1 or s.num_computed <= len(s.prompt_ids))
+        if prompt_tokens:
+            self.stats.prefill_s += elapsed
+            self.stats.prefill_tokens += prompt_tokens
+        else:
+            self.stats.decode_s += elapsed
+            self.stats.decode_tokens += len(events)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return events
+
+    def _append(self, req: _Request, token: int, now: float):
+        seq, p = req.seq, req.seq.params
+        if not seq.output_ids:
+            req.ttft_s = now - req.submitted
+            if self.stats.generated_tokens == 0:
+                self.stats.ttft_s = req.ttft_s
+        seq.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        reason = None
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        if token in stops:
+            reason = "stop"
+        else:
+            if req.decoder is not None:
+                req.text += req.decoder.push(token)
+            cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                req.text, reason = req.text[:cut], "stop"
+            elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        hold = 0 if reason else max((len(s) for s in p.stop), default=1) - 1
+        upto = max(req.emitted, len(req.text) - hold)
+        new, req.emitted = req.text[req.emitted:upto], upto
+        return req, new, reason is not None
+
+    # ------------------------------------------------------------------ batches
+
+    def stream(self, prompts, params: SamplingParams = SamplingParams()):
+        """Yield (prompt index, new text) as tokens arrive; self.outputs holds the results at the end."""
+        reqs = [self._requests[self.add_request(p, params, i).seq_id] for i, p in enumerate(prompts)]
+        while self.scheduler.has_work():
+            for req, new, _ in self.step():
+                if new:
+                    yield req.index, new
+        self.outputs = [Output(r.seq.prompt_ids, r.seq.output_ids, r.text, r.seq.finish_reason, r.ttft_s)
+                        for r in reqs]
+        for r in reqs:
+            del self._requests[r.seq.seq_id]
+        lens = [len(o.prompt_ids) + len(o.token_ids) for o in self.outputs]
+        self.stats.kv = kv_memory(lens, self.kv_cache.block_size, self.kv_cache.token_bytes,
+                                  self.model.config.max_position_embeddings)
+
+    def generate(self, prompts, params: SamplingParams = SamplingParams()) -> list:
+        """Run every prompt to completion; [Output] in prompt order."""
+        for _ in self.stream(prompts, params):
+            pass
+        return self.outputs

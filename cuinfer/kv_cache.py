@@ -1,0 +1,138 @@
+"""Paged KV cache: one K pool and one V pool of fixed-size blocks, and the block allocator.
+
+    k, v: [num_layers, num_blocks, block_size, n_kv_heads, head_dim]
+
+A sequence owns a block table (a list of block ids, kept on the scheduler's
+Sequence); token t of the sequence lives in slot table[t // block_size] * block_size
++ t % block_size of every layer. The allocator is pure Python (free list plus
+reference counts, so a block can later be shared by sequences with a common
+prefix) and never touches the arrays, so the scheduler can use it without CuPy.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import runtime
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class OutOfBlocksError(runtime.CuinferError):
+    pass
+
+
+class BlockAllocator:
+    """Free list of block ids with reference counts."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise OutOfBlocksError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list:
+        """n fresh blocks (reference count 1); OutOfBlocksError, allocating nothing, if fewer are free."""
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} of {self.num_blocks} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, block: int) -> int:
+        """One more owner of an allocated block (a shared prefix)."""
+        if self._refs[block] == 0:
+            raise ValueError(f"block {block} is not allocated")
+        self._refs[block] += 1
+        return block
+
+    def free(self, blocks) -> None:
+        """Drop one reference to each block; a block with no owner left returns to the free list."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                raise ValueError(f"block {b} freed twice")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
+    """K and V bytes one token takes across all layers."""
+    return 2 * num_layers * n_kv_heads * head_dim * np.dtype(dtype).itemsize
+
+
+def kv_memory(token_counts, block_size: int, token_bytes: int, max_len: int) -> dict:
+    """KV bytes a set of sequences holds in the paged cache vs a contiguous cache of max_len each."""
+    paged = sum(blocks_for(n, block_size) for n in token_counts) * block_size * token_bytes
+    contiguous = len(token_counts) * max_len * token_bytes
+    return {"paged_bytes": paged, "contiguous_bytes": contiguous,
+            "saving": 1.0 - paged / contiguous if contiguous else 0.0}
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    n_kv_heads: int
+    head_dim: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def pool(self, num_blocks: int) -> tuple:
+        return (self.num_layers, num_blocks, self.block_size, self.n_kv_heads, self.head_dim)
+
+
+class KVCache:
+    """The K and V pools of every layer plus their allocator."""
+
+    def __init__(self, shape: CacheShape, num_blocks: int, dtype, xp=np):
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.k = xp.zeros(shape.pool(num_blocks), dtype=self.dtype)
+        self.v = xp.zeros(shape.pool(num_blocks), dtype=self.dtype)
+        self.allocator = BlockAllocator(num_blocks)
+
+    @classmethod
+    def allocate(cls, shape: CacheShape, dtype, xp=np, kv_tokens=None, memory_fraction=0.8):
+        """A cache for `kv_tokens` tokens, or (kv_tokens None, GPU) `memory_fraction` of free memory."""
+        token_bytes = bytes_per_token(shape.num_layers, shape.n_kv_heads, shape.head_dim, dtype)
+        if kv_tokens is None:
+            if xp is np:
+                raise ValueError("kv_tokens: needed for a CPU cache (no free-memory query on the host)")
+            free, _ = xp.cuda.runtime.memGetInfo()
+            kv_tokens = int(free * memory_fraction) // token_bytes
+        num_blocks = kv_tokens // shape.block_size
+        if num_blocks < 1:
+            raise OutOfBlocksError(f"a KV budget of {kv_tokens} tokens is less than one block "
+                                   f"of {shape.block_size}")
+        return cls(shape, num_blocks, dtype, xp)
+
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def token_bytes(self) -> int:
+        return bytes_per_token(self.shape.num_layers, self.shape.n_kv_heads, self.shape.head_dim, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_size * self.token_bytes
+
+    def layer(self, i: int) -> tuple:
+        """(k, v) of layer i: [num_blocks, block_size, n_kv_heads, head_dim] views of the pools."""
+        return self.k[i], self.v[i]

@@ -1,0 +1,149 @@
+"""The LLaMA-family decoder, written once over cuinfer.ops.
+
+The array module comes from the weights: numpy weights run every op's NumPy
+reference (the CPU backend, float32), CuPy weights launch the kernels (fp16/bf16).
+
+A step takes a flat batch of tokens from any number of sequences: a prompt chunk
+(prefill) and a single token (decode) are the same thing, a sequence's q_len new
+tokens at positions context_len - q_len .. context_len - 1. Per layer:
+
+    x, residual = rms_norm(h, residual)           fused add + norm
+    qkv = x @ w_qkv.T (+ b)                       one projection for q, k, v
+    q = write_kv(q, k, v, ...)                    RoPE on q and k, k/v into the paged cache
+    a = flash_attention_paged(q, cache, ...)      causal GQA over the cache
+    h = a @ w_o.T;  x, residual = rms_norm(h, residual)
+    h = silu_and_mul(x @ w_gate_up.T) @ w_down.T
+
+then the final norm and the lm_head on the last token of each sequence (or every token).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from . import ops, runtime
+from .ops.activation import silu_and_mul
+from .ops.embedding import embedding
+from .ops.flash_attention import flash_attention_paged
+from .ops.rms_norm import rms_norm
+from .ops.rope import rope_inv_freq
+from .ops.write_kv import write_kv
+from .weights import Weights, fuse, to_device
+
+
+@functools.lru_cache(maxsize=None)
+def _linear_op():
+    try:
+        return ops.family_module("linear").linear
+    except ModuleNotFoundError as e:
+        if e.name != "cuinfer.ops.linear":
+            raise
+        return None
+
+
+def project(x, w, bias=None):
+    """y = x @ w.T (+ bias) for x: [rows, in], w: [out, in]; through ops.linear once it exists."""
+    linear = _linear_op()
+    if linear is not None:
+        return linear(x, w, bias)
+    y = x @ w.T
+    return y if bias is None else y + bias
+
+
+@dataclass
+class Batch:
+    """One model step. All int32; tokens = sum of q_len over the sequences."""
+    token_ids: object  # [tokens]
+    positions: object  # [tokens]
+    slot_mapping: object  # [tokens], slot = block * block_size + offset
+    block_tables: object  # [num_seqs, max_blocks], padded with 0
+    cu_seqlens_q: object  # [num_seqs + 1]
+    context_lens: object  # [num_seqs], cached tokens including this step's
+    max_seqlen_q: int
+
+    @classmethod
+    def from_chunks(cls, chunks, block_size: int) -> "Batch":
+        """chunks: [(new token ids, position of the first, block table)] per sequence."""
+        q_lens = np.array([len(t) for t, _, _ in chunks], dtype=np.int64)
+        starts = np.array([s for _, s, _ in chunks], dtype=np.int64)
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
+        max_blocks = max(len(b) for _, _, b in chunks)
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for i, (_, _, b) in enumerate(chunks):
+            tables[i, :len(b)] = b
+        seq = np.repeat(np.arange(len(chunks)), q_lens)
+        slots = tables[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        return cls(token_ids=np.concatenate([np.asarray(t, dtype=np.int32) for t, _, _ in chunks]),
+                   positions=positions.astype(np.int32), slot_mapping=slots.astype(np.int32),
+                   block_tables=tables,
+                   cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                   context_lens=(starts + q_lens).astype(np.int32), max_seqlen_q=int(q_lens.max()))
+
+    def to(self, xp) -> "Batch":
+        arrays = {f.name: xp.asarray(getattr(self, f.name)) for f in fields(self) if f.name != "max_seqlen_q"}
+        return Batch(**arrays, max_seqlen_q=self.max_seqlen_q)
+
+
+def kernel_dtype(config, dtype=None):
+    """The GPU compute dtype: as asked, else the checkpoint's bf16, else fp16."""
+    if dtype is not None:
+        dt = np.dtype(dtype)
+        if dt not in (np.dtype(np.float16), runtime.bfloat16):
+            raise runtime.CuinferError(f"--dtype {dt}: the GPU attention kernels need float16 or bfloat16")
+        return dt
+    return runtime.bfloat16 if str(config.torch_dtype) == "bfloat16" else np.dtype(np.float16)
+
+
+class Model:
+    def __init__(self, config, weights: Weights):
+        self.config = config
+        self.weights = weights
+        self.xp = runtime.require_cupy() if runtime.is_device_array(weights.embed) else np
+        self.dtype = weights.embed.dtype
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        inv_freq = rope_inv_freq(self.head_dim, config.rope_theta, config.rope_scaling)
+        self.inv_freq = self.xp.asarray(np.asarray(inv_freq, dtype=np.float32))
+
+    @classmethod
+    def from_tensors(cls, config, tensors, device="cpu", dtype=None, quant=None) -> "Model":
+        """device "cpu": numpy float32; "gpu": CuPy in `dtype` (default from the checkpoint)."""
+        fused = fuse(config, tensors)
+        if device == "cpu":
+            return cls(config, to_device(fused, np, np.float32, quant))
+        cp = runtime.require_cupy()
+        return cls(config, to_device(fused, cp, kernel_dtype(config, dtype), quant))
+
+    def forward(self, batch: Batch, kv_cache, all_logits: bool = False):
+        """float32 logits [num_seqs, vocab] of each sequence's last token ([tokens, vocab] if all_logits)."""
+        w, cfg = self.weights, self.config
+        eps = cfg.rms_norm_eps
+        tokens = batch.token_ids.shape[0]
+        nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
+        split = lambda a, heads: self.xp.ascontiguousarray(a).reshape(tokens, heads, d)
+        h = embedding(batch.token_ids, w.embed)  # h: [tokens, hidden]
+        residual = None
+        for i, lw in enumerate(w.layers):
+            if residual is None:
+                x, residual = rms_norm(h, lw.input_norm, eps), h
+            else:
+                x, residual = rms_norm(h, lw.input_norm, eps, residual=residual)
+            qkv = project(x, lw.qkv, lw.qkv_bias)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
+            q = split(qkv[:, :nq], self.n_heads)  # q: [tokens, n_heads, head_dim]
+            k = split(qkv[:, nq:nq + nkv], self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
+            v = split(qkv[:, nq + nkv:], self.n_kv_heads)
+            k_cache, v_cache = kv_cache.layer(i)
+            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping,
+                              self.inv_freq, out=q)
+            a = flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                           batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
+            h = project(a.reshape(tokens, nq), lw.o)
+            x, residual = rms_norm(h, lw.post_norm, eps, residual=residual)
+            h = project(silu_and_mul(project(x, lw.gate_up)), lw.down)
+        x, _ = rms_norm(h, w.norm, eps, residual=residual)
+        if not all_logits:
+            x = x[batch.cu_seqlens_q[1:] - 1]  # x: [num_seqs, hidden]
+        return project(x, w.lm_head).astype(np.float32)

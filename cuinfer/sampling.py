@@ -1,0 +1,106 @@
+"""Token sampling over a batch of logits, on the device that holds them.
+
+sample(logits, params, histories, uniforms) -> int64 [num_seqs]
+    logits: float32 [num_seqs, vocab] (numpy or cupy: the same array-module code runs on both)
+    params: one SamplingParams per row; histories: the token ids each row has seen (prompt and
+    output, for the repetition penalty); uniforms: float [num_seqs] in [0, 1), one draw per row.
+
+Rows with temperature 0 take the argmax. Sampled rows go through temperature, top-k, top-p
+and min-p on the sorted distribution and pick a token by inverting its CDF at the row's
+uniform. The uniform comes from `draw_uniform(seed, step)`: a request with a seed gets
+the same tokens whatever batch it runs in and however often it is preempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import runtime
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already seen (CTRL / HF rule)
+    seed: int | None = None
+    stop: tuple = ()  # stop strings: the text ends before the first one
+    stop_token_ids: tuple = ()  # extra to the model's end-of-sequence tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+                  ("temperature", self.temperature >= 0, ">= 0"),
+                  ("top_k", self.top_k >= 0, ">= 0"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                  ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
+                  ("repetition_penalty", self.repetition_penalty > 0, "> 0")]
+        for name, ok, need in checks:
+            if not ok:
+                raise runtime.CuinferError(f"{name}: got {getattr(self, name)}, need {need}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def draw_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) a request with this seed uses for its step-th token."""
+    return float(np.random.default_rng([seed, step]).random())
+
+
+def apply_repetition_penalty(logits, histories, penalties, xp):
+    """Divide positive logits of seen tokens by the penalty, multiply negative ones (in place)."""
+    rows = [i for i, p in enumerate(penalties) if p != 1.0 and histories[i]]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    flat_idx = np.concatenate([i * vocab + np.unique(np.asarray(histories[i], dtype=np.int64))
+                               for i in rows])
+    pen = np.concatenate([np.full(len(np.unique(histories[i])), penalties[i], np.float32) for i in rows])
+    flat_idx, pen = xp.asarray(flat_idx), xp.asarray(pen)
+    flat = logits.reshape(-1)
+    seen = flat[flat_idx]
+    flat[flat_idx] = xp.where(seen > 0, seen / pen, seen * pen)
+    return logits
+
+
+def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
+    """Sample one token per row of float32 logits [n, vocab] with per-row parameters ([n] arrays)."""
+    n, vocab = logits.shape
+    order = xp.argsort(-logits, axis=-1)  # order: [n, vocab], largest logit first
+    z = xp.take_along_axis(logits, order, axis=-1) / temperature[:, None]
+    p = xp.exp(z - z[:, :1])  # p: [n, vocab] unnormalised, sorted descending, p[:, 0] = 1
+    rank = xp.arange(vocab)[None, :]
+    k = xp.where(top_k > 0, top_k, vocab)
+    keep = rank < k[:, None]
+    keep &= p >= min_p[:, None]  # min-p: p / p_max >= min_p, p_max = 1 here
+    p = xp.where(keep, p, 0)
+    c = xp.cumsum(p, axis=-1)
+    total = c[:, -1:]
+    keep &= (c - p) < top_p[:, None] * total  # top-p: tokens before this one hold < top_p of the mass
+    p = xp.where(keep, p, 0)
+    c = xp.cumsum(p, axis=-1)
+    idx = (c <= uniforms[:, None] * c[:, -1:]).sum(axis=-1)  # inverse CDF
+    idx = xp.minimum(idx, keep.sum(axis=-1) - 1)
+    return xp.take_along_axis(order, idx[:, None], axis=-1)[:, 0]
+
+
+def sample(logits, params, histories, uniforms):
+    """Next token per row (int64 array on the host)."""
+    xp = runtime.require_cupy() if runtime.is_device_array(logits) else np
+    logits = logits.astype(np.float32, copy=True)
+    logits = apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params], xp)
+    tokens = xp.argmax(logits, axis=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        sel = xp.asarray(np.asarray(rows, dtype=np.int64))
+        col = lambda name, dt: xp.asarray(np.asarray([getattr(params[i], name) for i in rows], dtype=dt))
+        u = xp.asarray(np.asarray([uniforms[i] for i in rows], dtype=np.float32))
+        tokens[sel] = sample_rows(logits[sel], col("temperature", np.float32), col("top_k", np.int64),
+                                  col("top_p", np.float32), col("min_p", np.float32), u, xp)
+    return tokens.get() if xp is not np else tokens

@@ -1,0 +1,88 @@
+"""Decoder weights: Hugging Face tensors fused into the layout the model runs on, then moved to a device.
+
+Per layer: q/k/v projections become one [q + k + v, hidden] matrix (and one bias for
+Qwen2-style attention_bias), gate/up become one [2 * intermediate, hidden] matrix,
+so each is a single linear call. Linear weights stay in the HF layout [out, in]
+(y = x @ w.T) and may be quantized (cuinfer.quant); norms and the embedding stay float.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import runtime
+
+
+@dataclass
+class LayerWeights:
+    input_norm: object  # [hidden]
+    qkv: object  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]
+    qkv_bias: object  # [(n_heads + 2 * n_kv_heads) * head_dim] or None
+    o: object  # [hidden, n_heads * head_dim]
+    post_norm: object  # [hidden]
+    gate_up: object  # [2 * intermediate, hidden]
+    down: object  # [hidden, intermediate]
+
+
+@dataclass
+class Weights:
+    embed: object  # [vocab, hidden]
+    layers: list
+    norm: object  # [hidden]
+    lm_head: object  # [vocab, hidden]; the embedding itself when tied
+
+
+LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")
+
+
+def _get(tensors, name):
+    if name not in tensors:
+        raise runtime.CuinferError(f"checkpoint: tensor {name!r} is missing")
+    return tensors[name]
+
+
+def fuse(config, tensors) -> Weights:
+    """Hugging Face names -> fused float32 numpy weights."""
+    f32 = lambda a: np.asarray(a, dtype=np.float32)
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        attn = [_get(tensors, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        bias = None
+        if config.attention_bias:
+            bias = f32(np.concatenate([_get(tensors, f"{p}self_attn.{n}_proj.bias") for n in "qkv"]))
+        layers.append(LayerWeights(
+            input_norm=f32(_get(tensors, p + "input_layernorm.weight")),
+            qkv=f32(np.concatenate(attn, axis=0)),
+            qkv_bias=bias,
+            o=f32(_get(tensors, p + "self_attn.o_proj.weight")),
+            post_norm=f32(_get(tensors, p + "post_attention_layernorm.weight")),
+            gate_up=f32(np.concatenate([_get(tensors, p + "mlp.gate_proj.weight"),
+                                        _get(tensors, p + "mlp.up_proj.weight")], axis=0)),
+            down=f32(_get(tensors, p + "mlp.down_proj.weight"))))
+    embed = f32(_get(tensors, "model.embed_tokens.weight"))
+    tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
+    lm_head = embed if tied else f32(tensors["lm_head.weight"])
+    return Weights(embed=embed, layers=layers, norm=f32(_get(tensors, "model.norm.weight")),
+                   lm_head=lm_head)
+
+
+def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
+    """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set."""
+    put = lambda a: None if a is None else xp.asarray(a.astype(dtype))
+
+    def linear_weight(a):
+        if quant is None:
+            return put(a)
+        from . import quant as quant_mod
+
+        return quant_mod.quantize(put(a), quant, group_size=128)
+
+    layers = []
+    for lw in w.layers:
+        fields = {k: (linear_weight if k in LINEAR_FIELDS else put)(v) for k, v in vars(lw).items()}
+        layers.append(LayerWeights(**fields))
+    embed = put(w.embed)
+    lm_head = embed if w.lm_head is w.embed else put(w.lm_head)
+    return Weights(embed=embed, layers=layers, norm=put(w.norm), lm_head=lm_head)

@@ -1,0 +1,160 @@
+"""The decoder: NumPy backend against an independent float64 decoder; GPU fp16/bf16 against NumPy."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cuinfer import runtime
+from cuinfer.kv_cache import CacheShape, KVCache
+from cuinfer.model import Batch, Model
+
+
+def tiny_config(**over):
+    """A llama3-style GQA 4:1 decoder small enough for the CPU (fields as in cuinfer.config.ModelConfig)."""
+    cfg = dict(vocab_size=211, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+               rope_theta=500000.0, rope_scaling=None, max_position_embeddings=4096,
+               tie_word_embeddings=False, attention_bias=False, torch_dtype="bfloat16",
+               bos_token_id=1, eos_token_id=2)
+    cfg.update(over)
+    return SimpleNamespace(**cfg)
+
+
+def random_tensors(cfg, seed=0):
+    """Hugging Face-named float32 weights; scales keep activations O(1) through the layers."""
+    rng = np.random.default_rng(seed)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    w = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
+    t = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h)).astype(np.float32),
+         "model.norm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = w(cfg.vocab_size, h)
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        t.update({p + "input_layernorm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
+                  p + "post_attention_layernorm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
+                  p + "self_attn.q_proj.weight": w(nq, h), p + "self_attn.k_proj.weight": w(nkv, h),
+                  p + "self_attn.v_proj.weight": w(nkv, h), p + "self_attn.o_proj.weight": w(h, nq),
+                  p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                  p + "mlp.down_proj.weight": w(h, i)})
+        if cfg.attention_bias:
+            for n, size in (("q", nq), ("k", nkv), ("v", nkv)):
+                t[f"{p}self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
+    return t
+
+
+def decoder_float64(cfg, t, ids):
+    """All-position logits [len(ids), vocab] of one sequence, float64, no cache, token-by-token loops
+    for attention (HF modeling_llama formulas: rotate-half RoPE, repeat_kv GQA, SiLU MLP)."""
+    g = lambda n: t[n].astype(np.float64)
+    d, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    n = len(ids)
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
+    ang = np.arange(n)[:, None] * inv[None, :]
+    cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
+
+    def rope(x):  # x: [n, heads, d]
+        rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+        return x * cos[:, None] + rot * sin[:, None]
+
+    def norm(x, wt):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * wt
+
+    x = g("model.embed_tokens.weight")[ids]
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        hn = norm(x, g(p + "input_layernorm.weight"))
+        proj = lambda name: hn @ g(p + f"self_attn.{name}_proj.weight").T + (
+            g(p + f"self_attn.{name}_proj.bias") if cfg.attention_bias else 0)
+        q = rope(proj("q").reshape(n, nh, d))
+        k = rope(proj("k").reshape(n, nkv, d))
+        v = proj("v").reshape(n, nkv, d)
+        o = np.zeros((n, nh, d))
+        for i in range(n):
+            for hd in range(nh):
+                kv = hd // (nh // nkv)
+                s = k[:i + 1, kv] @ q[i, hd] / np.sqrt(d)
+                pr = np.exp(s - s.max())
+                o[i, hd] = (pr / pr.sum()) @ v[:i + 1, kv]
+        x = x + o.reshape(n, -1) @ g(p + "self_attn.o_proj.weight").T
+        hn = norm(x, g(p + "post_attention_layernorm.weight"))
+        gate, up = hn @ g(p + "mlp.gate_proj.weight").T, hn @ g(p + "mlp.up_proj.weight").T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ g(p + "mlp.down_proj.weight").T
+    head = g("model.embed_tokens.weight") if cfg.tie_word_embeddings else g("lm_head.weight")
+    return norm(x, g("model.norm.weight")) @ head.T
+
+
+def run_chunks(model, cache, seqs, chunk, all_logits=True):
+    """Feed each sequence (block table, ids) in chunks of `chunk` tokens, all sequences per step;
+    returns every sequence's all-position logits."""
+    out = [[] for _ in seqs]
+    done = [0] * len(seqs)
+    while any(d < len(ids) for d, (_, ids) in zip(done, seqs)):
+        live = [i for i, (_, ids) in enumerate(seqs) if done[i] < len(ids)]
+        chunks = [(seqs[i][1][done[i]:done[i] + chunk], done[i], seqs[i][0]) for i in live]
+        batch = Batch.from_chunks(chunks, cache.block_size).to(model.xp)
+        logits = model.forward(batch, cache, all_logits=all_logits)
+        logits = logits.get() if model.xp is not np else logits
+        cu = np.concatenate([[0], np.cumsum([len(c[0]) for c in chunks])])
+        for j, i in enumerate(live):
+            out[i].append(logits[cu[j]:cu[j + 1]])
+            done[i] += len(chunks[j][0])
+    return [np.concatenate(o) for o in out]
+
+
+def make_cache(cfg, model, num_blocks=64, block_size=16):
+    shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size)
+    return KVCache(shape, num_blocks, model.dtype, model.xp)
+
+
+def prompts(cfg, lengths, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("over", [{}, dict(attention_bias=True, tie_word_embeddings=True,
+                                           num_attention_heads=6, num_key_value_heads=6)])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_numpy_decoder_matches_float64(over, chunk):
+    """Batched, chunked prefill through the paged cache = an independent float64 decoder per sequence."""
+    cfg = tiny_config(**over)
+    t = random_tensors(cfg)
+    model = Model.from_tensors(cfg, t, "cpu")
+    cache = make_cache(cfg, model)
+    ids = prompts(cfg, [1, 17, 33])
+    tables = [[5, 9], [0, 3, 60], [7, 1, 2, 40]]  # scattered, non-monotonic blocks
+    got = run_chunks(model, cache, list(zip(tables, ids)), chunk)
+    for g, seq in zip(got, ids):
+        ref = decoder_float64(cfg, t, seq)
+        assert np.linalg.norm(g - ref) / np.linalg.norm(ref) < 1e-5
+        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_last_token_logits_are_the_last_rows():
+    cfg = tiny_config()
+    model = Model.from_tensors(cfg, random_tensors(cfg), "cpu")
+    ids = prompts(cfg, [5, 12])
+    full = run_chunks(model, make_cache(cfg, model), list(zip([[0], [1]], ids)), 100)
+    last = run_chunks(model, make_cache(cfg, model), list(zip([[0], [1]], ids)), 100, all_logits=False)
+    for f, l in zip(full, last):  # same math; BLAS may round a 1-row product differently
+        np.testing.assert_allclose(l[0], f[-1], rtol=1e-5, atol=1e-6)
+
+
+def test_batch_slots_follow_block_tables():
+    b = Batch.from_chunks([([1, 2, 3], 14, [4, 9]), ([7], 0, [2])], block_size=16)
+    np.testing.assert_array_equal(b.positions, [14, 15, 16, 0])
+    np.testing.assert_array_equal(b.slot_mapping, [4 * 16 + 14, 4 * 16 + 15, 9 * 16, 2 * 16])
+    np.testing.assert_array_equal(b.cu_seqlens_q, [0, 3, 4])
+    np.testing.assert_array_equal(b.context_lens, [17, 1])
+    np.testing.assert_array_equal(b.block_tables, [[4, 9], [2, 0]])
+    assert b.max_seqlen_q == 3 and all(a.dtype == np.int32 for a in (b.positions, b.slot_mapping))
+
+
+def test_gpu_dtype_must_be_half():
+    from cuinfer.model import kernel_dtype
+
+    with pytest.raises(runtime.CuinferError, match="float16 or bfloat16"):
+        kernel_dtype(tiny_config(), np.float32)
+    assert kernel_dtype(tiny_config()) == runtime.bfloat16
+    assert kernel_dtype(tiny_config(torch_dtype="float16")) == np.float16
