@@ -1,0 +1,100 @@
+"""Rotary position embedding (Hugging Face rotate-half convention), with Llama-3 scaling.
+
+rope(q, k, positions, theta, scaling=None, out=None) -> (q_rot, k_rot)
+    q: [tokens, n_heads, head_dim]; k: [tokens, n_kv_heads, head_dim]; positions: int32/int64 [tokens]
+    head_dim: any even number; scaling: the HF `rope_scaling` dict (rope_type "llama3") or None
+`out` may be a (q_out, k_out) pair, e.g. (q, k) to rotate in place. numpy arrays run the
+reference; cupy arrays launch cuda_src/rope.cu (one CTA per token).
+
+The frequencies are defined once, here: `rope_inv_freq` computes them on the host (float32,
+as Hugging Face keeps them); the kernels (this one and write_kv's fused RoPE) take that array
+as a device pointer. Angles are position * inv_freq rounded to float32 and their cos/sin are
+taken in full precision (sincosf on the GPU; positions reach 128k, so no fast __sinf).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .. import runtime
+
+THREADS = 128
+POSITION_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
+
+
+def _widths(dtype):
+    w = 16 // np.dtype(dtype).itemsize
+    return [w >> i for i in range(w.bit_length())]
+
+
+def instantiation(dtype, vec, pos_dtype) -> str:
+    return f"rope_kernel<{runtime.ctype(dtype)}, {vec}, {POSITION_CTYPES[np.dtype(pos_dtype)]}>"
+
+
+INSTANTIATIONS = [instantiation(dt, v, p) for dt in runtime.FLOAT_DTYPES for v in _widths(dt)
+                  for p in POSITION_CTYPES]
+
+
+# ----------------------------------------------------------------------- frequencies
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """inv_freq: float32 [head_dim // 2], theta^(-2i/head_dim), Llama-3 scaled when `scaling` says so.
+
+    Computed in float64 and rounded once to float32 (Hugging Face computes the same formula in
+    float32; the two agree to an ulp). `scaling` is the config's `rope_scaling` dict: None or
+    rope_type "default" means no scaling, "llama3" applies Meta's frequency-dependent scaling
+    (HF _compute_llama3_parameters); any other type raises ValueError.
+    """
+    return _inv_freq(int(head_dim), float(theta), _scaling_key(scaling)).copy()
+
+
+def _scaling_key(scaling):
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"scaling: got rope_type {kind!r}, need 'llama3' (or None / 'default')")
+    try:
+        return (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                float(scaling["high_freq_factor"]), float(scaling["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"scaling: llama3 rope_scaling needs the key {e.args[0]!r}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(head_dim, theta, llama3):
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim: got {head_dim}, need a positive even number")
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if llama3 is not None:
+        factor, low, high, old_ctx = llama3
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        # long wavelengths (> old_ctx / low) are divided by factor, short ones (< old_ctx / high)
+        # kept, and the band between interpolates linearly in old_ctx / wavelen
+        inv = np.where(wavelen > old_ctx / low, inv / factor,
+                       np.where(wavelen < old_ctx / high, inv, (1 - smooth) * inv / factor + smooth * inv))
+    out = inv.astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
+# ------------------------------------------------------------------------ reference
+def rope_reference(x, positions, inv_freq):
+    """x_rot: float32 [tokens, heads, head_dim], x rotated by positions * inv_freq (rotate-half).
+
+    x_rot[..., :h] = x1 cos - x2 sin, x_rot[..., h:] = x2 cos + x1 sin with x1, x2 the two halves.
+    The angle is rounded to float32 (as the kernel and HF compute it); cos and sin of that
+    float32 angle are taken in float64 and rounded to float32; the rotation runs in float32.
+    The caller rounds the result to its dtype once.
+    """
+    x = np.asarray(x, dtype=np.float32)  # x: [tokens, heads, head_dim]
+    half = x.shape[-1] // 2
+    angle = np.asarray(positions).astype(np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    cos = np.cos(angle.astype(np.float64)).astype(np.float32)[:, None, :]  # cos: [tokens, 1, half]
+    sin = np.sin(angle.astype(np.float64)).astype(np.float32)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
