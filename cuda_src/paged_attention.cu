@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2) {
-  constexpr int WARPS = 4, U = 4;
+  constexpr int WARPS = 4, U = 4;  // U: rows in flight per lane
   constexpr int CHUNKS = D / 8;
   constexpr int KL = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);  // lanes per row
   constexpr int RPW = 32 / KL;                                      // rows per warp step

@@ -121,7 +121,7 @@ def run(args):
     cp = runtime.require_cupy()
     torch = bench.torch_or_none()
     seq_lens = (2048,) if args.quick else (512, 2048, 4096, 16384)
-    rows = prefill_rows(cp, torch, args.tokens, seq_lens)
-    rows += decode_rows(cp, torch, ((1, 32768), (16, 4096), (64, 1024)))
+    rows = decode_rows(cp, torch, ((1, 32768), (16, 4096), (64, 1024)))
     rows += write_kv_rows(cp)
+    rows += prefill_rows(cp, torch, args.tokens, seq_lens)
     return rows
