@@ -6,7 +6,7 @@ sample(logits, params, histories, uniforms) -> int64 [num_seqs]
     output, for the repetition penalty); uniforms: float [num_seqs] in [0, 1), one draw per row.
 
 Rows with temperature 0 take the argmax. Sampled rows go through temperature, top-k, top-p
-and min-p on the sorted distribution and pick a token by inverting its CDF at the row's
+(of the top-k mass) and min-p on the sorted distribution, in Hugging Face's order, and pick a token by inverting its CDF at the row's
 uniform. The uniform comes from `draw_uniform(seed, step)`: a request with a seed gets
 the same tokens whatever batch it runs in and however often it is preempted.
 """
@@ -77,12 +77,11 @@ def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
     p = xp.exp(z - z[:, :1])  # p: [n, vocab] unnormalised, sorted descending, p[:, 0] = 1
     rank = xp.arange(vocab)[None, :]
     k = xp.where(top_k > 0, top_k, vocab)
-    keep = rank < k[:, None]
-    keep &= p >= min_p[:, None]  # min-p: p / p_max >= min_p, p_max = 1 here
+    keep = rank < k[:, None]  # top-k
     p = xp.where(keep, p, 0)
     c = xp.cumsum(p, axis=-1)
-    total = c[:, -1:]
-    keep &= (c - p) < top_p[:, None] * total  # top-p: tokens before this one hold < top_p of the mass
+    keep &= (c - p) < top_p[:, None] * c[:, -1:]  # top-p: the tokens before this one hold < top_p
+    keep &= p >= min_p[:, None]  # min-p: p / p_max >= min_p, p_max = 1 here
     p = xp.where(keep, p, 0)
     c = xp.cumsum(p, axis=-1)
     idx = (c <= uniforms[:, None] * c[:, -1:]).sum(axis=-1)  # inverse CDF

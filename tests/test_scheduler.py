@@ -1,0 +1,96 @@
+"""Scheduler: budgets, chunked prefill, admission by free blocks, preemption of the newest."""
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cuinfer.kv_cache import BlockAllocator, blocks_for
+from cuinfer.scheduler import Scheduler, Sequence
+
+
+def simulate_step(sched, plan, new_token=7):
+    """What the engine does after the model ran: mark computed, append a token where a chunk finished."""
+    for seq, n in plan:
+        seq.num_computed += n
+        if seq.num_computed == seq.num_tokens:
+            seq.output_ids.append(new_token)
+
+
+def test_never_imports_cupy():
+    src = open(sys.modules[Scheduler.__module__].__file__).read()
+    assert "cupy" not in src.replace("never imports CuPy", "")
+
+
+def test_decodes_first_then_prefill_chunks_within_budget():
+    sched = Scheduler(BlockAllocator(100), block_size=16, max_batch_tokens=64)
+    a, b = Sequence(0, [1] * 10), Sequence(1, [1] * 1500)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [(s.seq_id, n) for s, n in plan] == [(0, 10), (1, 54)]
+    simulate_step(sched, plan)
+    for _ in range(5):
+        plan = sched.schedule()
+        assert plan[0] == (a, 1)  # the decode is never stalled by the long prompt
+        assert plan[1][0] is b and plan[1][1] == 63
+        assert sum(n for _, n in plan) <= 64
+        simulate_step(sched, plan)
+
+
+def test_admission_waits_for_blocks():
+    sched = Scheduler(BlockAllocator(3), block_size=16, max_batch_tokens=512)
+    a, b = Sequence(0, [1] * 40), Sequence(1, [1] * 20)  # 3 blocks, then 2 blocks
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [s for s, _ in plan] == [a] and list(sched.waiting) == [b]
+    sched.finish(a, "length")
+    assert [s for s, _ in sched.schedule()] == [b]
+
+
+def test_preempts_newest_and_requeues_it_first():
+    sched = Scheduler(BlockAllocator(4), block_size=4, max_batch_tokens=512)
+    seqs = [Sequence(i, [1] * 4) for i in range(4)]  # one full block each
+    for s in seqs:
+        sched.add(s)
+    simulate_step(sched, sched.schedule())  # each now needs a second block to decode
+    plan = sched.schedule()
+    assert [s.seq_id for s, _ in plan] == [0, 1]  # 3 and 2 were preempted to feed 0 and 1
+    assert [s.seq_id for s in sched.waiting] == [2, 3]
+    assert seqs[3].num_computed == 0 and seqs[3].block_table == [] and seqs[3].output_ids == [7]
+    assert sched.num_preemptions == 2
+
+
+def test_too_long_for_the_whole_cache_is_rejected():
+    sched = Scheduler(BlockAllocator(2), block_size=16)
+    with pytest.raises(ValueError, match="need 3 KV blocks, the cache has 2"):
+        sched.add(Sequence(0, [1] * 33))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=12), st.integers(8, 40),
+       st.integers(1, 20), st.sampled_from([4, 16]), st.integers(1, 200))
+def test_every_sequence_finishes_and_blocks_are_returned(prompt_lens, num_blocks, max_new, bs, budget):
+    sched = Scheduler(BlockAllocator(num_blocks), block_size=bs, max_batch_tokens=budget)
+    seqs = []
+    for i, n in enumerate(prompt_lens):
+        if blocks_for(n + max_new, bs) <= num_blocks:
+            seqs.append(Sequence(i, [1] * n))
+            sched.add(seqs[-1])
+    steps = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        assert plan, "no progress"
+        assert sum(n for _, n in plan) <= budget
+        for s, _ in plan:
+            assert len(s.block_table) * bs >= s.num_computed + dict(plan)[s]
+        used = [b for s in sched.running for b in s.block_table]
+        assert len(used) == len(set(used)) == num_blocks - sched.allocator.num_free
+        simulate_step(sched, plan)
+        for s, _ in plan:
+            if len(s.output_ids) == max_new:
+                sched.finish(s, "length")
+        steps += 1
+        assert steps < 10000
+    assert all(len(s.output_ids) == max_new for s in seqs)
+    assert sched.allocator.num_free == num_blocks
