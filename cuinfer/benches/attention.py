@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import bench, runtime
 from ..ops.flash_attention import flash_attention
-from ..ops.paged_attention import paged_attention
+from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.write_kv import write_kv
 
 N_HEADS, N_KV = 32, 8
@@ -93,8 +93,9 @@ def decode_rows(cp, torch, cases, d=128, block_size=16):
         lens = cp.full((b,), ctx, dtype=cp.int32)
         q = cp.random.standard_normal((b, N_HEADS, d), dtype=cp.float32).astype(cp.float16)
         out = cp.empty_like(q)
+        ws = cp.empty(max(1, workspace_elems(b, N_HEADS, N_KV, d, ctx)), dtype=cp.float32)
         ms = graph_ms(cp, lambda: paged_attention(q, k_cache, v_cache, tables, lens, out=out,
-                                                  max_context_len=ctx))
+                                                  max_context_len=ctx, workspace=ws))
         row = dict(name="decode paged", shape=f"{b}x{ctx} bs={block_size}", dtype="float16", ms=ms,
                    bytes=2 * b * ctx * N_KV * d * 2)
         if torch is not None:

@@ -8,8 +8,9 @@ paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
 reads each K/V row once for all query heads of its group; when sequences are few and
 long the context is split (flash-decoding) and a merge kernel combines the fp32
-partials. Pass `max_context_len` (an upper bound) to avoid reading context_lens back
-to the host, e.g. under a CUDA graph.
+partials. Under a CUDA graph pass `max_context_len` (an upper bound, so context_lens is
+not read back to the host) and `workspace` (float32, at least workspace_elems(...)
+elements, allocated before capture: the op then allocates nothing).
 """
 from __future__ import annotations
 
@@ -58,13 +59,20 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     return -(-ctx // partition), partition
 
 
+def workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                    max_context_len: int) -> int:
+    """float32 scratch elements paged_attention needs for the split partials (0 when it does not split)."""
+    n_splits, _ = split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"])
+    return 0 if n_splits == 1 else num_seqs * n_heads * n_splits * (head_dim + 2)
+
+
 def smem_bytes(group: int, partition: int, head_dim: int) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)."""
     return 4 * (group * partition + (THREADS // 32) * group * head_dim + 2 * group * (THREADS // 32))
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                    max_context_len=None):
+                    max_context_len=None, workspace=None):
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out)
     runtime.check("q", q, ndim=3)
     num_seqs, n_heads, d = q.shape
@@ -95,19 +103,28 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     runtime.check("out", out, align=16)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
-    _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group)
+    _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group,
+            workspace)
     return out
 
 
-def _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group):
+def _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group,
+            workspace):
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     n_splits, partition = split_config(num_seqs, n_kv, max_context_len,
                                        runtime.device_info()["sm_count"])
     if n_splits > 1:
-        part_out = cp.empty((num_seqs, n_heads, n_splits, d), dtype=cp.float32)
-        part_ml = cp.empty((num_seqs, n_heads, n_splits, 2), dtype=cp.float32)
+        n_out, n_ml = num_seqs * n_heads * n_splits * d, num_seqs * n_heads * n_splits * 2
+        if workspace is None:
+            workspace = cp.empty(n_out + n_ml, dtype=cp.float32)
+        runtime.check("workspace", workspace, dtype=np.float32, ndim=1)
+        if workspace.size < n_out + n_ml:
+            raise ValueError(f"workspace: got {workspace.size} elements, need {n_out + n_ml} "
+                             "(workspace_elems)")
+        part_out = workspace[:n_out]  # [num_seqs, n_heads, n_splits, d]
+        part_ml = workspace[n_out:n_out + n_ml]  # [num_seqs, n_heads, n_splits, 2]
     else:
         part_out = part_ml = out  # unused: the kernel writes out directly
     kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group))
