@@ -1,0 +1,285 @@
+"""Checkpoint directories in the Hugging Face layout: load and save.
+
+A directory holds config.json, model.safetensors (or shards listed in
+model.safetensors.index.json), and the tokenizer files (tokenizer.json,
+tokenizer_config.json, generation_config.json). Tensor names are the Hugging Face names;
+`expected_tensors(config)` derives every name and shape from the config, and loading
+checks the files against it: a missing, unexpected or mis-shaped tensor or a truncated file
+is one CuinferError naming the tensor and the file.
+
+safetensors files are read here directly (8-byte header length, JSON header, raw data)
+through np.memmap, so a tensor already in the run dtype is a read-only view of the page
+cache, and a truncated file is reported by tensor name. Writing streams one tensor at a
+time, so a mapping that builds tensors on access (convert.RandomTensors) never holds the
+whole model in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig, dtype_name, load_config, numpy_dtype
+from .runtime import CuinferError, bfloat16
+
+# safetensors dtype tag <-> numpy dtype (the float types a checkpoint may hold)
+ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": bfloat16}
+ST_TAGS = {v: k for k, v in ST_DTYPES.items()}
+
+# The name table: Hugging Face name -> shape, per layer {i}. Bias rows exist only when
+# config.attention_bias (Qwen2); lm_head.weight only when the embeddings are not tied.
+LAYER_TENSORS = {
+    "model.layers.{i}.input_layernorm.weight": lambda c: (c.hidden_size,),
+    "model.layers.{i}.self_attn.q_proj.weight": lambda c: (c.q_size, c.hidden_size),
+    "model.layers.{i}.self_attn.k_proj.weight": lambda c: (c.kv_size, c.hidden_size),
+    "model.layers.{i}.self_attn.v_proj.weight": lambda c: (c.kv_size, c.hidden_size),
+    "model.layers.{i}.self_attn.q_proj.bias": lambda c: (c.q_size,),
+    "model.layers.{i}.self_attn.k_proj.bias": lambda c: (c.kv_size,),
+    "model.layers.{i}.self_attn.v_proj.bias": lambda c: (c.kv_size,),
+    "model.layers.{i}.self_attn.o_proj.weight": lambda c: (c.hidden_size, c.q_size),
+    "model.layers.{i}.post_attention_layernorm.weight": lambda c: (c.hidden_size,),
+    "model.layers.{i}.mlp.gate_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
+    "model.layers.{i}.mlp.up_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
+    "model.layers.{i}.mlp.down_proj.weight": lambda c: (c.hidden_size, c.intermediate_size),
+}
+# Buffers some exporters store although they derive from the config: skipped on load.
+DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+# files copied by save_checkpoint(tokenizer_files_from=...)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json")
+SHARD_BYTES = 5 * 2**30
+PROGRESS_BYTES = 2**30  # show a progress bar when a checkpoint holds more than this
+
+
+def expected_tensors(config: ModelConfig) -> dict:
+    """Every tensor name of a checkpoint for `config`, in file order -> its shape."""
+    out = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    for i in range(config.num_hidden_layers):
+        for name, shape in LAYER_TENSORS.items():
+            if name.endswith(".bias") and not config.attention_bias:
+                continue
+            out[name.format(i=i)] = shape(config)
+    out["model.norm.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return out
+
+
+# ------------------------------------------------------------------ safetensors files
+
+
+def read_safetensors_header(file: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where the data starts)."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CuinferError(f"{file}: truncated or not a safetensors file ({len(raw)} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            text = f.read(n)
+            if len(text) < n:
+                raise CuinferError(f"{file}: truncated safetensors header")
+            header = json.loads(text)
+    except OSError as e:
+        raise CuinferError(f"{file}: cannot read: {e.strerror}") from None
+    except ValueError:
+        raise CuinferError(f"{file}: not a safetensors file (bad header)") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def read_safetensors(file: Path, names=None) -> dict:
+    """name -> read-only memory-mapped array for `names` (default: every tensor in the file)."""
+    header, start = read_safetensors_header(file)
+    size = file.stat().st_size
+    out = {}
+    for name in header if names is None else names:
+        info = header[name]
+        if info["dtype"] not in ST_DTYPES:
+            raise CuinferError(f"{file}: tensor {name} has dtype {info['dtype']}: "
+                               f"need one of {', '.join(ST_DTYPES)}")
+        dtype, shape = ST_DTYPES[info["dtype"]], tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise CuinferError(f"{file}: tensor {name}: {end - begin} bytes for shape {shape} {dtype}")
+        if start + end > size:
+            raise CuinferError(f"{file}: truncated: tensor {name} ends at byte {start + end}, "
+                               f"the file has {size}")
+        if end == begin:
+            out[name] = np.zeros(shape, dtype)
+        else:
+            out[name] = np.memmap(file, dtype, "r", offset=start + begin, shape=shape)
+    return out
+
+
+def write_safetensors(file: Path, names, tensors: Mapping, shapes: dict, dtype, progress=None):
+    """Write tensors[name] (converted to dtype) for each name, one at a time."""
+    header, offset = {}, 0
+    nbytes = {n: int(np.prod(shapes[n])) * dtype.itemsize for n in names}
+    for n in names:
+        header[n] = {"dtype": ST_TAGS[dtype], "shape": list(shapes[n]),
+                     "data_offsets": [offset, offset + nbytes[n]]}
+        offset += nbytes[n]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for n in names:
+            a = np.ascontiguousarray(np.asarray(tensors[n]), dtype=dtype)
+            if a.shape != tuple(shapes[n]):
+                raise CuinferError(f"tensor {n}: got shape {a.shape}, need {tuple(shapes[n])}")
+            f.write(a.tobytes() if a.nbytes else b"")
+            if progress is not None:
+                progress.update(a.nbytes)
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < PROGRESS_BYTES)
+
+
+# ------------------------------------------------------------------ load
+
+
+def checkpoint_files(path: Path) -> dict:
+    """tensor name -> safetensors file holding it."""
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError):
+            raise CuinferError(f"{index}: not a safetensors index (no weight_map)") from None
+        return {name: path / file for name, file in weight_map.items()}
+    if single.exists():
+        header, _ = read_safetensors_header(single)
+        return {name: single for name in header}
+    raise CuinferError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_checkpoint(path, dtype=None) -> tuple[ModelConfig, dict]:
+    """(config, name -> array) from a checkpoint directory.
+
+    dtype: the run dtype ("float32", "float16", "bfloat16" or a numpy dtype); default the
+    checkpoint's torch_dtype. Tensors stored in that dtype come back as read-only memmaps.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CuinferError(f"{path}: no such checkpoint directory")
+    config = load_config(path)
+    dtype = numpy_dtype(dtype or config.torch_dtype)
+    expected = expected_tensors(config)
+    files = checkpoint_files(path)
+    for name in list(files):
+        if name.endswith(DERIVED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            del files[name]
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise CuinferError(f"{path}: missing tensor {missing[0]}"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = sorted(set(files) - set(expected))
+    if unexpected:
+        raise CuinferError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]} "
+                           f"for {config.architecture}")
+    by_file = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    tensors = {}
+    for file in by_file:
+        if not file.exists():
+            raise CuinferError(f"{file}: no such file (listed in the index for {by_file[file][0]})")
+        header, _ = read_safetensors_header(file)
+        absent = [n for n in by_file[file] if n not in header]
+        if absent:
+            raise CuinferError(f"{file}: tensor {absent[0]} is listed in the index but not in the file")
+    total = sum(int(np.prod(s)) * dtype.itemsize for s in expected.values())
+    with _progress(total, f"loading {path.name}") as bar:
+        for file, names in by_file.items():
+            for name, a in read_safetensors(file, names).items():
+                if a.shape != expected[name]:
+                    raise CuinferError(f"{file}: tensor {name} has shape {a.shape}, "
+                                       f"{config.architecture} config needs {expected[name]}")
+                tensors[name] = a if a.dtype == dtype else np.array(a, dtype=dtype)
+                bar.update(tensors[name].nbytes)
+    return config, {n: tensors[n] for n in expected}
+
+
+# ------------------------------------------------------------------ save
+
+
+def save_checkpoint(path, config: ModelConfig, tensors: Mapping, tokenizer_files_from=None,
+                    dtype=None, shard_bytes=SHARD_BYTES, overwrite=False) -> Path:
+    """Write a checkpoint directory; returns its path.
+
+    tensors: name -> array (a Mapping, read one name at a time), exactly expected_tensors(config).
+    dtype: stored dtype (default config.torch_dtype; config.json records it).
+    Writes into a temporary sibling directory and renames it into place, so a failure
+    leaves nothing that looks like a checkpoint.
+    """
+    path = Path(path)
+    dtype = numpy_dtype(dtype or config.torch_dtype)
+    config = config.replace(torch_dtype=dtype_name(dtype))
+    expected = expected_tensors(config)
+    missing = [n for n in expected if n not in tensors]
+    unexpected = [n for n in tensors if n not in expected]
+    if missing or unexpected:
+        what = f"missing tensor {missing[0]}" if missing else f"unexpected tensor {unexpected[0]}"
+        raise CuinferError(f"save_checkpoint: {what} for this {config.architecture} config")
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not overwrite)):
+        raise CuinferError(f"{path}: already exists (choose a new directory or pass overwrite)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+        os.chmod(tmp, 0o755)
+    except OSError as e:
+        raise CuinferError(f"{path}: cannot write here: {e.strerror}") from None
+    try:
+        _write_dir(tmp, config, tensors, expected, dtype, shard_bytes, tokenizer_files_from)
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CuinferError(f"{path}: cannot write checkpoint: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_dir(tmp: Path, config, tensors, expected, dtype, shard_bytes, tokenizer_files_from):
+    # split names into shards of at most shard_bytes (a larger tensor gets its own shard)
+    shards, size = [[]], 0
+    for name, shape in expected.items():
+        n = int(np.prod(shape)) * dtype.itemsize
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    total = sum(int(np.prod(s)) * dtype.itemsize for s in expected.values())
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    with _progress(total, f"writing {tmp.name}") as bar:
+        for file, names in zip(files, shards):
+            write_safetensors(tmp / file, names, tensors, expected, dtype, bar)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for f, names in zip(files, shards) for n in names}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    if tokenizer_files_from is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_files_from) / name
+            if src.exists():
+                shutil.copyfile(src, tmp / name)
+    if not (tmp / "generation_config.json").exists():
+        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_id)}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))

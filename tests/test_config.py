@@ -1,0 +1,107 @@
+"""ModelConfig: reading Hugging Face config.json files, refusing what the engine cannot run."""
+import json
+
+import numpy as np
+import pytest
+
+from cuinfer import runtime
+from cuinfer.config import ModelConfig, load_config, numpy_dtype
+from cuinfer.convert import load_preset, preset_names
+from cuinfer.runtime import CuinferError
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+    "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": [2, 7], "tie_word_embeddings": False,
+}
+
+
+def test_llama_fields():
+    c = ModelConfig.from_dict(LLAMA)
+    assert c.head_dim == 128 and c.q_size == 4096 and c.kv_size == 1024
+    assert c.eos_token_id == (2, 7) and c.bos_token_id == 1
+    assert c.dtype == runtime.bfloat16 and not c.attention_bias and c.rope_scaling is None
+    assert c.model_type == "llama"
+
+
+def test_explicit_head_dim_and_scalar_eos():
+    c = ModelConfig.from_dict({**LLAMA, "head_dim": 64, "eos_token_id": 3})
+    assert c.head_dim == 64 and c.q_size == 32 * 64 and c.eos_token_id == (3,)
+
+
+def test_qwen2_has_bias_and_mistral_window_is_noted():
+    q = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"],
+                               "sliding_window": 4096, "use_sliding_window": False})
+    assert q.attention_bias
+    with pytest.warns(UserWarning, match="sliding_window=4096 is ignored"):
+        m = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"],
+                                   "sliding_window": 4096})
+    assert m.architecture == "MistralForCausalLM" and not m.attention_bias
+
+
+def test_llama3_rope_scaling_and_transformers5_spelling():
+    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+    c = ModelConfig.from_dict({**LLAMA, "rope_scaling": {**rs, "rope_type": None, "type": "llama3"}})
+    assert c.rope_scaling == rs
+    d = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "torch_dtype")}
+    c5 = ModelConfig.from_dict({**d, "dtype": "float16", "rope_parameters": {**rs, "rope_theta": 5e5}})
+    assert c5.rope_theta == 5e5 and c5.rope_scaling == rs and c5.torch_dtype == "float16"
+    plain = ModelConfig.from_dict({**d, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert plain.rope_scaling is None and plain.rope_theta == 1e4
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture GPT2LMHeadModel"),
+    ({"architectures": None, "model_type": "gemma"}, "unsupported architecture none .model_type 'gemma'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing low_freq_factor"),
+    ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads 5"),
+    ({"num_attention_heads": 30}, "hidden_size 4096 is not a multiple"),
+    ({"torch_dtype": "int8"}, "dtype 'int8' is not supported"),
+    ({"hidden_size": None}, "missing hidden_size"),
+])
+def test_refused_with_a_clear_message(bad, message):
+    with pytest.raises(CuinferError, match=message):
+        ModelConfig.from_dict({**LLAMA, **bad})
+
+
+def test_to_dict_round_trip_and_file(tmp_path):
+    for d in (LLAMA, {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "head_dim": 96}):
+        c = ModelConfig.from_dict(d)
+        assert ModelConfig.from_dict(c.to_dict()) == c
+        (tmp_path / "config.json").write_text(json.dumps(c.to_dict()))
+        assert load_config(tmp_path) == c == load_config(tmp_path / "config.json")
+    hash(c)  # frozen and hashable (rope_scaling is left out of the hash)
+
+
+def test_load_config_errors(tmp_path):
+    with pytest.raises(CuinferError, match="no such file"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CuinferError, match="cannot read config"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_presets_load(name):
+    c = load_preset(name)
+    assert c.head_dim in (64, 128) and c.num_attention_heads % c.num_key_value_heads == 0
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+def test_preset_shapes():
+    assert {"llama3-8b", "llama2-7b", "mistral-7b", "qwen2.5-7b", "smollm2-135m", "tiny"} <= set(preset_names())
+    assert load_preset("llama3-8b").rope_scaling["factor"] == 8.0
+    assert load_preset("qwen2.5-7b").attention_bias
+    assert load_preset("smollm2-135m").tie_word_embeddings
+    with pytest.raises(CuinferError, match="unknown preset 'gpt5'"):
+        load_preset("gpt5")
+
+
+def test_numpy_dtype():
+    assert numpy_dtype("float16") == np.float16 and numpy_dtype(np.float32) == np.float32
+    with pytest.raises(CuinferError):
+        numpy_dtype(np.int8)
