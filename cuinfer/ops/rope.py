@@ -19,21 +19,17 @@ import math
 import numpy as np
 
 from .. import runtime
+from .rms_norm import vector_widths
 
 THREADS = 128
 POSITION_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-
-
-def _widths(dtype):
-    w = 16 // np.dtype(dtype).itemsize
-    return [w >> i for i in range(w.bit_length())]
 
 
 def instantiation(dtype, vec, pos_dtype) -> str:
     return f"rope_kernel<{runtime.ctype(dtype)}, {vec}, {POSITION_CTYPES[np.dtype(pos_dtype)]}>"
 
 
-INSTANTIATIONS = [instantiation(dt, v, p) for dt in runtime.FLOAT_DTYPES for v in _widths(dt)
+INSTANTIATIONS = [instantiation(dt, v, p) for dt in runtime.FLOAT_DTYPES for v in vector_widths(dt)
                   for p in POSITION_CTYPES]
 
 
@@ -98,3 +94,46 @@ def rope_reference(x, positions, inv_freq):
     sin = np.sin(angle.astype(np.float64)).astype(np.float32)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ------------------------------------------------------------------------- launcher
+def _check_pair(name, pair):
+    if pair is None:
+        return None, None
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise ValueError(f"{name}: need a (q_out, k_out) pair or None")
+    return pair
+
+
+def rope(q, k, positions, theta, scaling=None, out=None):
+    q_out, k_out = _check_pair("out", out)
+    dev = runtime.on_device(q, k, positions, q_out, k_out)
+    runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, ndim=3)
+    tokens, n_heads, d = q.shape
+    if d % 2:
+        raise ValueError(f"q: got head_dim {d}, need an even number")
+    runtime.check("k", k, dtype=q.dtype, shape=(tokens, None, d))
+    runtime.check("positions", positions, dtype=tuple(POSITION_CTYPES), shape=(tokens,))
+    inv_freq = rope_inv_freq(d, theta, scaling)
+    q_out = runtime.check_out(q_out, q.shape, q.dtype, q)
+    k_out = runtime.check_out(k_out, k.shape, k.dtype, k)
+    if not dev:
+        q_out[...] = rope_reference(q, positions, inv_freq).astype(q.dtype)  # rounded once
+        k_out[...] = rope_reference(k, positions, inv_freq).astype(k.dtype)
+        return q_out, k_out
+    cp = runtime.require_cupy()
+    vec = next(w for w in vector_widths(q.dtype) if (d // 2) % w == 0 and all(
+        a.data.ptr % (w * q.dtype.itemsize) == 0 for a in (q, k, q_out, k_out)))
+    kern = runtime.kernel("rope", instantiation(q.dtype, vec, positions.dtype))
+    args = (q, k, positions, _device_inv_freq(cp.cuda.Device().id, d, float(theta), _scaling_key(scaling)),
+            q_out, k_out, np.int32(n_heads), np.int32(k.shape[1]), np.int32(d))
+    runtime.launch(kern, (tokens,), (THREADS,), args, smem=4 * d)
+    return q_out, k_out
+
+
+@functools.lru_cache(maxsize=64)
+def _device_inv_freq(device_id, head_dim, theta, llama3):
+    """inv_freq uploaded once per (device, head_dim, theta, scaling)."""
+    cp = runtime.require_cupy()
+    with cp.cuda.Device(device_id):
+        return cp.asarray(_inv_freq(head_dim, theta, llama3))
