@@ -151,3 +151,54 @@ def test_gpu_batch_equals_alone_same_composition(dtype):
     roomy = make_engine(model, 131072).generate(prompts, params)  # no preemption at all
     same = np.mean([a.token_ids == b.token_ids for a, b in zip(first, roomy)])
     assert same >= 0.9, f"only {same:.0%} of outputs agree with and without preemption"
+
+
+# ------------------------------------------------- against Hugging Face transformers (CPU)
+
+HF_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+HF_CHATS = ["What is 2 + 2?", "Write a haiku about the sea.", "Name three primary colors."]
+
+
+def checkpoint_dir(name, tmp_path_factory):
+    if name == "default":
+        from cuinfer.default_model import default_model_dir
+
+        try:
+            return default_model_dir()
+        except (runtime.CuinferError, ModuleNotFoundError) as e:
+            pytest.skip(f"default model not available here: {e}")
+    from helpers import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), preset=name)
+
+
+@pytest.mark.parametrize("name", ["default", "tiny", "tiny-qwen2"])
+def test_greedy_matches_transformers(name, tmp_path_factory):
+    """48 greedy tokens per prompt (plain and chat-templated, batched together) equal transformers'
+    greedy generate token for token; prefill logits agree within 1e-4 of their largest magnitude."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from cuinfer.model import Batch
+
+    path = checkpoint_dir(name, tmp_path_factory)
+    eng = Engine.from_pretrained(path, device="cpu", kv_tokens=8192)
+    tok = eng.tokenizer
+    prompts = [tok.encode(p) for p in HF_PROMPTS]
+    if tok.chat_template is not None:
+        prompts += [tok.encode_chat([{"role": "user", "content": c}]) for c in HF_CHATS]
+    ours = eng.generate(prompts, SamplingParams(max_new_tokens=48))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    cfg = eng.model.config
+    for ids, out in zip(prompts, ours):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            ref_logits = hf(x).logits[0].numpy()
+            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                              pad_token_id=cfg.bos_token_id or 0)[0, len(ids):].tolist()
+        assert out.token_ids == gen, (tok.decode(out.token_ids), tok.decode(gen))
+        cache = KVCache(CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 16,
+                        np.float32)
+        batch = Batch.from_chunks([(ids, 0, list(range(-(-len(ids) // 16))))], 16)
+        logits = eng.model.forward(batch, cache, all_logits=True)
+        err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+        assert err < 1e-4, f"logits differ by {err:.2e} of their largest magnitude"
