@@ -1,0 +1,78 @@
+"""python -m cuinfer.generate: output, stats line, and exit code 2 with one message on user errors."""
+import subprocess
+import sys
+
+import pytest
+
+from cuinfer import generate
+from helpers import make_tiny_checkpoint
+from conftest import HAS_GPU
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gen")))
+
+
+def run(capsys, *argv):
+    rc = generate.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_one_prompt_streams_and_prints_stats(ckpt, capsys):
+    rc, out, err = run(capsys, ckpt, "--prompt", "Hello", "--max-new-tokens", "12", "--device", "cpu")
+    assert rc == 0 and err == ""
+    text, stats = out.rsplit("\n[", 1)
+    assert "prompt tokens" in stats and "TTFT" in stats and "decode" in stats and "% saved" in stats
+    assert "12 generated" in stats
+
+
+def test_several_prompts_file_and_template(ckpt, capsys, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n\nsecond one\n")
+    rc, out, _ = run(capsys, ckpt, "--prompts-file", str(f), "--prompt", "third", "--template",
+                     "--system", "Be brief.", "--max-new-tokens", "4", "--device", "cpu",
+                     "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+    assert rc == 0
+    assert [l for l in out.splitlines() if l.startswith("--- [")] == [
+        f"--- [{i}] (length, 4 tokens)" for i in range(3)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["/nonexistent/ckpt", "--prompt", "a", "--device", "cpu"], "no such checkpoint directory"),
+    (["CKPT", "--device", "cpu"], "nothing to do"),
+    (["CKPT", "--prompt", "a " * 3000, "--device", "cpu"], "the context holds 2048"),
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--dtype", "float16"], "CPU backend runs float32"),
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--top-p", "0"], "top_p"),
+    (["CKPT", "--prompts-file", "/nonexistent/p.txt", "--device", "cpu"], "cannot read prompts"),
+])
+def test_user_errors_exit_2_with_one_message(ckpt, capsys, argv, message):
+    rc, _, err = run(capsys, *[ckpt if a == "CKPT" else a for a in argv])
+    assert rc == 2
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")
+def test_no_gpu(ckpt, capsys):
+    rc, _, err = run(capsys, ckpt, "--prompt", "a", "--device", "gpu")
+    assert rc == 2 and "no CUDA device" in err
+
+
+def test_bad_flag_value_is_an_argparse_error(ckpt):
+    r = subprocess.run([sys.executable, "-m", "cuinfer.generate", ckpt, "--prompt", "a", "--quant", "int3"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_model_cli(capsys):
+    from cuinfer import runtime
+    from cuinfer.default_model import default_model_dir
+
+    try:
+        default_model_dir()
+    except (runtime.CuinferError, ModuleNotFoundError) as e:
+        pytest.skip(f"default model not available here: {e}")
+    rc, out, _ = run(capsys, "--prompt", "The capital of France is", "--max-new-tokens", "16",
+                     "--device", "cpu")
+    assert rc == 0 and "Paris" in out and "prompt tokens" in out
