@@ -268,6 +268,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   }
 
   // normalise, stage this warp's rows in its own part of sQ, store 16-byte rows
+  __syncwarp();  // this warp's last ldmatrix reads of its sQ rows precede the writes below
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     float inv[2];
