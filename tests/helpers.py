@@ -14,3 +14,82 @@ def make_tiny_checkpoint(tmp_path, preset="tiny", dtype="float16", seed=0, token
     if (out / "config.json").exists():
         return out
     return random_checkpoint(preset, out, dtype=dtype, seed=seed, tokenizer_from=tokenizer_from)
+
+
+def llama_cpp_permute(w, n_heads):
+    """llama.cpp's convert_hf_to_gguf Q/K row order (interleaved rotary pairs), as it writes it."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_OF_HF = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def quantize(a, kind):
+    """gguf's numpy quantizer; zero blocks of the right size for a type it cannot write."""
+    import gguf
+    import numpy as np
+
+    try:
+        return gguf.quants.quantize(a, kind)
+    except NotImplementedError:
+        return np.zeros(gguf.quant_shape_to_byte_shape(a.shape, kind), np.uint8)
+
+
+def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model="gpt2"):
+    """Write a llama GGUF file the way llama.cpp's converter does (Q/K rows permuted), from
+    Hugging Face tensors. types: HF name -> "F32" / "F16" / "BF16" / "Q8_0" / "Q4_0" / "Q4_1" /
+    any ggml type name (default F32). Returns {HF name: gguf's dequantization of the HF tensor
+    quantized in HF row order} (row-wise blocks, so the Q/K row permutation commutes with
+    quantization). The tokenizer is a small gpt2-style vocabulary."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+    w.add_rope_dimension_count(config.head_dim)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ"]
+    merges = ["Ġ t", "h e", "Ġt he", "i n"]
+    tokens = specials + alphabet + [m.replace(" ", "") for m in merges]
+    tokens += [f"<unused{i}>" for i in range(config.vocab_size - len(tokens))]
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * 3 + [1] * (len(alphabet) + len(merges)) + [4] * (len(tokens) - 3 - len(alphabet) - len(merges)))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    stored = {}
+    for name, a in tensors.items():
+        a = np.asarray(a, np.float32)
+        kind = gguf.GGMLQuantizationType[(types or {}).get(name, "F32")]
+        stored[name] = gguf.quants.dequantize(quantize(a, kind), kind).reshape(a.shape)
+        if ".q_proj." in name:
+            a = llama_cpp_permute(a, config.num_attention_heads)
+        elif ".k_proj." in name:
+            a = llama_cpp_permute(a, config.num_key_value_heads)
+        q = quantize(a, kind)
+        gname = GGUF_OF_HF.get(name) or "blk.{}.{}".format(name.split(".")[2], GGUF_OF_HF[name.split(".", 3)[3]])
+        w.add_tensor(gname, q, raw_shape=q.shape if q.dtype == np.uint8 else None, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored

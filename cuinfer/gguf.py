@@ -1,0 +1,264 @@
+"""GGUF import: a llama-architecture GGUF file -> a Hugging Face checkpoint directory.
+
+    convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "out/")     (python -m cuinfer.convert)
+
+Tensors of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1 are dequantized to float32 here (NumPy,
+in float32 as ggml does: Q8_0 d*q, Q4_0 d*(q-8), Q4_1 d*q + m, with d and m stored as fp16).
+llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adjacent
+(interleaved RoPE); `unpermute_rows` puts them back in the Hugging Face half-split layout.
+`raw_tensors` yields the undequantized blocks (rows already in Hugging Face order) for a
+direct INT8/INT4 import.
+
+The tokenizer is rebuilt from the vocabulary: gpt2-style byte-level BPE only. The
+pre-tokenizer follows llama.cpp's `tokenizer.ggml.pre`; for "smollm" that is single digits
+split off before the GPT-2 byte-level regex, as SmolLM2's own tokenizer.json does.
+(transformers' GGUF loader uses the plain GPT-2 regex for "smollm", which differs where
+whitespace runs precede a digit: "  1" -> [" ", " ", "1"] there, ["  ", "1"] here.)
+
+The `gguf` package is imported lazily: only conversion needs it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .checkpoint import expected_tensors, save_checkpoint
+from .config import ModelConfig
+from .runtime import CuinferError
+
+# GGUF name -> Hugging Face name ({i}: layer). The one name table of the import.
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_NAME_RE = {re.compile(re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"): h for g, h in GGUF_NAMES.items()}
+
+# ggml type -> (elements per block, bytes per block)
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18),
+          "Q4_1": (32, 20)}
+# llama.cpp tokenizer.ggml.pre -> how to split text before byte-level BPE
+PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+class RawTensor(NamedTuple):
+    name: str  # Hugging Face name
+    gguf_name: str
+    type: str  # "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"
+    blocks: np.ndarray  # uint8 [rows, row_bytes]: a row's blocks, rows in Hugging Face order
+    shape: tuple  # Hugging Face shape, e.g. [out_features, in_features]
+
+
+def hf_name(gguf_name: str) -> str:
+    for pattern, name in _NAME_RE.items():
+        m = pattern.match(gguf_name)
+        if m:
+            return name.format(i=m.group(1)) if m.groups() else name
+    raise CuinferError(f"unknown GGUF tensor {gguf_name!r}: cuinfer maps {', '.join(GGUF_NAMES)}")
+
+
+# ------------------------------------------------------------------ dequantization
+
+
+def dequantize(blocks: np.ndarray, kind: str, n: int) -> np.ndarray:
+    """float32 [rows, n] from uint8 [rows, row_bytes] blocks of ggml type `kind`."""
+    rows = blocks.shape[0]
+    if kind == "F32":
+        return blocks.view("<f4").reshape(rows, n).copy()
+    if kind == "F16":
+        return blocks.view("<f2").reshape(rows, n).astype(np.float32)
+    if kind == "BF16":  # the top half of a float32
+        return (blocks.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(rows, n)
+    size, nbytes = BLOCKS[kind]
+    b = blocks.reshape(rows, n // size, nbytes)
+    d = b[..., 0:2].copy().view("<f2").astype(np.float32)  # [rows, n_blocks, 1]
+    if kind == "Q8_0":
+        return (d * b[..., 2:].view(np.int8).astype(np.float32)).reshape(rows, n)
+    qs = b[..., -16:]  # element j in the low nibble of byte j, element j + 16 in the high one
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+    if kind == "Q4_0":
+        return (d * (q - 8.0)).reshape(rows, n)
+    m = b[..., 2:4].copy().view("<f2").astype(np.float32)
+    return (d * q + m).reshape(rows, n)  # Q4_1
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: per head, rows (pair p, half h) -> (half h, pair p)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ------------------------------------------------------------------ reading
+
+
+def open_gguf(path):
+    """A gguf.GGUFReader for a llama GGUF file; CuinferError for anything else."""
+    try:
+        import gguf
+    except ImportError:
+        raise CuinferError("GGUF import needs the gguf package: pip install gguf") from None
+    path = Path(path)
+    if not path.is_file():
+        raise CuinferError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
+        raise CuinferError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        raise CuinferError(f"{path}: GGUF architecture {arch!r} is not supported: cuinfer "
+                           "converts llama-architecture GGUF files")
+    for t in reader.tensors:
+        if t.tensor_type.name not in BLOCKS:
+            raise CuinferError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}: "
+                               f"cuinfer converts {', '.join(BLOCKS)}")
+    return reader
+
+
+def field(reader, key, default=KeyError):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is KeyError:
+            raise CuinferError(f"GGUF metadata has no {key}")
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    a = "llama."
+    n_heads = field(reader, a + "attention.head_count")
+    hidden = field(reader, a + "embedding_length")
+    if field(reader, a + "rope.scaling.type", None) not in (None, "none") or any(
+            t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise CuinferError("GGUF rope scaling (rope.scaling.type / rope_freqs) is not supported")
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        intermediate_size=field(reader, a + "feed_forward_length"),
+        num_hidden_layers=field(reader, a + "block_count"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=field(reader, a + "attention.head_count_kv", n_heads),
+        head_dim=field(reader, a + "attention.key_length", None) or hidden // n_heads,
+        rms_norm_eps=float(field(reader, a + "attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
+        max_position_embeddings=field(reader, a + "context_length"),
+        tie_word_embeddings="output.weight" not in names,
+        torch_dtype="float32",
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=tuple(e for e in [field(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
+    )
+
+
+def raw_tensors(reader, config: ModelConfig):
+    """Yield RawTensor per GGUF tensor: blocks as stored, Q/K rows in Hugging Face order."""
+    for t in reader.tensors:
+        name, kind = hf_name(t.name), t.tensor_type.name
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists the innermost size first
+        rows = int(np.prod(shape[:-1]))
+        blocks = reader.data[t.data_offset:t.data_offset + t.n_bytes].reshape(rows, -1)
+        if ".q_proj." in name:
+            blocks = unpermute_rows(blocks, config.num_attention_heads)
+        elif ".k_proj." in name:
+            blocks = unpermute_rows(blocks, config.num_key_value_heads)
+        yield RawTensor(name, t.name, kind, blocks, shape)
+
+
+class GGUFTensors(Mapping):
+    """Hugging Face name -> dequantized float32 array, made when looked up."""
+
+    def __init__(self, reader, config: ModelConfig):
+        self.raw = {r.name: r for r in raw_tensors(reader, config)}
+
+    def __getitem__(self, name):
+        r = self.raw[name]
+        return dequantize(r.blocks, r.type, r.shape[-1]).reshape(r.shape)
+
+    def __iter__(self):
+        return iter(self.raw)
+
+    def __len__(self):
+        return len(self.raw)
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def tokenizer_files(reader, out_dir: Path):
+    """Write tokenizer.json and tokenizer_config.json rebuilt from the GGUF vocabulary."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind, pre = field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise CuinferError(f"GGUF tokenizer model {kind!r} is not supported: cuinfer rebuilds "
+                           "gpt2-style byte-level BPE tokenizers")
+    if pre not in PRE_TOKENIZERS:
+        raise CuinferError(f"GGUF pre-tokenizer {pre!r} is not supported: need one of "
+                           f"{', '.join(PRE_TOKENIZERS)}")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
+    split = {"smollm": pre_tokenizers.Digits(individual_digits=True),
+             "llama-bpe": pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")}.get(pre)
+    tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence([split, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    special = {k: tokens[i] for k, key in (("bos_token", "bos"), ("eos_token", "eos"),
+                                          ("unk_token", "unknown"), ("pad_token", "padding"))
+               if (i := field(reader, f"tokenizer.ggml.{key}_token_id", None)) is not None}
+    add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", False)) and "bos_token" in special
+    if add_bos:
+        bos = (special["bos_token"], tokens.index(special["bos_token"]))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]}:0 $A:0", pair=f"{bos[0]}:0 $A:0 {bos[0]}:1 $B:1", special_tokens=[bos])
+    tok.save(str(out_dir / "tokenizer.json"))
+    tconf = {**special, "add_bos_token": add_bos, "tokenizer_class": "PreTrainedTokenizerFast",
+             "model_max_length": field(reader, "llama.context_length")}
+    template = field(reader, "tokenizer.chat_template", None)
+    if template is not None:
+        tconf["chat_template"] = template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tconf, indent=2, ensure_ascii=False))
+
+
+# ------------------------------------------------------------------ conversion
+
+
+def convert_gguf(path, out_dir, dtype="float32", overwrite=False) -> Path:
+    """Convert a llama GGUF file into a checkpoint directory (see module doc); returns its path."""
+    reader = open_gguf(path)
+    config = gguf_config(reader)
+    tensors = GGUFTensors(reader, config)
+    unexpected = [n for n in tensors if n not in expected_tensors(config)]
+    if unexpected:
+        raise CuinferError(f"{path}: tensor {tensors.raw[unexpected[0]].gguf_name} does not fit "
+                           f"the config ({config.num_hidden_layers} layers)")
+    with tempfile.TemporaryDirectory() as tok:
+        tokenizer_files(reader, Path(tok))
+        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_id)}
+        (Path(tok) / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        return save_checkpoint(out_dir, config, tensors, tok, dtype=dtype, overwrite=overwrite)

@@ -1,0 +1,142 @@
+"""GGUF import: dequantization, the Q/K row order, tokenizer metadata, and clear refusals."""
+import numpy as np
+import pytest
+
+from cuinfer.checkpoint import load_checkpoint
+from cuinfer.convert import load_preset, random_tensors
+from cuinfer.runtime import CuinferError
+
+from helpers import llama_cpp_permute, write_gguf
+
+gguf = pytest.importorskip("gguf")
+from cuinfer import gguf as cg  # noqa: E402
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+
+
+def small_config(**over):
+    # 2 layers, hidden 256, 4 heads / 2 kv heads of 64, GQA; vocab 256 keeps the file small
+    return load_preset("tiny").replace(vocab_size=256, intermediate_size=320, **over)
+
+
+@pytest.mark.parametrize("shift", range(len(TYPES)))
+def test_every_type_converts_to_ggufs_dequantization(tmp_path, shift):
+    config = small_config()
+    tensors = random_tensors(config, "float32", seed=shift)
+    types = {n: TYPES[(i + shift) % len(TYPES)] for i, n in enumerate(tensors) if tensors[n].ndim == 2}
+    expected = write_gguf(tmp_path / "m.gguf", config, tensors, types)
+    out = cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    got_config, got = load_checkpoint(out)
+    assert got_config == config.replace(torch_dtype="float32", rms_norm_eps=got_config.rms_norm_eps)
+    assert got_config.rms_norm_eps == pytest.approx(config.rms_norm_eps, rel=1e-6)
+    for name in tensors:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{name} ({types.get(name, 'F32')})")
+        if types.get(name, "F32") == "F32":  # stored exactly, so Q/K come back in the original order
+            np.testing.assert_array_equal(got[name], tensors[name], err_msg=name)
+
+
+def test_untied_model_has_lm_head(tmp_path):
+    config = small_config(tie_word_embeddings=False)
+    tensors = random_tensors(config, "float32")
+    write_gguf(tmp_path / "m.gguf", config, tensors)
+    got_config, got = load_checkpoint(cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out", "bfloat16"))
+    assert not got_config.tie_word_embeddings and got_config.torch_dtype == "bfloat16"
+    np.testing.assert_array_equal(got["lm_head.weight"], tensors["lm_head.weight"].astype(got["lm_head.weight"].dtype))
+
+
+def blocks_of(kind, d, q, m=0.0):
+    """One ggml block from its fields, laid out by hand (not through gguf)."""
+    d16 = np.float16(d).tobytes()
+    if kind == "Q8_0":
+        return np.frombuffer(d16 + np.asarray(q, np.int8).tobytes(), np.uint8)
+    q = np.asarray(q, np.uint8)
+    nibbles = (q[:16] | (q[16:] << 4)).astype(np.uint8).tobytes()
+    return np.frombuffer(d16 + (np.float16(m).tobytes() if kind == "Q4_1" else b"") + nibbles, np.uint8)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_dequantize_matches_the_block_formula(kind):
+    rng = np.random.default_rng(7)
+    rows, per_row = 3, 2
+    fields = [(rng.uniform(-0.1, 0.1), rng.integers(-128, 128, 32) if kind == "Q8_0" else rng.integers(0, 16, 32),
+               rng.uniform(-1, 1)) for _ in range(rows * per_row)]
+    raw = np.concatenate([blocks_of(kind, *f) for f in fields]).reshape(rows, -1)
+    got = cg.dequantize(raw, kind, 32 * per_row)
+    want = np.empty((rows * per_row, 32))
+    for b, (d, q, m) in enumerate(fields):  # float64 loops over the fp16-rounded fields
+        d, m = float(np.float16(d)), float(np.float16(m))
+        for j in range(32):
+            want[b, j] = {"Q8_0": d * q[j], "Q4_0": d * (q[j] - 8), "Q4_1": d * q[j] + m}[kind]
+    np.testing.assert_allclose(got, want.reshape(rows, -1), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]))
+
+
+@pytest.mark.parametrize("heads, head_dim", [(1, 4), (4, 64), (3, 128), (9, 64)])
+def test_unpermute_inverts_llama_cpp_permute(heads, head_dim):
+    w = np.random.default_rng(heads).standard_normal((heads * head_dim, 5))
+    np.testing.assert_array_equal(cg.unpermute_rows(llama_cpp_permute(w, heads), heads), w)
+    # within a head, llama.cpp's row 2p + h is Hugging Face's row h * head_dim / 2 + p
+    g = llama_cpp_permute(w, heads)
+    assert np.array_equal(g[1], w[head_dim // 2]) and np.array_equal(g[2], w[1])
+
+
+def test_raw_blocks_keep_the_quantized_bytes(tmp_path):
+    config = small_config()
+    tensors = random_tensors(config, "float32")
+    types = {n: "Q4_1" for n in tensors if n.endswith("proj.weight")}
+    write_gguf(tmp_path / "m.gguf", config, tensors, types)
+    reader = cg.open_gguf(tmp_path / "m.gguf")
+    raws = {r.name: r for r in cg.raw_tensors(reader, cg.gguf_config(reader))}
+    _, got = load_checkpoint(cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out"))
+    q = raws["model.layers.1.self_attn.k_proj.weight"]
+    assert (q.gguf_name, q.type, q.shape) == ("blk.1.attn_k.weight", "Q4_1", (128, 256))
+    assert q.blocks.dtype == np.uint8 and q.blocks.shape == (128, 256 // 32 * 20)
+    for r in raws.values():
+        np.testing.assert_array_equal(cg.dequantize(r.blocks, r.type, r.shape[-1]).reshape(r.shape), got[r.name])
+
+
+def test_tokenizer_from_metadata(tmp_path):
+    from cuinfer.tokenizer import Tokenizer
+
+    config = small_config()
+    write_gguf(tmp_path / "m.gguf", config, random_tensors(config, "float32"))
+    tok = Tokenizer.from_pretrained(cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out"))
+    ids = tok.encode("the thin<|im_end|><unused3>")
+    assert [tok.id_to_token(i) for i in ids] == ["t", "he", "Ġt", "h", "in", "<|im_end|>", "<unused3>"]
+    assert tok.decode(ids) == "the thin<|im_end|><unused3>" and tok.decode(ids, True) == "the thin<unused3>"
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == {2}
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(arch="qwen2"), "GGUF architecture 'qwen2' is not supported"),
+    (dict(types={"model.layers.0.mlp.up_proj.weight": "Q4_K"}), "blk.0.ffn_up.weight has GGUF type Q4_K"),
+    (dict(tokenizer_model="llama"), "GGUF tokenizer model 'llama' is not supported"),
+])
+def test_refusals(tmp_path, change, message):
+    config = small_config()
+    write_gguf(tmp_path / "m.gguf", config, random_tensors(config, "float32"), **change)
+    with pytest.raises(CuinferError, match=message):
+        cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(CuinferError, match="no such file"):
+        cg.convert_gguf(tmp_path / "none.gguf", tmp_path / "out")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(CuinferError, match="not a readable GGUF file"):
+        cg.convert_gguf(tmp_path / "junk.gguf", tmp_path / "out")
+    config = small_config()
+    write_gguf(tmp_path / "m.gguf", config, random_tensors(config, "float32"))
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "m.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CuinferError, match="not a readable GGUF file"):
+        cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_tensor_name():
+    assert cg.hf_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
+    with pytest.raises(CuinferError, match="unknown GGUF tensor 'blk.0.attn_qkv.weight'"):
+        cg.hf_name("blk.0.attn_qkv.weight")
