@@ -1,0 +1,297 @@
+// Linear layers y = x @ W.T (+ bias) for decode batches (M = 1..16 rows of x) with the
+// weight dequantized in registers, and the dequantize-to-scratch kernel of the prefill path.
+//
+// Weight formats (cuinfer/quant.py documents the layouts):
+//   WBITS 16: W [N, K] in T (fp16 / bf16), row-major.
+//   WBITS 8 : q int8 [N, K] row-major, w = q * scale[n] (fp16 scales, per output channel).
+//   WBITS 4 : q uint32 [N, ceil(K/128) * 16], 8 nibbles per word in the interleaved order
+//             of quant.py, w = (q - zero[n, g]) * scale[n, g] for groups of GS along K.
+//
+// The GEMV runs on tensor cores: mma.sync m16n8k16 with A = 16 weight rows and B = up to 8
+// rows of x per n-tile (NT = 2 n-tiles for M = 9..16), fp32 accumulators. A contraction
+// index is only a label, so each lane of a quad (lane % 4 = c) gives its four k slots
+// {2c, 2c+1, 2c+8, 2c+9} of a k16 step to four CONSECUTIVE k of its own 16-byte weight load;
+// x is read with the same map, so the weights need no shuffle to reach fragment order:
+//   fp16 : lane c loads k = kq + 8c .. +8        (2 mma steps), a quad covers 32 k
+//   int8 : lane c loads k = kq + 16c .. +16      (4 mma steps), a quad covers 64 k
+//   int4 : lane c loads step t's k = kq + 16t + 4c .. +4 for t = 0..7 (packed that way),
+//          a quad covers 128 k and every mma step lies inside one scale group.
+// int8 scales multiply the finished dot product; int4 steps of one group accumulate into a
+// fresh fragment that is scaled into the fp32 sum when the group ends.
+#include "common.cuh"
+
+using namespace cuinfer;
+
+namespace {
+
+using u32 = unsigned int;
+using i8 = signed char;
+
+template <typename T> struct Pair;  // two values of T in one 32-bit register
+template <> struct Pair<__half> {
+  static constexpr u32 kMagic4 = 0x64006400u;  // half 1024: 0x6400 | n == 1024 + n for n < 1024
+  __device__ __forceinline__ static u32 sub(u32 a, u32 b) {
+    __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+    return *reinterpret_cast<u32*>(&r);
+  }
+  __device__ __forceinline__ static u32 splat(float v) {
+    __half2 r = __float2half2_rn(v);
+    return *reinterpret_cast<u32*>(&r);
+  }
+};
+template <> struct Pair<__nv_bfloat16> {
+  static constexpr u32 kMagic4 = 0x43004300u;  // bf16 128: 0x4300 | n == 128 + n for n < 128
+  __device__ __forceinline__ static u32 sub(u32 a, u32 b) {
+    __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+    return *reinterpret_cast<u32*>(&r);
+  }
+  __device__ __forceinline__ static u32 splat(float v) {
+    __nv_bfloat162 r = __float2bfloat162_rn(v);
+    return *reinterpret_cast<u32*>(&r);
+  }
+};
+
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, __nv_bfloat16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// int8 bytes 2h, 2h+1 of `w` as two exact values of T (q in -128..127).
+template <typename T> __device__ __forceinline__ u32 int8_pair(u32 w, int h);
+template <> __device__ __forceinline__ u32 int8_pair<__half>(u32 w, int h) {
+  // (q + 128) into the low byte of half 1024 (0x6400 | b == 1024 + b), then minus 1152: exact.
+  const u32 r = __byte_perm(w ^ 0x80808080u, 0x64646464u, h ? 0x4342 : 0x4140);
+  return Pair<__half>::sub(r, 0x64806480u);
+}
+template <> __device__ __forceinline__ u32 int8_pair<__nv_bfloat16>(u32 w, int h) {
+  // bf16 has too few mantissa bits for the byte trick over 0..255: go through fp32 (exact).
+  const float lo = static_cast<float>(static_cast<i8>(w >> (16 * h)));
+  const float hi = static_cast<float>(static_cast<i8>(w >> (16 * h + 8)));
+  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&r);
+}
+
+// Nibbles i and i + 4 of `w` (shift = 4 i) as T values q - zero: 1024 + q (or 128 + q for bf16)
+// by the magic-number OR, minus the magic (exact), minus the zero point (rounded once to T).
+template <typename T> __device__ __forceinline__ u32 int4_pair(u32 w, int shift, u32 zero2) {
+  const u32 r = ((w >> shift) & 0x000f000fu) | Pair<T>::kMagic4;
+  return Pair<T>::sub(Pair<T>::sub(r, Pair<T>::kMagic4), zero2);
+}
+
+template <int WBITS> struct Layout {
+  static constexpr int kLaneK = WBITS == 16 ? 8 : WBITS == 8 ? 16 : 32;  // k per lane load
+  static constexpr int kQuadK = 4 * kLaneK;                              // k per quad step
+};
+
+}  // namespace
+
+// grid: (ceil(N / (16 RT))) · block: 32 WARPS · smem: static, 4 * WARPS * RT * NT * 128 bytes
+// x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] or null, all T; w: see the formats above;
+// scales: fp16 [N] (WBITS 8) or [N, K / GS] (WBITS 4); zeros: fp16 [N, K / GS] (WBITS 4).
+// Warp w of a block takes quad steps (i * WARPS + w) * U + u of K for the block's 16 RT rows;
+// the warps' partial sums meet in shared memory. Every weight byte is read once (streamed).
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS) linear_kernel(
+    const T* __restrict__ x, const void* __restrict__ w, const __half* __restrict__ scales,
+    const __half* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out, int M, int N,
+    int K) {
+  using L = Layout<WBITS>;
+  static_assert(WBITS != 4 || GS == 32 || GS == 64 || GS == 128, "int4 group size");
+  __shared__ float partial[WARPS][RT * NT * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3, g4 = lane >> 2;
+  const int row0 = blockIdx.x * 16 * RT;
+  const int n_quads = (K + L::kQuadK - 1) / L::kQuadK;
+  const int n_groups = WBITS == 4 ? K / GS : 1;
+
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
+
+  for (int base = warp * U; base < n_quads; base += WARPS * U) {
+    uint4 a_raw[U][RT][2];  // [quad step][row tile][row g4, row g4 + 8]
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = base + u;
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + 16 * r + 8 * h + g4;
+          const bool ok = q < n_quads && row < N && (WBITS == 4 || (q * L::kQuadK + (c + 1) * L::kLaneK) <= K);
+          a_raw[u][r][h] = make_uint4(0, 0, 0, 0);
+          if (ok) {
+            if constexpr (WBITS == 16) {
+              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(w) + (size_t)row * K + q * 32 + 8 * c));
+            } else if constexpr (WBITS == 8) {
+              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const i8*>(w) + (size_t)row * K + q * 64 + 16 * c));
+            } else {
+              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const u32*>(w) + (size_t)row * (n_quads * 16) + q * 16 + 4 * c));
+            }
+          }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = base + u;
+      if (q >= n_quads) break;
+      const int kq = q * L::kQuadK;
+      if constexpr (WBITS == 16 || WBITS == 8) {
+        constexpr int kLoads = L::kLaneK / 8;  // 16-byte x loads per lane: 1 (fp16), 2 (int8)
+        const bool k_ok = kq + (c + 1) * L::kLaneK <= K;
+#pragma unroll
+        for (int xl = 0; xl < kLoads; ++xl) {
+          uint4 b[NT];
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const int m = 8 * n + g4;
+            b[n] = (k_ok && m < M) ? *reinterpret_cast<const uint4*>(x + (size_t)m * K + kq + c * L::kLaneK + 8 * xl)
+                                   : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {  // the two k16 steps of these 8 x values
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+              u32 a[4];
+              if constexpr (WBITS == 16) {
+                const u32* lo = reinterpret_cast<const u32*>(&a_raw[u][r][0]);
+                const u32* hi = reinterpret_cast<const u32*>(&a_raw[u][r][1]);
+                a[0] = lo[2 * s]; a[1] = hi[2 * s]; a[2] = lo[2 * s + 1]; a[3] = hi[2 * s + 1];
+              } else {
+                const u32 wl = reinterpret_cast<const u32*>(&a_raw[u][r][0])[2 * xl + s];
+                const u32 wh = reinterpret_cast<const u32*>(&a_raw[u][r][1])[2 * xl + s];
+                a[0] = int8_pair<T>(wl, 0); a[1] = int8_pair<T>(wh, 0);
+                a[2] = int8_pair<T>(wl, 1); a[3] = int8_pair<T>(wh, 1);
+              }
+#pragma unroll
+              for (int n = 0; n < NT; ++n) {
+                const u32* bw = reinterpret_cast<const u32*>(&b[n]);
+                mma(acc[r][n], a, bw[2 * s], bw[2 * s + 1], T());
+              }
+            }
+          }
+        }
+      } else {
+        constexpr int kSteps = GS / 16;  // k16 steps per scale group
+#pragma unroll
+        for (int gi = 0; gi < 128 / GS; ++gi) {
+          const int g = kq / GS + gi;
+          if (g >= n_groups) break;
+          float sc[RT][2];
+          u32 z2[RT][2];
+#pragma unroll
+          for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = min(row0 + 16 * r + 8 * h + g4, N - 1);
+              sc[r][h] = __half2float(scales[(size_t)row * n_groups + g]);
+              z2[r][h] = Pair<T>::splat(__half2float(zeros[(size_t)row * n_groups + g]));
+            }
+          float p[RT][NT][4];
+#pragma unroll
+          for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) p[r][n][j] = 0.0f;
+#pragma unroll
+          for (int st = 0; st < kSteps; ++st) {
+            const int t = gi * kSteps + st;  // step 0..7 of the quad: word t / 2, nibbles by t % 2
+            uint2 b[NT];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              const int m = 8 * n + g4;
+              b[n] = m < M ? *reinterpret_cast<const uint2*>(x + (size_t)m * K + kq + 16 * t + 4 * c)
+                           : make_uint2(0, 0);
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+              const u32 wl = reinterpret_cast<const u32*>(&a_raw[u][r][0])[t >> 1];
+              const u32 wh = reinterpret_cast<const u32*>(&a_raw[u][r][1])[t >> 1];
+              const int sh = 8 * (t & 1);
+              u32 a[4];
+              a[0] = int4_pair<T>(wl, sh, z2[r][0]); a[1] = int4_pair<T>(wh, sh, z2[r][1]);
+              a[2] = int4_pair<T>(wl, sh + 4, z2[r][0]); a[3] = int4_pair<T>(wh, sh + 4, z2[r][1]);
+#pragma unroll
+              for (int n = 0; n < NT; ++n) mma(p[r][n], a, b[n].x, b[n].y, T());
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[r][n][j] = fmaf(sc[r][j >> 1], p[r][n][j], acc[r][n][j]);
+        }
+      }
+    }
+  }
+
+  // Sum the warps' fragments; thread i of the block finishes fragment value i / 32 of lane i % 32.
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) partial[warp][(r * NT + n) * 4 + j][lane] = acc[r][n][j];
+  __syncthreads();
+  for (int i = threadIdx.x; i < RT * NT * 4 * 32; i += 32 * WARPS) {
+    const int v = i >> 5, l = i & 31, j = v & 3, n = (v >> 2) % NT, r = v / (4 * NT);
+    const int row = row0 + 16 * r + (l >> 2) + 8 * (j >> 1);
+    const int m = 8 * n + 2 * (l & 3) + (j & 1);
+    if (row >= N || m >= M) continue;
+    float y = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < WARPS; ++wi) y += partial[wi][v][l];
+    if constexpr (WBITS == 8) y *= __half2float(scales[row]);
+    if (bias != nullptr) y += to_float(bias[row]);
+    out[(size_t)m * N + row] = from_float<T>(y);
+  }
+}
+
+// grid: (ceil(N * K / (8 * 256))) · block: 256 · smem: none
+// out: [N, K] T, the dequantized weight, w = T(scale * (q - zero)) (rounded once); thread i
+// writes out elements 8i .. 8i + 7 (K % 8 == 0 for int8, K % 32 == 0 for int4).
+template <typename T, int WBITS, int GS>
+__global__ void __launch_bounds__(256) linear_dequant_kernel(const void* __restrict__ w,
+                                                             const __half* __restrict__ scales,
+                                                             const __half* __restrict__ zeros,
+                                                             T* __restrict__ out, int N, int K) {
+  const size_t i = (size_t)blockIdx.x * 256 + threadIdx.x;
+  if (i * 8 >= (size_t)N * K) return;
+  const int row = static_cast<int>(i * 8 / K), k = static_cast<int>(i * 8 % K);
+  float v[8];
+  if constexpr (WBITS == 8) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const i8*>(w) + i * 8);
+    const float s = __half2float(scales[row]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = s * static_cast<float>(static_cast<i8>((j < 4 ? raw.x : raw.y) >> (8 * (j & 3))));
+  } else {
+    // k .. k + 7 are two 4-k runs of the packed order: quad q, step t, lanes c and c + 1.
+    const int n_quads = (K + 127) / 128, n_groups = K / GS;
+    const int q = k / 128, t = (k % 128) / 16, c = (k % 16) / 4;
+    const u32* row_w = static_cast<const u32*>(w) + (size_t)row * n_quads * 16 + q * 16;
+    const float s = __half2float(scales[(size_t)row * n_groups + k / GS]);
+    const float z = to_float(from_float<T>(__half2float(zeros[(size_t)row * n_groups + k / GS])));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const u32 word = row_w[4 * (c + (j >> 2)) + (t >> 1)];
+      const int o = j & 3, nib = 2 * (t & 1) + (o >> 1) + 4 * (o & 1);
+      const float qv = static_cast<float>((word >> (4 * nib)) & 0xfu);
+      v[j] = s * to_float(from_float<T>(qv - z));  // q - T(zero) rounded to T, as the GEMV does
+    }
+  }
+  Vec<T, 8> r;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) r.v[j] = from_float<T>(v[j]);
+  r.store(out + i * 8);
+}

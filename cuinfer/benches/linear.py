@@ -1,0 +1,95 @@
+"""Linear layers: decode GEMV with fp16, INT8 and INT4 g128 weights against cuBLAS and torch fp16.
+
+Llama-3-8B shapes (in_features K, out_features N) at M = 1, 4, 16 rows of x. Bytes = the
+weight's bytes (qweight + scales + zeros) plus x and y. Every variant, ours and the
+peers', is timed replayed from a CUDA graph of 20 calls that cycle through enough weight
+copies (>= 120 MB) that each call streams its weight from HBM, not from the 50 MB L2;
+eagerly a call would measure its Python launch cost (about 10-20 us), not the GPU.
+The peer of every row is cupy.matmul (cuBLAS) on an fp16 weight of the same shape; a
+`torch fp16` row (torch.nn.functional.linear) per shape is measured in the same run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import bench, runtime
+from ..ops.linear import linear
+from ..quant import Int4Weight, Int8Weight
+from .attention import graph_ms, torch_graph_ms
+
+SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
+ROWS_M = (1, 4, 16)
+REPS = 20
+ROTATE_BYTES = 120 << 20
+
+
+def add_arguments(parser):
+    parser.add_argument("--m", type=int, nargs="*", default=list(ROWS_M), help="rows of x")
+
+
+def _random_weight(cp, fmt, n, k):
+    if fmt == "fp16":
+        return (cp.random.standard_normal((n, k), dtype=cp.float32) / np.sqrt(k)).astype(cp.float16)
+    if fmt == "int8":
+        return Int8Weight(cp.random.randint(-127, 128, (n, k)).astype(cp.int8),
+                          cp.full((n,), 0.01 / np.sqrt(k), cp.float16), (n, k))
+    groups = k // 128
+    return Int4Weight(cp.random.randint(0, 256, (n, k // 2), dtype=cp.uint8).view(cp.uint32),
+                      cp.full((n, groups), 0.1 / np.sqrt(k), cp.float16), cp.full((n, groups), 8, cp.float16),
+                      128, (n, k))
+
+
+def _copies(make):
+    """Enough weight copies (at most REPS) to hold ROTATE_BYTES, so the L2 cannot keep them."""
+    first = make()
+    return [first] + [make() for _ in range(min(REPS, -(-ROTATE_BYTES // first.nbytes)) - 1)]
+
+
+def _cycle(fns):
+    state = {"i": 0}
+
+    def step():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+    return step
+
+
+def run(args):
+    cp = runtime.require_cupy()
+    torch = bench.torch_or_none()
+    rows, sums = [], {}
+    for k, n in SHAPES:
+        for m in args.m:
+            x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+            out = cp.empty((m, n), cp.float16)
+            io_bytes = x.nbytes + out.nbytes
+            nbytes16 = n * k * 2
+            ws = _copies(lambda: _random_weight(cp, "fp16", n, k))
+            peer_ms = graph_ms(cp, _cycle([lambda w=w: cp.matmul(x, w.T, out=out) for w in ws]), REPS)
+            shape = f"M={m} K={k} N={n}"
+            measured = [("cublas fp16", peer_ms, nbytes16)]
+            for fmt in ("fp16", "int8", "int4"):
+                copies = ws if fmt == "fp16" else _copies(lambda: _random_weight(cp, fmt, n, k))
+                ms = graph_ms(cp, _cycle([lambda w=w: linear(x, w, out=out) for w in copies]), REPS)
+                measured.append((f"ours {fmt if fmt != 'int4' else 'int4 g128'}", ms, copies[0].nbytes))
+                del copies
+            if torch is not None:
+                tx = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                tws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in ws]
+                f = torch.nn.functional.linear
+                measured.append(("torch fp16", torch_graph_ms(torch, _cycle([lambda w=w: f(tx, w) for w in tws]), REPS),
+                                 nbytes16))
+                del tws
+            del ws
+            for name, ms, wbytes in measured:
+                rows.append(dict(name=name, shape=shape, dtype="float16", ms=ms, bytes=wbytes + io_bytes,
+                                 peer="cublas fp16", peer_ms=peer_ms))
+                s = sums.setdefault((m, name), [0.0, 0, 0.0])
+                s[0] += ms
+                s[1] += wbytes + io_bytes
+                s[2] += peer_ms
+            cp.get_default_memory_pool().free_all_blocks()
+    for (m, name), (ms, nbytes, peer_ms) in sums.items():
+        rows.append(dict(name=f"sum {name}", shape=f"M={m}, 5 shapes", dtype="float16", ms=ms, bytes=nbytes,
+                         peer="cublas fp16", peer_ms=peer_ms))
+    return rows

@@ -1,0 +1,269 @@
+"""Quantized linear weights: INT8 per output channel and INT4 group-wise, with their save format.
+
+A linear weight has the Hugging Face layout W [out_features N, in_features K], y = x @ W.T.
+
+Int8Weight: w[n, k] = qweight[n, k] * scales[n]
+    qweight int8 [N, K] (symmetric, -127..127), scales fp16 [N].
+
+Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_size
+    scales, zeros fp16 [N, K / group_size] (group_size 32, 64 or 128); q in 0..15, packed
+    into qweight uint32 [N, ceil(K / 128) * 16], 8 nibbles a word, in the order the GEMV's
+    mma.sync fragments want (cuda_src/linear.cu), so a lane needs no shuffle:
+
+    one row, one quad of 128 k (16 words = 64 bytes; k = 128 Q + 16 t + 4 c + o):
+      words 4c .. 4c+3 belong to lane c of an mma quad (one 16-byte load);
+      word j holds the k16 steps t = 2j and 2j+1, four k (o = 0..3) of each:
+
+      bits  31..28 27..24 23..20 19..16 | 15..12 11..8  7..4   3..0
+      nib      7      6      5      4   |    3     2     1      0
+      (t,o) (2j+1,3)(2j+1,1)(2j,3)(2j,1)|(2j+1,2)(2j+1,0)(2j,2)(2j,0)
+
+    (word >> 4i) & 0x000f000f puts nibble i in the low half and nibble i + 4 in the high
+    half: the pair (o = 0, 1) for i = 0 or 2 and (o = 2, 3) for i = 1 or 3, exactly the
+    two k of one register of the A fragment. OR-ing 0x64006400 makes two halves 1024 + q
+    (half 1024 has ulp 1; bf16 uses 0x43004300, 128 + q), one subtraction takes 1024 off:
+    two weights per lop3 + hsub2, no integer-to-float conversion. Zero padding fills
+    the last quad when K % 128 != 0; every k16 step lies inside one group.
+
+    The kernel computes q - zero in the activation dtype (exact for the integer zero points
+    `quantize` makes; a fractional zero from GGUF Q4_1 is rounded there once) and applies the
+    scale in fp32: `dequantize(compute_dtype)` mirrors that rounding.
+
+Saved form (safetensors, AWQ-like names): for a weight `<prefix>.weight` the tensors
+`<prefix>.qweight`, `<prefix>.scales` and, for int4, `<prefix>.zeros`; config.json gets
+`"quantization": {"method": "int4", "group_size": 128}` (`quantization_config`).
+GGUF Q4_0 / Q4_1 blocks import as int4 group 32 without a float round trip; Q8_0 (int8
+with a scale per 32) is re-quantized per channel (error <= scale / 2 on top of Q8_0's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import runtime
+
+GROUP_SIZES = (32, 64, 128)
+QUAD_K = 128  # k per packed quad (16 uint32 per row)
+METHODS = ("int8", "int4")
+
+
+def _fp16_round_up(s):
+    """fp16 scales that are never below the fp32 ones, so the quantization grid covers the range."""
+    h = s.astype(np.float16)
+    low = h.astype(np.float32) < s
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    return h
+
+
+def _asnumpy(a):
+    return runtime.cupy_or_none().asnumpy(a) if runtime.is_device_array(a) else np.asarray(a)
+
+
+def _to_device(a):
+    return runtime.require_cupy().asarray(a)
+
+
+# ------------------------------------------------------------------------ int4 packing
+_NIBBLE = np.array([[0, 4, 1, 5], [2, 6, 3, 7]])  # _NIBBLE[t % 2, o]: nibble of (step, k offset)
+
+
+def pack_int4(q):
+    """q: uint8 [N, K] in 0..15 -> qweight uint32 [N, ceil(K / 128) * 16] in the documented order."""
+    n, k = q.shape
+    quads = -(-k // QUAD_K)
+    padded = np.zeros((n, quads * QUAD_K), dtype=np.uint32)
+    padded[:, :k] = q
+    # padded: [N, Q, j, t % 2, c, o] with k = 128 Q + 16 (2 j + t % 2) + 4 c + o
+    q6 = padded.reshape(n, quads, 4, 2, 4, 4)
+    words = (q6 << (4 * _NIBBLE).astype(np.uint32)[None, None, None, :, None, :]).sum(axis=(3, 5), dtype=np.uint32)
+    return np.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(n, quads * 16)  # [N, Q, c, j]
+
+
+def unpack_int4(qweight, k):
+    """Inverse of pack_int4: uint8 [N, K]."""
+    n = qweight.shape[0]
+    words = np.asarray(qweight, dtype=np.uint32).reshape(n, -1, 4, 4).transpose(0, 1, 3, 2)  # [N, Q, j, c]
+    shifts = (4 * _NIBBLE).astype(np.uint32)[None, None, None, :, None, :]
+    q6 = (words[:, :, :, None, :, None] >> shifts) & np.uint32(0xF)  # [N, Q, j, t % 2, c, o]
+    return q6.reshape(n, -1)[:, :k].astype(np.uint8)
+
+
+# ------------------------------------------------------------------------ weight objects
+@dataclass(frozen=True)
+class Int8Weight:
+    qweight: object  # int8 [N, K]
+    scales: object  # fp16 [N]
+    shape: tuple  # (N, K)
+
+    def to_device(self):
+        return Int8Weight(_to_device(self.qweight), _to_device(self.scales), self.shape)
+
+    def dequantize(self, compute_dtype=None):
+        """float32 [N, K]; compute_dtype is accepted for symmetry (int8 values are exact in fp16/bf16)."""
+        return _asnumpy(self.qweight).astype(np.float32) * _asnumpy(self.scales).astype(np.float32)[:, None]
+
+    @property
+    def nbytes(self):
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    qweight: object  # uint32 [N, ceil(K / 128) * 16]
+    scales: object  # fp16 [N, K / group_size]
+    zeros: object  # fp16 [N, K / group_size]
+    group_size: int
+    shape: tuple  # (N, K)
+
+    def to_device(self):
+        return Int4Weight(_to_device(self.qweight), _to_device(self.scales), _to_device(self.zeros),
+                          self.group_size, self.shape)
+
+    def dequantize(self, compute_dtype=None):
+        """float32 [N, K]. With compute_dtype (the activations' fp16 / bf16) q - zero is rounded
+        to it after the zero is, as the kernels do; both are exact for integer zero points."""
+        n, k = self.shape
+        q = unpack_int4(_asnumpy(self.qweight), k).astype(np.float32)
+        zeros = _asnumpy(self.zeros).astype(np.float32)
+        if compute_dtype is not None:
+            zeros = zeros.astype(compute_dtype).astype(np.float32)  # the kernel's T(zero)
+        d = q - np.repeat(zeros, self.group_size, axis=1)
+        if compute_dtype is not None:
+            d = d.astype(compute_dtype).astype(np.float32)  # q - zero rounded to T in the kernel
+        return d * np.repeat(_asnumpy(self.scales).astype(np.float32), self.group_size, axis=1)
+
+    @property
+    def nbytes(self):
+        return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+
+# ------------------------------------------------------------------------ quantizers
+def quantize(w, method, group_size=128):
+    """Quantize a float weight [N, K] (numpy) into Int8Weight or Int4Weight (numpy arrays).
+
+    int8: scale = max|w| / 127 per row (rounded up to fp16), q = round(w / scale).
+    int4: per group the range [min(w, 0), max(w, 0)] maps onto 0..15: scale = range / 15
+    (rounded up to fp16), integer zero = round(-min / scale) in 0..15. Both keep
+    |w - dequantized| <= scale / 2 and reproduce weights already on such a grid exactly.
+    """
+    w = _asnumpy(w).astype(np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"w: got shape {w.shape}, need [out_features, in_features]")
+    n, k = w.shape
+    if method == "int8":
+        s = _fp16_round_up(np.abs(w).max(axis=1) / 127)
+        s[s == 0] = 1
+        q = np.clip(np.rint(w / s.astype(np.float32)[:, None]), -127, 127).astype(np.int8)
+        return Int8Weight(q, s, (n, k))
+    if method != "int4":
+        raise ValueError(f"method: got {method!r}, need one of {METHODS}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: got {group_size}, need one of {GROUP_SIZES}")
+    if k % group_size:
+        raise ValueError(f"w: got in_features {k}, need a multiple of group_size {group_size}")
+    g = w.reshape(n, k // group_size, group_size)  # g: [N, groups, group_size]
+    lo, hi = np.minimum(g.min(axis=2), 0), np.maximum(g.max(axis=2), 0)
+    s = _fp16_round_up((hi - lo) / 15)
+    s[s == 0] = 1
+    s32 = s.astype(np.float32)
+    z = np.clip(np.rint(-lo / s32), 0, 15)
+    q = np.clip(np.rint(g / s32[..., None] + z[..., None]), 0, 15).astype(np.uint8)
+    return Int4Weight(pack_int4(q.reshape(n, k)), s, z.astype(np.float16), group_size, (n, k))
+
+
+# ------------------------------------------------------------------------ checkpoints
+def is_quantizable(name, w):
+    """Linear weights of the decoder: 2-D `.weight` tensors other than the token embedding."""
+    return name.endswith(".weight") and np.ndim(w) == 2 and "embed_tokens" not in name
+
+
+def quantize_state_dict(tensors, method, group_size=128, predicate=is_quantizable):
+    """Quantize a {name: array} dict; returns ({name: array} for safetensors, config entry).
+
+    `<prefix>.weight` becomes `<prefix>.qweight` / `.scales` (/ `.zeros`); the rest is kept."""
+    out = {}
+    for name, w in tensors.items():
+        if not predicate(name, w):
+            out[name] = w
+            continue
+        out.update(quantized_tensors_to_safetensors(name[: -len(".weight")], quantize(w, method, group_size)))
+    return out, quantization_config(method, group_size)
+
+
+def quantization_config(method, group_size=128):
+    """The `quantization` entry of config.json."""
+    return {"method": method, "group_size": group_size} if method == "int4" else {"method": method}
+
+
+def quantized_tensors_to_safetensors(prefix, weight):
+    """{name: numpy array} for one weight object, under `prefix` (e.g. 'model.layers.0.mlp.up_proj')."""
+    out = {f"{prefix}.qweight": _asnumpy(weight.qweight), f"{prefix}.scales": _asnumpy(weight.scales)}
+    if isinstance(weight, Int4Weight):
+        out[f"{prefix}.zeros"] = _asnumpy(weight.zeros)
+    return out
+
+
+def weights_from_safetensors(tensors, config):
+    """Inverse of quantize_state_dict: `<prefix>.weight` -> Int8Weight / Int4Weight, rest unchanged.
+
+    config: the `quantization` entry of config.json (None or {} for an unquantized checkpoint)."""
+    if not config:
+        return dict(tensors)
+    method = config.get("method")
+    if method not in METHODS:
+        raise runtime.CuinferError(f"config.json quantization method {method!r} is not supported: need one of {METHODS}")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith((".scales", ".zeros")):
+            continue
+        if not name.endswith(".qweight"):
+            out[name] = t
+            continue
+        prefix = name[: -len(".qweight")]
+        s = tensors[f"{prefix}.scales"]
+        if method == "int8":
+            out[f"{prefix}.weight"] = Int8Weight(t, s, tuple(t.shape))
+        else:
+            gs = int(config.get("group_size", 128))
+            out[f"{prefix}.weight"] = Int4Weight(t, s, tensors[f"{prefix}.zeros"], gs, (t.shape[0], s.shape[1] * gs))
+    return out
+
+
+# ------------------------------------------------------------------------ GGUF blocks
+GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8  # ggml type ids (gguf.GGMLQuantizationType)
+_BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}
+
+
+def from_gguf_blocks(data, qtype, shape):
+    """Raw GGUF blocks of a [N, K] weight (gguf reader's tensor.data, uint8) -> a weight object.
+
+    Q4_0 (d, q - 8 per 32): int4 group 32, scale d, zero 8, exact.
+    Q4_1 (d, m, q per 32, w = d q + m): int4 group 32, scale d, zero -m / d rounded to fp16
+        (exact when representable); a block with d = 0 becomes q = 1, scale m, zero 0, exact.
+    Q8_0 (d, q per 32): dequantized exactly in fp32, then re-quantized to int8 per channel.
+    """
+    qtype = int(qtype)
+    n, k = shape
+    if qtype not in _BLOCK_BYTES:
+        raise ValueError(f"qtype: got ggml type {qtype}, need Q4_0 ({GGML_Q4_0}), Q4_1 ({GGML_Q4_1}) or Q8_0 ({GGML_Q8_0})")
+    if k % 32:
+        raise ValueError(f"shape: got in_features {k}, need a multiple of 32")
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, k // 32, _BLOCK_BYTES[qtype])
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]  # d: [N, K / 32]
+    if qtype == GGML_Q8_0:
+        q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+        return quantize((q * d.astype(np.float32)[..., None]).reshape(n, k), "int8")
+    qs = blocks[..., 4:] if qtype == GGML_Q4_1 else blocks[..., 2:]  # 16 bytes: k j in low nibbles, j + 16 high
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # q: [N, K / 32, 32]
+    if qtype == GGML_Q4_0:
+        return Int4Weight(pack_int4(q.reshape(n, k)), d, np.full_like(d, 8), 32, (n, k))
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    d32 = d.astype(np.float32)
+    flat = d32 == 0
+    q = np.where(flat[..., None], np.uint8(1), q)
+    scales = np.where(flat, m.astype(np.float16), d)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zeros = np.where(flat, 0.0, -m / np.where(flat, 1, d32))
+    zeros = np.clip(zeros, -65504, 65504).astype(np.float16)
+    return Int4Weight(pack_int4(q.reshape(n, k)), scales, zeros, 32, (n, k))

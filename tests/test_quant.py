@@ -1,0 +1,155 @@
+"""INT8 / INT4 weight formats: packing, quantization bounds, safetensors and GGUF import (CPU)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cuinfer import quant
+
+
+def unit_grid_weight(rng, n, k, group_size):
+    """A weight already on an int4 grid: each group holds q 0 and 15, so quantize must find s, z exactly."""
+    s = rng.uniform(0.01, 2, (n, k // group_size)).astype(np.float16).astype(np.float32)
+    z = rng.integers(0, 16, (n, k // group_size)).astype(np.float32)
+    q = rng.integers(0, 16, (n, k // group_size, group_size))
+    q[..., 0], q[..., 1] = 0, 15
+    return ((q - z[..., None]) * s[..., None]).reshape(n, k), s, z
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 9), quads=st.integers(1, 4), tail=st.sampled_from([0, 16, 32, 96]), seed=st.integers(0, 2**32 - 1))
+def test_pack_unpack_round_trip(n, quads, tail, seed):
+    k = quads * 128 - (tail and 128 - tail)
+    q = np.random.default_rng(seed).integers(0, 16, (n, k)).astype(np.uint8)
+    packed = quant.pack_int4(q)
+    assert packed.dtype == np.uint32 and packed.shape == (n, -(-k // 128) * 16)
+    np.testing.assert_array_equal(quant.unpack_int4(packed, k), q)
+
+
+def test_pack_order_matches_the_documented_diagram():
+    # k = 128 Q + 16 t + 4 c + o sits in word 4c + t // 2, nibble (2 (t % 2) + o // 2 + 4 (o % 2))
+    k = np.arange(256)
+    q = np.zeros((1, 256), dtype=np.uint8)
+    for kk in k:
+        q[0, kk] = kk % 16
+    words = quant.pack_int4(q)[0]
+    for kk in k:
+        quad, t, c, o = kk // 128, kk % 128 // 16, kk % 16 // 4, kk % 4
+        word = words[16 * quad + 4 * c + t // 2]
+        nib = 2 * (t % 2) + o // 2 + 4 * (o % 2)
+        assert (int(word) >> (4 * nib)) & 0xF == kk % 16
+
+
+@pytest.mark.parametrize("group_size", quant.GROUP_SIZES)
+def test_int4_exact_on_grid_values(group_size):
+    w, s, z = unit_grid_weight(np.random.default_rng(group_size), 7, 3 * group_size, group_size)
+    qw = quant.quantize(w, "int4", group_size)
+    np.testing.assert_array_equal(qw.scales.astype(np.float32), s)
+    np.testing.assert_array_equal(qw.zeros.astype(np.float32), z)
+    np.testing.assert_array_equal(qw.dequantize(), w)
+    np.testing.assert_array_equal(qw.dequantize(np.float16), w)
+
+
+def test_int8_exact_on_grid_values():
+    rng = np.random.default_rng(1)
+    s = rng.uniform(0.001, 1, 11).astype(np.float16).astype(np.float32)
+    q = rng.integers(-127, 128, (11, 200))
+    q[:, 3] = 127
+    w = q * s[:, None]
+    qw = quant.quantize(w, "int8")
+    np.testing.assert_array_equal(qw.qweight, q)
+    np.testing.assert_array_equal(qw.dequantize(), w)
+
+
+@settings(max_examples=30, deadline=None)
+@given(method=st.sampled_from(["int8", "int4"]), group_size=st.sampled_from(quant.GROUP_SIZES),
+       n=st.sampled_from([1, 17, 111]), groups=st.integers(1, 5), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       shift=st.sampled_from([0.0, 5.0]), seed=st.integers(0, 2**32 - 1))
+def test_error_at_most_half_a_step(method, group_size, n, groups, scale, shift, seed):
+    k = groups * group_size
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * scale + shift * scale).astype(np.float32)
+    qw = quant.quantize(w, method, group_size)
+    s = qw.scales.astype(np.float64)
+    step = s[:, None] if method == "int8" else np.repeat(s, group_size, axis=1)
+    err = np.abs(qw.dequantize().astype(np.float64) - w)
+    assert (err <= step / 2 * (1 + 1e-6)).all(), (err / step).max()
+
+
+def test_zero_rows_and_groups_stay_exact_zeros():
+    w = np.zeros((3, 128), np.float32)
+    w[1, :64] = 1.5
+    for method in ("int8", "int4"):
+        got = quant.quantize(w, method, 64).dequantize()
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got[w == 0], 0)
+
+
+def test_quantize_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="group_size"):
+        quant.quantize(np.zeros((2, 96), np.float32), "int4", 48)
+    with pytest.raises(ValueError, match="in_features 96"):
+        quant.quantize(np.zeros((2, 96), np.float32), "int4", 64)
+    with pytest.raises(ValueError, match="method"):
+        quant.quantize(np.zeros((2, 96), np.float32), "int3")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_state_dict_safetensors_round_trip(tmp_path, method):
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(2)
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((10, 64)).astype(np.float16),
+               "model.layers.0.mlp.up_proj.weight": rng.standard_normal((96, 64)).astype(np.float16),
+               "model.norm.weight": np.ones(64, np.float16)}
+    saved, config = quant.quantize_state_dict(tensors, method, 32)
+    assert config == ({"method": "int4", "group_size": 32} if method == "int4" else {"method": "int8"})
+    assert "model.layers.0.mlp.up_proj.qweight" in saved and "model.layers.0.mlp.up_proj.weight" not in saved
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    loaded = quant.weights_from_safetensors(load_file(str(tmp_path / "model.safetensors")), config)
+    assert set(loaded) == set(tensors)
+    w = loaded["model.layers.0.mlp.up_proj.weight"]
+    assert w.shape == (96, 64)
+    direct = quant.quantize(tensors["model.layers.0.mlp.up_proj.weight"], method, 32)
+    np.testing.assert_array_equal(w.dequantize(), direct.dequantize())
+    np.testing.assert_array_equal(loaded["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+
+
+def _gguf_blocks(tmp_path, w, qtype):
+    """Write w as one quantized tensor with gguf.GGUFWriter and read the raw blocks back."""
+    gguf = pytest.importorskip("gguf")
+    path = str(tmp_path / "t.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    writer.add_tensor("w", raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = gguf.GGUFReader(path).tensors[0]
+    assert tuple(int(d) for d in t.shape[::-1]) == w.shape
+    return np.asarray(t.data), gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(qtype))
+
+
+@pytest.mark.parametrize("qtype", [quant.GGML_Q4_0, quant.GGML_Q4_1, quant.GGML_Q8_0])
+def test_gguf_blocks_import(tmp_path, qtype):
+    w = np.random.default_rng(qtype).standard_normal((17, 96)).astype(np.float32)
+    w[3, :32] = 0.25  # a flat block: Q4_1 stores d = 0
+    blocks, ref = _gguf_blocks(tmp_path, w, qtype)
+    qw = quant.from_gguf_blocks(blocks, qtype, w.shape)
+    got = qw.dequantize()
+    if qtype == quant.GGML_Q4_0:
+        assert isinstance(qw, quant.Int4Weight) and qw.group_size == 32
+        np.testing.assert_array_equal(got, ref)  # exact: scale d, zero 8
+    elif qtype == quant.GGML_Q4_1:
+        # zero = -m / d rounded to fp16: |error| <= d * |zero| * 2^-11 per element
+        d = np.repeat(np.abs(qw.scales.astype(np.float32)) * (np.abs(qw.zeros.astype(np.float32)) + 1), 32, axis=1)
+        assert (np.abs(got - ref) <= d * 2.0**-11 + 1e-7).all()
+        np.testing.assert_array_equal(got[3, :32], ref[3, :32])
+    else:
+        assert isinstance(qw, quant.Int8Weight)
+        step = qw.scales.astype(np.float32)[:, None]
+        assert (np.abs(got - ref) <= step / 2 * (1 + 1e-6)).all()  # re-quantized per channel
+
+
+def test_gguf_rejects_other_types():
+    with pytest.raises(ValueError, match="qtype"):
+        quant.from_gguf_blocks(np.zeros((1, 10), np.uint8), 12, (1, 256))
