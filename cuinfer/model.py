@@ -18,38 +18,26 @@ then the final norm and the lm_head on the last token of each sequence (or every
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-from . import ops, runtime
+from . import runtime
 from .ops.activation import silu_and_mul
 from .ops.embedding import embedding
 from .ops.flash_attention import flash_attention_paged
+from .ops.linear import KERNEL_DTYPES, linear, linear_reference
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope_inv_freq
 from .ops.write_kv import write_kv
 from .weights import Weights, fuse, to_device
 
 
-@functools.lru_cache(maxsize=None)
-def _linear_op():
-    try:
-        return ops.family_module("linear").linear
-    except ModuleNotFoundError as e:
-        if e.name != "cuinfer.ops.linear":
-            raise
-        return None
-
-
 def project(x, w, bias=None):
-    """y = x @ w.T (+ bias) for x: [rows, in], w: [out, in]; through ops.linear once it exists."""
-    linear = _linear_op()
-    if linear is not None:
+    """y = x @ w.T (+ bias) for x: [rows, in], w: [out, in] (float or quantized)."""
+    if x.dtype in KERNEL_DTYPES:
         return linear(x, w, bias)
-    y = x @ w.T
-    return y if bias is None else y + bias
+    return linear_reference(x, w, bias)  # float32 (CPU backend): ops.linear takes fp16/bf16 only
 
 
 @dataclass

@@ -69,15 +69,22 @@ def fuse(config, tensors) -> Weights:
 
 
 def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
-    """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set."""
+    """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set
+    ("int8" per row, "int4" in groups of the largest size in quant.GROUP_SIZES dividing in_features)."""
     put = lambda a: None if a is None else xp.asarray(a.astype(dtype))
 
     def linear_weight(a):
         if quant is None:
             return put(a)
-        from . import quant as quant_mod
+        from .quant import GROUP_SIZES, quantize
 
-        return quant_mod.quantize(put(a), quant, group_size=128)
+        k = a.shape[1]
+        group = 128 if quant == "int8" else max((g for g in GROUP_SIZES if k % g == 0), default=None)
+        if group is None:
+            raise runtime.CuinferError(f"--quant {quant}: in_features {k} is not a multiple of any "
+                                       f"group size {GROUP_SIZES}")
+        q = quantize(a, quant, group_size=group)
+        return q if xp is np else q.to_device()
 
     layers = []
     for lw in w.layers:

@@ -158,3 +158,114 @@ def test_gpu_dtype_must_be_half():
         kernel_dtype(tiny_config(), np.float32)
     assert kernel_dtype(tiny_config()) == runtime.bfloat16
     assert kernel_dtype(tiny_config(torch_dtype="float16")) == np.float16
+
+
+def test_int8_weights_stay_close_to_float():
+    """int8 per-row rounding: |dw| <= max|w|/254 per weight (about 1% of a typical weight's size),
+    adding up as a random walk over the ~15 matrix products: relative L2 error of logits < 5e-2."""
+    cfg = tiny_config()
+    t = random_tensors(cfg)
+    ids = prompts(cfg, [23])
+    ref = run_chunks(Model.from_tensors(cfg, t, "cpu"), make_cache(cfg, Model.from_tensors(cfg, t, "cpu")),
+                     [([0, 1], ids[0])], 64)[0]
+    q = Model.from_tensors(cfg, t, "cpu", quant="int8")
+    got = run_chunks(q, make_cache(cfg, q), [([0, 1], ids[0])], 64)[0]
+    assert 0 < np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-2
+
+
+# ------------------------------------------------------------------------------ GPU
+
+def gpu_case(name):
+    """(config, float32 HF tensors): the smollm2-135m preset with random weights, or a
+    llama3-style GQA 4:1 decoder (llama3 RoPE scaling, untied head) of moderate size."""
+    if name == "smollm2-135m":
+        from cuinfer.convert import load_preset, random_tensors as preset_tensors
+
+        cfg = load_preset(name)
+        return cfg, preset_tensors(cfg, "float32", seed=0)
+    cfg = tiny_config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    return cfg, random_tensors(cfg, seed=5)
+
+
+# Relative L2 error of the logits, GPU (fp16 / bf16) against the float32 NumPy backend on the same
+# weights. Each rounding to the model dtype has relative error uniform in +-u/2 ... +-u (std about
+# u/sqrt(3) of the value; u = 2^-11 fp16, 2^-8 bf16). The weights are rounded once, and per layer
+# about six activations are (qkv, rotated q/k, attention output, residual stream twice, gate/up
+# product, MLP output): 30 layers give ~180 independent roundings, adding as a random walk through
+# the normalised residual stream: sqrt(180) * u / sqrt(3) ~ 7.7 u, i.e. 3.8e-3 for fp16 and 3.0e-2
+# for bf16. The bounds take 2.5x (fp16) and 1.3x (bf16) that for the correlated part (the same
+# weight rounding hits every token): 1e-2 and 4e-2.
+GPU_LOGIT_REL_L2 = {np.dtype(np.float16): 1e-2, runtime.bfloat16: 4e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama3-gqa"])
+@pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
+def test_gpu_logits_match_numpy(name, dtype):
+    cfg, t = gpu_case(name)
+    cpu = Model.from_tensors(cfg, t, "cpu")
+    gpu = Model.from_tensors(cfg, t, "gpu", dtype)
+    ids = prompts(cfg, [1, 17, 111, 161])  # 161 = 10 * 16 + 1 (a one-token last block)
+    tables = [[3], [8, 2], [20, 21, 22, 23, 24, 25, 26], [40 + i for i in range(11)]]
+    seqs = list(zip(tables, ids))
+    ref = run_chunks(cpu, make_cache(cfg, cpu), seqs, 64)
+    got = run_chunks(gpu, make_cache(cfg, gpu), seqs, 64)
+    ref, got = np.concatenate(ref), np.concatenate(got)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    print(f"{name} {np.dtype(dtype)}: logits relative L2 error {err:.2e}")
+    assert np.isfinite(got).all()
+    assert err <= GPU_LOGIT_REL_L2[np.dtype(dtype)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_random(tmp_path_factory):
+    from cuinfer.convert import random_checkpoint
+
+    return random_checkpoint("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "ckpt", dtype="float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
+def test_gpu_greedy_matches_numpy(dtype, smollm2_random):
+    """32 greedy tokens from a random smollm2-135m checkpoint, Engine.from_pretrained on both backends."""
+    from cuinfer.config import load_config
+    from cuinfer.engine import Engine
+    from cuinfer.sampling import SamplingParams
+
+    path = smollm2_random
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    ids = prompts(load_config(path), [5, 40, 100], seed=7)
+    cpu_out = Engine.from_pretrained(path, device="cpu", kv_tokens=4096).generate(ids, params)
+    gpu_out = Engine.from_pretrained(path, device="gpu", dtype=dtype, kv_tokens=4096).generate(ids, params)
+    for c, g in zip(cpu_out, gpu_out):
+        assert g.token_ids == c.token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
+def test_gpu_teacher_forced_argmax(dtype):
+    """On the llama3-style model (untied head: narrower top-2 margins than tied smollm2), feed the
+    CPU's greedy continuation to both backends: the GPU argmax equals the CPU token at every
+    position whose CPU top-2 margin exceeds 4x the largest GPU logit error seen."""
+    from cuinfer.engine import Engine
+    from cuinfer.sampling import SamplingParams
+
+    cfg, t = gpu_case("llama3-gqa")
+    cpu, gpu = Model.from_tensors(cfg, t, "cpu"), Model.from_tensors(cfg, t, "gpu", dtype)
+    outs = Engine(cpu, make_cache(cfg, cpu)).generate(prompts(cfg, [9, 60], seed=3),
+                                                      SamplingParams(max_new_tokens=32, ignore_eos=True))
+    seqs = [([0, 1, 2, 3, 4, 5], o.prompt_ids + o.token_ids) for o in outs]
+    seqs[1] = (list(range(6, 12)), seqs[1][1])
+    ref = run_chunks(cpu, make_cache(cfg, cpu), seqs, 64)
+    got = run_chunks(gpu, make_cache(cfg, gpu), seqs, 64)
+    tol = 4 * max(np.abs(g - r).max() for g, r in zip(got, ref))
+    checked = 0
+    for (_, s), r, g in zip(seqs, ref, got):
+        top2 = np.sort(r, axis=-1)[:, -2:]
+        for pos in range(len(s) - 33, len(s) - 1):  # logits at pos predict token pos + 1
+            if top2[pos, 1] - top2[pos, 0] > tol:
+                assert g[pos].argmax() == s[pos + 1], f"position {pos}"
+                checked += 1
+    assert checked >= 32, f"only {checked} of 64 positions had a clear margin"
