@@ -1,6 +1,7 @@
 // LayerNorm over the last axis: out = (x - mean) * rsqrt(var + eps) * w + b, in fp32, rounded
-// once to T (as torch.nn.functional.layer_norm). mean and var are two reductions over the same
-// values (var = mean((x - mean)^2), not E[x^2] - mean^2, which cancels for large offsets).
+// once to T (as torch.nn.functional.layer_norm). Both statistics are taken on x - x[0] (the row's
+// first element, exact when the row sits on a large offset) and in two reductions
+// (var = mean((x - mean)^2), not E[x^2] - mean^2): a row like 100 + N(0, 1) keeps its digits.
 // A row is read from global memory once: each thread keeps up to ITEMS 16-byte vectors of it in
 // registers; a longer row streams the rest three times (the later reads mostly from L2).
 #include "common.cuh"
@@ -18,6 +19,7 @@ layer_norm_kernel(const T* x, const T* __restrict__ weight, const T* __restrict_
   const int n_vec = hidden / VEC;
   const T* row = x + static_cast<long long>(blockIdx.x) * hidden;
   T* out_row = out + static_cast<long long>(blockIdx.x) * hidden;
+  const float shift = to_float(row[0]);
   Vec<T, VEC> cache[ITEMS];
   float sum = 0.0f;
 #pragma unroll
@@ -26,15 +28,15 @@ layer_norm_kernel(const T* x, const T* __restrict__ weight, const T* __restrict_
     if (i < n_vec) {
       cache[j] = Vec<T, VEC>::load(row + i * VEC);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) sum += to_float(cache[j].v[e]);
+      for (int e = 0; e < VEC; ++e) sum += to_float(cache[j].v[e]) - shift;
     }
   }
   for (int i = threadIdx.x + ITEMS * blockDim.x; i < n_vec; i += blockDim.x) {
     const Vec<T, VEC> v = Vec<T, VEC>::load(row + i * VEC);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) sum += to_float(v.v[e]);
+    for (int e = 0; e < VEC; ++e) sum += to_float(v.v[e]) - shift;
   }
-  const float mean = block_reduce(sum, scratch) / hidden;
+  const float mean = block_reduce(sum, scratch) / hidden;  // of x - shift
 
   float sum_sq = 0.0f;
 #pragma unroll
@@ -43,7 +45,7 @@ layer_norm_kernel(const T* x, const T* __restrict__ weight, const T* __restrict_
     if (i < n_vec) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        const float d = to_float(cache[j].v[e]) - mean;
+        const float d = to_float(cache[j].v[e]) - shift - mean;
         sum_sq += d * d;
       }
     }
@@ -52,7 +54,7 @@ layer_norm_kernel(const T* x, const T* __restrict__ weight, const T* __restrict_
     const Vec<T, VEC> v = Vec<T, VEC>::load(row + i * VEC);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const float d = to_float(v.v[e]) - mean;
+      const float d = to_float(v.v[e]) - shift - mean;
       sum_sq += d * d;
     }
   }
@@ -65,7 +67,7 @@ layer_norm_kernel(const T* x, const T* __restrict__ weight, const T* __restrict_
     Vec<T, VEC> o;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      const float y = (to_float(v.v[e]) - mean) * inv_std * to_float(w.v[e]);
+      const float y = (to_float(v.v[e]) - shift - mean) * inv_std * to_float(w.v[e]);
       o.v[e] = from_float<T>(bias ? y + to_float(b.v[e]) : y);
     }
     o.store(out_row + i * VEC);

@@ -2,7 +2,7 @@
 // One pass computes each thread's running (max, sum) online (sum rescaled when the max grows),
 // then the block merges them; rows of any length work. Each thread keeps up to ITEMS 16-byte
 // vectors of its row in registers, so a row of up to blockDim * ITEMS vectors is read once;
-// longer rows (a 128k vocabulary) read the rest a second time to write it.
+// longer rows (a 128k vocabulary) read the rest a second time to write it, back to front.
 // -inf entries give 0. A row with no finite maximum (all -inf) gives NaN everywhere, as torch:
 // its max is -inf and exp(-inf - -inf) is NaN.
 #include "common.cuh"
@@ -44,10 +44,11 @@ __global__ void __launch_bounds__(512) softmax_kernel(const T* x, T* out, int n)
   for (int j = 0; j < ITEMS; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i < n_vec) {
-      cache[j] = Vec<T, VEC>::load(x + base + static_cast<long long>(i) * VEC);
+      cache[j] = Vec<T, VEC>::load_stream(x + base + static_cast<long long>(i) * VEC);  // read once
       softmax_fold(cache[j], m, s);
     }
   }
+#pragma unroll 4
   for (int i = threadIdx.x + ITEMS * blockDim.x; i < n_vec; i += blockDim.x)
     softmax_fold(Vec<T, VEC>::load(x + base + static_cast<long long>(i) * VEC), m, s);
 
@@ -62,7 +63,10 @@ __global__ void __launch_bounds__(512) softmax_kernel(const T* x, T* out, int n)
     const int i = threadIdx.x + j * blockDim.x;
     if (i < n_vec) softmax_store(cache[j], out + base + static_cast<long long>(i) * VEC, max, inv_sum);
   }
-  for (int i = threadIdx.x + ITEMS * blockDim.x; i < n_vec; i += blockDim.x) {
+  // The streamed part is written back to front: its end was read last, so more of it is still in L2.
+  const int first = threadIdx.x + ITEMS * blockDim.x, stride = blockDim.x;
+  const int last = first < n_vec ? first + (n_vec - 1 - first) / stride * stride : first - stride;
+  for (int i = last; i >= first; i -= stride) {
     const long long off = base + static_cast<long long>(i) * VEC;
     softmax_store(Vec<T, VEC>::load(x + off), out + off, max, inv_sum);
   }

@@ -32,9 +32,14 @@ def silu(x):
 
 
 def gelu_tanh(x):
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float32 ("gelu_pytorch_tanh")."""
-    return np.float32(0.5) * x * (np.float32(1) + np.tanh(np.float32(0.7978845608028654) *
-                                                         (x + np.float32(0.044715) * x * x * x)))
+    """0.5 x (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3), float32 ("gelu_pytorch_tanh").
+
+    Written as x / (1 + exp(-2z)), the same function, as the kernel computes it: 1 + tanh(z)
+    cancels for negative x.
+    """
+    z = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1) + np.exp(np.float32(-2) * z))
 
 
 def act_and_mul_reference(x, act):
@@ -68,6 +73,7 @@ def silu_and_mul(x, out=None):
 
 
 def gelu_and_mul(x, out=None):
-    """gelu(gate) * up with the tanh approximation of GELU (common.cuh gelu_tanh,
-    "gelu_pytorch_tanh"), x = [gate | up] along the last axis: [..., 2 * d] -> [..., d]."""
+    """gelu(gate) * up with the tanh approximation of GELU (the function of common.cuh gelu_tanh,
+    "gelu_pytorch_tanh", evaluated as x * sigmoid(2z)), x = [gate | up] along the last axis:
+    [..., 2 * d] -> [..., d]."""
     return _act_and_mul(x, "gelu_tanh", out)

@@ -3,7 +3,8 @@
 layer_norm(x, weight, bias, eps, out=None)
     x: [rows, hidden]; weight: [hidden]; bias: [hidden] or None -> [rows, hidden]
 out = (x - mean) / sqrt(var + eps) * weight + bias computed in float32 and rounded once to the
-dtype (as torch.nn.functional.layer_norm); var is the biased variance mean((x - mean)^2).
+dtype (as torch.nn.functional.layer_norm); var is the biased variance mean((x - mean)^2), both
+taken on x shifted by the row's first element (a row on a large offset keeps its precision).
 `out` may be x. numpy arrays run the reference; cupy arrays launch cuda_src/layer_norm.cu (one
 CTA per row, the row read once).
 """
@@ -24,10 +25,14 @@ INSTANTIATIONS = [instantiation(dt, v, i) for dt in runtime.FLOAT_DTYPES for v i
 
 
 def layer_norm_reference(x, weight, bias, eps):
-    """float32 [rows, hidden]: two-pass mean and biased variance in float32, affine in float32."""
+    """float32 [rows, hidden]: two-pass mean and biased variance in float32, affine in float32.
+
+    The statistics are taken on x - x[:, :1] (shifted by each row's first element, as the kernel
+    does), so a large common offset does not cancel the digits of the variance.
+    """
     x32 = x.astype(np.float32)
-    mean = x32.mean(axis=-1, keepdims=True)
-    d = x32 - mean
+    s = x32 - x32[:, :1]  # exact while x is within a factor 2 of x[:, 0]
+    d = s - s.mean(axis=-1, keepdims=True)
     y = d * (np.float32(1) / np.sqrt((d * d).mean(axis=-1, keepdims=True) + np.float32(eps)))
     y = y * weight.astype(np.float32)
     return y if bias is None else y + bias.astype(np.float32)

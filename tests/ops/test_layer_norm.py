@@ -30,6 +30,12 @@ def test_reference_matches_float64(dtype, with_bias):
     assert_close(layer_norm(x, w, b, 1e-5), ref)
 
 
+def test_reference_keeps_precision_on_a_large_offset():
+    x = (1e4 + np.random.default_rng(2).standard_normal((3, 512))).astype(np.float32)
+    w = np.ones(512, np.float32)
+    assert_close(layer_norm(x, w, None, 1e-5), layer_norm_f64(x, w, None, 1e-5))
+
+
 def test_argument_checks():
     x, w = np.zeros((3, 8), np.float16), np.ones(8, np.float16)
     with pytest.raises(ValueError, match="bias: got shape"):
