@@ -74,7 +74,7 @@ def stats_line(engine) -> str:
     kv = s.kv
     mib = lambda b: f"{b / 2 ** 20:.1f} MiB"
     kv_text = (f"KV {mib(kv['paged_bytes'])} paged vs {mib(kv['contiguous_bytes'])} contiguous "
-               f"({100 * kv['saving']:.0f}% saved)") if kv else "KV -"
+               f"({100 * kv['saving']:.1f}% saved)") if kv else "KV -"
     return (f"[{s.prompt_tokens} prompt tokens · TTFT {1000 * s.ttft_s:.0f} ms · prefill "
             f"{rate(s.prefill_tokens, s.prefill_s)} tok/s · decode {rate(s.decode_tokens, s.decode_s)} tok/s "
             f"· {s.generated_tokens} generated · {kv_text}]")

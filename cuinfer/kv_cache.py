@@ -110,6 +110,7 @@ class KVCache:
             if xp is np:
                 raise ValueError("kv_tokens: needed for a CPU cache (no free-memory query on the host)")
             free, _ = xp.cuda.runtime.memGetInfo()
+            free += xp.get_default_memory_pool().free_bytes()  # cached by CuPy, reusable
             kv_tokens = int(free * memory_fraction) // token_bytes
         num_blocks = kv_tokens // shape.block_size
         if num_blocks < 1:
