@@ -242,9 +242,13 @@ def save_checkpoint(path, config: ModelConfig, tensors: Mapping, tokenizer_files
         raise CuinferError(f"{path}: cannot write here: {e.strerror}") from None
     try:
         _write_dir(tmp, config, tensors, expected, dtype, shard_bytes, tokenizer_files_from)
-        if path.exists():
-            shutil.rmtree(path)
-        os.rename(tmp, path)
+        if path.exists():  # overwrite: move the old one aside first, so a path always exists
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CuinferError(f"{path}: cannot write checkpoint: {e.strerror or e}") from None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +31,12 @@ from .runtime import CuinferError
 
 
 def presets_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "models"
+    """models/ beside cuinfer/ in a checkout, cuinfer/models when installed (as cuda_src is)."""
+    here = Path(__file__).resolve().parent
+    for d in (here.parent / "models", here / "models"):
+        if d.is_dir():
+            return d
+    raise CuinferError(f"models/ (the config presets) not found next to {here}: reinstall cuinfer")
 
 
 def preset_names() -> list:
@@ -93,15 +99,12 @@ def random_checkpoint(preset, out_dir, dtype="float16", seed: int = 0, tokenizer
 
     config = load_preset(preset)
     tokenizer_from = tokenizer_from or cached_default_model_dir()
-    if tokenizer_from is None:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tok:
-            write_tiny_tokenizer(tok)
-            return save_checkpoint(out_dir, config, RandomTensors(config, dtype, seed), tok,
-                                   dtype=dtype, overwrite=overwrite)
-    return save_checkpoint(out_dir, config, RandomTensors(config, dtype, seed), tokenizer_from,
-                           dtype=dtype, overwrite=overwrite)
+    with tempfile.TemporaryDirectory() as tiny:
+        if tokenizer_from is None:
+            write_tiny_tokenizer(tiny)
+            tokenizer_from = tiny
+        return save_checkpoint(out_dir, config, RandomTensors(config, dtype, seed), tokenizer_from,
+                               dtype=dtype, overwrite=overwrite)
 
 
 def main(argv=None) -> int:
