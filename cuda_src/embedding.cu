@@ -18,6 +18,7 @@ embedding_kernel(const IdT* __restrict__ ids, const T* __restrict__ table, T* __
   Vec<T, VEC> zero;
 #pragma unroll
   for (int e = 0; e < VEC; ++e) zero.v[e] = from_float<T>(0.0f);
+#pragma unroll 4  // up to four 16-byte loads in flight per thread before the stores
   for (int c = threadIdx.x * VEC; c < hidden; c += blockDim.x * VEC)
     (valid ? Vec<T, VEC>::load(src + c) : zero).store(dst + c);
 }
