@@ -117,6 +117,7 @@ class Engine:
         return [int(t) for t in prompt]
 
     def add_request(self, prompt, params: SamplingParams, index: int = 0) -> Sequence:
+        """Queue a prompt; step() runs it (stream and generate call both)."""
         ids = self.encode(prompt)
         if not ids:
             raise runtime.CuinferError("prompt: empty, need at least one token")
@@ -202,7 +203,9 @@ class Engine:
     # ------------------------------------------------------------------ batches
 
     def stream(self, prompts, params: SamplingParams = SamplingParams()):
-        """Yield (prompt index, new text) as tokens arrive; self.outputs holds the results at the end."""
+        """Yield (prompt index, new text) as tokens arrive; self.outputs holds the results at the end
+        and self.stats the numbers of this call."""
+        self.stats = Stats()
         reqs = [self._requests[self.add_request(p, params, i).seq_id] for i, p in enumerate(prompts)]
         while self.scheduler.has_work():
             for req, new, _ in self.step():

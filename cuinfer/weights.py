@@ -43,35 +43,32 @@ def _get(tensors, name):
 
 
 def fuse(config, tensors) -> Weights:
-    """Hugging Face names -> fused float32 numpy weights."""
-    f32 = lambda a: np.asarray(a, dtype=np.float32)
+    """Hugging Face names -> fused numpy weights, kept in the checkpoint's dtype (to_device casts)."""
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        attn = [_get(tensors, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        get = lambda name: _get(tensors, p + name)
         bias = None
         if config.attention_bias:
-            bias = f32(np.concatenate([_get(tensors, f"{p}self_attn.{n}_proj.bias") for n in "qkv"]))
+            bias = np.concatenate([get(f"self_attn.{n}_proj.bias") for n in "qkv"])
         layers.append(LayerWeights(
-            input_norm=f32(_get(tensors, p + "input_layernorm.weight")),
-            qkv=f32(np.concatenate(attn, axis=0)),
+            input_norm=get("input_layernorm.weight"),
+            qkv=np.concatenate([get(f"self_attn.{n}_proj.weight") for n in "qkv"], axis=0),
             qkv_bias=bias,
-            o=f32(_get(tensors, p + "self_attn.o_proj.weight")),
-            post_norm=f32(_get(tensors, p + "post_attention_layernorm.weight")),
-            gate_up=f32(np.concatenate([_get(tensors, p + "mlp.gate_proj.weight"),
-                                        _get(tensors, p + "mlp.up_proj.weight")], axis=0)),
-            down=f32(_get(tensors, p + "mlp.down_proj.weight"))))
-    embed = f32(_get(tensors, "model.embed_tokens.weight"))
+            o=get("self_attn.o_proj.weight"),
+            post_norm=get("post_attention_layernorm.weight"),
+            gate_up=np.concatenate([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], axis=0),
+            down=get("mlp.down_proj.weight")))
+    embed = _get(tensors, "model.embed_tokens.weight")
     tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
-    lm_head = embed if tied else f32(tensors["lm_head.weight"])
-    return Weights(embed=embed, layers=layers, norm=f32(_get(tensors, "model.norm.weight")),
-                   lm_head=lm_head)
+    lm_head = embed if tied else tensors["lm_head.weight"]
+    return Weights(embed=embed, layers=layers, norm=_get(tensors, "model.norm.weight"), lm_head=lm_head)
 
 
 def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
     """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set
     ("int8" per row, "int4" in groups of the largest size in quant.GROUP_SIZES dividing in_features)."""
-    put = lambda a: None if a is None else xp.asarray(a.astype(dtype))
+    put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))
 
     def linear_weight(a):
         if quant is None:

@@ -76,3 +76,14 @@ def test_default_model_cli(capsys):
     rc, out, _ = run(capsys, "--prompt", "The capital of France is", "--max-new-tokens", "16",
                      "--device", "cpu")
     assert rc == 0 and "Paris" in out and "prompt tokens" in out
+
+
+def test_chat_keeps_history(ckpt):
+    r = subprocess.run([sys.executable, "-m", "cuinfer.generate", ckpt, "--chat", "--system", "Be brief.",
+                        "--max-new-tokens", "5", "--device", "cpu"], input="hi\n\nand again\n",
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    stats = [l for l in r.stdout.splitlines() if "prompt tokens" in l]
+    assert len(stats) == 2  # one per turn; the empty line is skipped
+    first, second = (int(l.split("[")[1].split()[0]) for l in stats)
+    assert second > first + 5  # the second turn's prompt carries the first exchange
