@@ -44,7 +44,8 @@ def quantize(a, kind):
         return np.zeros(gguf.quant_shape_to_byte_shape(a.shape, kind), np.uint8)
 
 
-def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model="gpt2"):
+def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model="gpt2",
+               pre="smollm", add_bos=False, merges=("Ġ t", "h e", "Ġt he", "i n")):
     """Write a llama GGUF file the way llama.cpp's converter does (Q/K rows permuted), from
     Hugging Face tensors. types: HF name -> "F32" / "F16" / "BF16" / "Q8_0" / "Q4_0" / "Q4_1" /
     any ggml type name (default F32). Returns {HF name: gguf's dequantization of the HF tensor
@@ -66,17 +67,16 @@ def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model=
     w.add_rope_dimension_count(config.head_dim)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     alphabet = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ"]
-    merges = ["Ġ t", "h e", "Ġt he", "i n"]
     tokens = specials + alphabet + [m.replace(" ", "") for m in merges]
     tokens += [f"<unused{i}>" for i in range(config.vocab_size - len(tokens))]
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3] * 3 + [1] * (len(alphabet) + len(merges)) + [4] * (len(tokens) - 3 - len(alphabet) - len(merges)))
-    w.add_token_merges(merges)
+    w.add_token_merges(list(merges))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
     stored = {}
     for name, a in tensors.items():

@@ -108,10 +108,29 @@ def test_tokenizer_from_metadata(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
 
 
+def test_llama3_style_tokenizer(tmp_path):
+    from cuinfer.tokenizer import Tokenizer
+
+    config = small_config()
+    # "3 4" outranks "1 2": the GPT-2 regex keeps "1234" whole -> 12|34; Llama 3's splits
+    # numbers into groups of three first -> 123|4
+    merges = ("3 4", "1 2", "12 3")
+    write_gguf(tmp_path / "m.gguf", config, random_tensors(config, "float32"), pre="llama-bpe",
+               add_bos=True, merges=merges)
+    tok = Tokenizer.from_pretrained(cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out"))
+    ids = tok.encode("1234")
+    assert [tok.id_to_token(i) for i in ids] == ["<|im_start|>", "123", "4"]
+    assert tok.encode("1234", add_special_tokens=False) == ids[1:] and tok.decode(ids[1:]) == "1234"
+    write_gguf(tmp_path / "g.gguf", config, random_tensors(config, "float32"), pre="gpt2", merges=merges)
+    tok = Tokenizer.from_pretrained(cg.convert_gguf(tmp_path / "g.gguf", tmp_path / "g"))
+    assert [tok.id_to_token(i) for i in tok.encode("1234")] == ["12", "34"]
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(arch="qwen2"), "GGUF architecture 'qwen2' is not supported"),
     (dict(types={"model.layers.0.mlp.up_proj.weight": "Q4_K"}), "blk.0.ffn_up.weight has GGUF type Q4_K"),
     (dict(tokenizer_model="llama"), "GGUF tokenizer model 'llama' is not supported"),
+    (dict(pre="deepseek-coder"), "GGUF pre-tokenizer 'deepseek-coder' is not supported"),
 ])
 def test_refusals(tmp_path, change, message):
     config = small_config()
