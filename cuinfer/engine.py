@@ -45,8 +45,8 @@ class Stats:
     ttft_s: float = 0.0  # first request: submission to its first token
     prefill_s: float = 0.0  # steps that carried prompt tokens
     prefill_tokens: int = 0
-    decode_s: float = 0.0  # steps of decodes only
-    decode_tokens: int = 0
+    decode_s: float = 0.0  # steps of decodes only (mixed steps count as prefill)
+    decode_tokens: int = 0  # tokens sampled in those steps
     preemptions: int = 0
     peak_kv_blocks: int = 0
     kv: dict = field(default_factory=dict)  # kv_memory() of the finished sequences
@@ -138,6 +138,7 @@ class Engine:
     def step(self) -> list:
         """Run one model step; returns [(request, new text, finished)] for sequences that got a token."""
         t0 = time.perf_counter()
+        preempted = self.scheduler.num_preemptions
         plan = self.scheduler.schedule()
         if not plan:
             raise runtime.CuinferError("the scheduler found nothing to run: the KV cache is too small")
@@ -170,7 +171,7 @@ class Engine:
         else:
             self.stats.decode_s += elapsed
             self.stats.decode_tokens += len(events)
-        self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.preemptions += self.scheduler.num_preemptions - preempted
         return events
 
     def _append(self, req: _Request, token: int, now: float):
