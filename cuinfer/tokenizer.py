@@ -81,7 +81,7 @@ class Tokenizer:
         self.bos_token_id = None if bos is None else tokenizer.token_to_id(bos)
 
     @classmethod
-    def from_pretrained(cls, path) -> "Tokenizer":
+    def from_pretrained(cls, path) -> Tokenizer:
         """From a checkpoint directory holding tokenizer.json (+ tokenizer_config.json,
         chat_template.jinja, generation_config.json, config.json when present)."""
         from tokenizers import Tokenizer as HFTokenizer
@@ -139,7 +139,7 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
-    def stream(self, skip_special_tokens: bool = True) -> "TextStream":
+    def stream(self, skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self, skip_special_tokens)
 
 

@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import make_tiny_checkpoint
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -10,8 +11,6 @@ from cuinfer import runtime
 from cuinfer.checkpoint import expected_tensors, load_checkpoint, save_checkpoint
 from cuinfer.convert import load_preset, random_tensors
 from cuinfer.runtime import CuinferError
-
-from helpers import make_tiny_checkpoint
 
 
 def same_bits(a, b):

@@ -5,12 +5,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import write_gguf
 
 from cuinfer.checkpoint import load_checkpoint
 from cuinfer.convert import RandomTensors, load_preset, main, random_checkpoint, random_tensors
 from cuinfer.tokenizer import Tokenizer
-
-from helpers import write_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,17 +1,16 @@
 """The default model: fetched once, converted once, equal to transformers' own GGUF import."""
-import sys
 import subprocess
+import sys
 import zipfile
 
 import numpy as np
 import pytest
+from helpers import default_gguf, default_model, write_gguf  # noqa: F401 (fixtures)
 
 from cuinfer import default_model as dm
 from cuinfer.checkpoint import load_checkpoint
 from cuinfer.convert import load_preset, random_tensors
 from cuinfer.runtime import CuinferError
-
-from helpers import default_gguf, default_model, write_gguf  # noqa: F401 (fixtures)
 
 
 def test_converted_once_and_reused(default_model):

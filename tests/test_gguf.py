@@ -1,15 +1,14 @@
 """GGUF import: dequantization, the Q/K row order, tokenizer metadata, and clear refusals."""
 import numpy as np
 import pytest
+from helpers import llama_cpp_permute, write_gguf
 
 from cuinfer.checkpoint import load_checkpoint
 from cuinfer.convert import load_preset, random_tensors
 from cuinfer.runtime import CuinferError
 
-from helpers import llama_cpp_permute, write_gguf
-
 gguf = pytest.importorskip("gguf")
-from cuinfer import gguf as cg  # noqa: E402
+from cuinfer import gguf as cg
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 

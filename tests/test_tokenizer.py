@@ -3,13 +3,12 @@ import json
 import re
 
 import pytest
+from helpers import default_gguf, default_model, varied_strings  # noqa: F401 (fixtures)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuinfer.runtime import CuinferError
 from cuinfer.tokenizer import Tokenizer, write_tiny_tokenizer
-
-from helpers import default_gguf, default_model, varied_strings  # noqa: F401 (fixtures)
 
 # A template exercising what transformers' environment provides: trim/lstrip blocks,
 # loop controls, namespace, tojson without HTML escaping, raise_exception, the special tokens.
