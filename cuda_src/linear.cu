@@ -91,13 +91,15 @@ template <int WBITS> struct Layout {
 
 }  // namespace
 
-// grid: (ceil(N / (16 RT))) · block: 32 WARPS · smem: static, 4 * WARPS * RT * NT * 128 bytes
+// grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
+// smem: static, 4 * WARPS * RT * NT * 128 bytes
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] or null, all T; w: see the formats above;
 // scales: fp16 [N] (WBITS 8) or [N, K / GS] (WBITS 4); zeros: fp16 [N, K / GS] (WBITS 4).
-// Warp w of a block takes quad steps (i * WARPS + w) * U + u of K for the block's 16 RT rows;
-// the warps' partial sums meet in shared memory. Every weight byte is read once (streamed).
+// Warp w of a block takes quad steps (i * WARPS + w) * U + u of K for the block's 16 RT rows,
+// loading the next U while it computes these; the warps' partial sums meet in shared memory.
+// Every weight byte is read once (streamed).
 template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS) linear_kernel(
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
     const T* __restrict__ x, const void* __restrict__ w, const __half* __restrict__ scales,
     const __half* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out, int M, int N,
     int K) {
@@ -117,8 +119,8 @@ __global__ void __launch_bounds__(32 * WARPS) linear_kernel(
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
 
-  for (int base = warp * U; base < n_quads; base += WARPS * U) {
-    uint4 a_raw[U][RT][2];  // [quad step][row tile][row g4, row g4 + 8]
+  // Raw weights of quad steps base .. base + U - 1 for rows g4 and g4 + 8 of each row tile.
+  auto load = [&](uint4 (&a_raw)[U][RT][2], int base) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = base + u;
@@ -140,6 +142,13 @@ __global__ void __launch_bounds__(32 * WARPS) linear_kernel(
           }
         }
     }
+  };
+
+  // Software pipeline: the next U quads are in flight while this warp computes the current U.
+  uint4 a_raw[U][RT][2], a_next[U][RT][2];
+  load(a_raw, warp * U);
+  for (int base = warp * U; base < n_quads; base += WARPS * U) {
+    if (base + WARPS * U < n_quads) load(a_next, base + WARPS * U);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = base + u;
@@ -234,6 +243,10 @@ __global__ void __launch_bounds__(32 * WARPS) linear_kernel(
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) a_raw[u][r][0] = a_next[u][r][0], a_raw[u][r][1] = a_next[u][r][1];
   }
 
   // Sum the warps' fragments; thread i of the block finishes fragment value i / 32 of lane i % 32.

@@ -153,3 +153,47 @@ def test_gguf_blocks_import(tmp_path, qtype):
 def test_gguf_rejects_other_types():
     with pytest.raises(ValueError, match="qtype"):
         quant.from_gguf_blocks(np.zeros((1, 10), np.uint8), 12, (1, 256))
+
+
+# ------------------------------------------------------------------------ quality (cuinfer.eval)
+def test_token_nll_matches_softmax_loop():
+    from cuinfer.eval import token_nll
+
+    logits = np.random.default_rng(4).standard_normal((5, 7)).astype(np.float32) * 10
+    targets = np.array([0, 6, 3, 3, 1])
+    for i, t in enumerate(targets):
+        p = np.exp(logits[i].astype(np.float64)) / np.exp(logits[i].astype(np.float64)).sum()
+        assert abs(token_nll(logits, targets)[i] + np.log(p[t])) < 1e-9
+
+
+@pytest.mark.parametrize("n,window,stride", [(2, 4, 3), (10, 4, 2), (17, 8, 3), (16, 16, 15), (100, 32, 31)])
+def test_windows_score_every_token_once(n, window, stride):
+    from cuinfer.eval import windows
+
+    seen = []
+    for begin, end, first in windows(n, window, stride):
+        assert begin < first <= end <= begin + window and end <= n
+        seen += range(first, end)
+    assert seen == list(range(1, n))
+
+
+def test_perplexity_of_one_window_is_the_full_sequence_loss(tmp_path):
+    from cuinfer.checkpoint import load_checkpoint
+    from cuinfer.eval import perplexity, token_nll
+    from cuinfer.kv_cache import CacheShape, KVCache
+    from cuinfer.model import Batch, Model
+    from tests.helpers import make_tiny_checkpoint
+
+    config, tensors = load_checkpoint(make_tiny_checkpoint(tmp_path))
+    ids = np.random.default_rng(5).integers(0, config.vocab_size, 40)
+    for quant_method in (None, "int8"):  # the tiny preset's 688-wide MLP has no int4 group size
+        model = Model.from_tensors(config, tensors, "cpu", quant=quant_method)
+        cache = KVCache(CacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 16),
+                        4, model.dtype)
+        logits = model.forward(Batch.from_chunks([(ids, 0, [0, 1, 2, 3])], 16), cache, all_logits=True)
+        want = np.exp(token_nll(logits[:-1], ids[1:]).mean())
+        got, n = perplexity(model, ids, window=64, stride=32)
+        assert n == 39 and abs(got - want) <= 1e-6 * want
+        # windows of 16 with stride 8 give every token >= 8 tokens of context: a different number
+        got_windowed, n = perplexity(model, ids, window=16, stride=8)
+        assert n == 39 and np.isfinite(got_windowed)

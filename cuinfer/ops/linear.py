@@ -8,7 +8,8 @@ numpy arrays run the reference: dequantize to float32, matmul in float32, round 
 cupy arrays: for M <= 16 (decode) cuda_src/linear.cu's tensor-core GEMV with the weight
 dequantized in registers (16-byte streamed loads, warps split K, one block per 16 RT rows);
 for M > 16 (prefill) the weight is dequantized to a scratch [N, K] array by
-linear_dequant_kernel and multiplied by cuBLAS (cupy.matmul), as is an fp16 / bf16 weight.
+linear_dequant_kernel and multiplied by cuBLAS (cupy.matmul), as is an fp16 / bf16 weight;
+a bias is then added in x's dtype (one more rounding than the GEMV, which adds it in fp32).
 """
 from __future__ import annotations
 
@@ -20,25 +21,29 @@ from ..quant import GROUP_SIZES, Int4Weight, Int8Weight
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_MAX_M = 16
 NULL = np.uint64(0)  # a null pointer kernel argument (no scales / zeros / bias)
-WARPS = 8
 
 
 def weight_bits(w) -> int:
     return 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 16
 
 
-def tile_config(m: int, n: int) -> tuple:
-    """(NT, RT, U) for M rows of x and N outputs: NT n8 tiles cover M; RT m16 row tiles per
-    block share each x fragment (2 once the grid keeps >= 4 blocks per SM at M > 8, where x
-    traffic would otherwise rival the weight bytes); U quads in flight per warp (RT * U <= 4
-    keeps the raw weights in 32 registers; ptxas: no spills, <= 120 registers)."""
+def tile_config(bits: int, m: int, n: int) -> tuple:
+    """(NT, RT, U, WARPS) for M rows of x and N outputs, measured on the H100 (notes/linear.md).
+
+    NT n8 tiles cover M. RT m16 row tiles per block share each x fragment: 2 at M > 8 once the
+    grid still has >= 4 blocks per SM (x loads then rival the weight bytes). Each warp has U
+    quads in compute and U more in flight (double-buffered); the raw weights take 16 RT U
+    registers, kept <= 32 (<= 128 registers, no spills, ptxas -v sm_90). WARPS split K in a
+    block: 16 when the grid has under 4 blocks per SM (N < 8448), else 8."""
     nt = 1 if m <= 8 else 2
-    rt = 2 if m > 8 and n >= 32 * 4 * 132 else 1
-    return nt, rt, 4 // rt
+    rt = 2 if nt == 2 and n >= 16 * 2 * 4 * 132 else 1
+    u = 4 // rt // (2 if bits == 4 else 1)
+    warps = 16 if rt == 1 and -(-n // 16) < 4 * 132 else 8
+    return nt, rt, u, warps
 
 
-def instantiation(dtype, bits: int, group_size: int, nt: int, rt: int, u: int) -> str:
-    return f"linear_kernel<{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {WARPS}>"
+def instantiation(dtype, bits: int, group_size: int, nt: int, rt: int, u: int, warps: int) -> str:
+    return f"linear_kernel<{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {warps}>"
 
 
 def dequant_instantiation(dtype, bits: int, group_size: int) -> str:
@@ -53,8 +58,8 @@ def _formats():
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, *tile_config(m, n)) for dt in KERNEL_DTYPES for b, g in _formats()
-     for m in (1, 16) for n in (1, 1 << 20)}
+    {instantiation(dt, b, g, *tile_config(b, m, n)) for dt in KERNEL_DTYPES for b, g in _formats()
+     for m in (1, 16) for n in (1, 1 << 14, 1 << 20)}
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16})
 
 
@@ -116,12 +121,19 @@ def linear(x, w, bias=None, out=None):
         return _prefill(x, w, bias, out)
     qweight = w if bits == 16 else w.qweight
     runtime.check("w" if bits == 16 else "w.qweight", qweight, align=16)
-    nt, rt, u = tile_config(m, n)
-    kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, nt, rt, u))
+    return _gemv(x, w, bias, out, tile_config(bits, m, n))
+
+
+def _gemv(x, w, bias, out, config):
+    """Launch linear_kernel with config = (NT, RT, U, WARPS) on checked arguments."""
+    (m, k), n, bits = x.shape, out.shape[1], weight_bits(w)
+    nt, rt, u, warps = config
+    kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, nt, rt, u, warps))
+    qweight = w if bits == 16 else w.qweight
     scales = w.scales if bits < 16 else NULL
     zeros = w.zeros if bits == 4 else NULL
     args = (x, qweight, scales, zeros, NULL if bias is None else bias, out, np.int32(m), np.int32(n), np.int32(k))
-    runtime.launch(kern, (-(-n // (16 * rt)),), (32 * WARPS,), args)
+    runtime.launch(kern, (-(-n // (16 * rt)),), (32 * warps,), args)
     return out
 
 
@@ -142,5 +154,5 @@ def _prefill(x, w, bias, out):
     wt = w if weight_bits(w) == 16 else dequantize_weight(w, x.dtype)
     cp.matmul(x, wt.T, out=out)
     if bias is not None:
-        out += bias
+        out += bias  # an add in x's dtype: the product is rounded before the bias (the GEMV adds in fp32)
     return out

@@ -18,7 +18,8 @@ def make_weight(rng, n, k, fmt, group_size=128):
 
 def reference_rounded(x, w, bias, prefill):
     """float32 reference mirroring the kernels' roundings: the GEMV uses T(q - T(zero)) with the
-    scale in fp32 (exact for integer zeros); the prefill path rounds the dequantized weight to T."""
+    scale in fp32 (exact for integer zeros); the prefill path rounds the dequantized weight to T
+    and the product to T before it adds the bias in T."""
     t = x.dtype
     if isinstance(w, (quant.Int8Weight, quant.Int4Weight)):
         wf = w.dequantize(t)
@@ -26,6 +27,8 @@ def reference_rounded(x, w, bias, prefill):
             wf = wf.astype(t).astype(np.float32)  # dequantize-to-scratch writes T
     else:
         wf = w.astype(np.float32)
+    if prefill and bias is not None:
+        return (lin.linear_reference(x, wf).astype(t) + bias).astype(np.float32)  # two roundings, as cupy's add
     return lin.linear_reference(x, wf, bias)
 
 
@@ -85,11 +88,12 @@ def test_argument_checks():
 
 
 def test_tile_config_fits_instantiations():
-    for m in range(1, 17):
-        for n in (1, 17, 1024, 4096, 128256):
-            nt, rt, u = lin.tile_config(m, n)
-            assert 8 * nt >= m and rt * u <= 4
-            assert lin.instantiation(np.float16, 4, 128, nt, rt, u) in lin.INSTANTIATIONS
+    for bits, gs in ((16, 0), (8, 0), (4, 32)):
+        for m in range(1, 17):
+            for n in (1, 17, 1024, 4096, 8448, 14336, 16896, 128256):
+                nt, rt, u, warps = lin.tile_config(bits, m, n)
+                assert 8 * nt >= m and rt * u * (2 if bits == 4 else 1) <= 4
+                assert lin.instantiation(runtime.bfloat16, bits, gs, nt, rt, u, warps) in lin.INSTANTIATIONS
 
 
 # ------------------------------------------------------------------------ GPU
@@ -151,8 +155,31 @@ def test_prefill_matches_reference(fmt, gs, dtype):
 def test_gemv_llama_shape_int4_lm_head_tile():
     import cupy as cp
 
-    # N large enough for the two-row-tile configuration (RT = 2) at M = 16
-    run_case(cp, np.random.default_rng(5), np.dtype(np.float16), 16, 17000, 256, "int4", 128, True, 1.0)
+    # N large enough for the two-row-tile configuration (RT = 2) at M = 9..16
+    for fmt, gs in FORMATS:
+        run_case(cp, np.random.default_rng(5), runtime.bfloat16, 11, 17000 + 5, 160 if fmt != "int4" else 5 * gs,
+                 fmt, gs, True, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [("float", 0), ("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("config", [(1, 1, 1, 8), (1, 1, 2, 4), (1, 1, 4, 8), (1, 2, 1, 8), (2, 1, 2, 16),
+                                    (2, 2, 1, 8), (2, 2, 2, 8), (2, 1, 4, 8), (1, 1, 2, 16)])
+def test_gemv_every_tile_config(fmt, gs, config):
+    """Tile configurations beyond the ones tile_config picks today give the same result."""
+    import cupy as cp
+
+    nt = config[0]
+    rng = np.random.default_rng(sum(config))
+    m, n, k = (7 if nt == 1 else 13), 75, (4 * 128 + 64 if fmt != "int4" else 5 * 128)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    w = make_weight(rng, n, k, fmt, gs or 128)
+    w = w.astype(np.float16) if fmt == "float" else w
+    ref = reference_rounded(x, w, None, False)
+    w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
+    out = poison(cp, (m, n), np.float16)
+    lin._gemv(cp.asarray(x), w_dev, None, out, config)
+    assert_close(out, ref)
 
 
 @pytest.mark.gpu
@@ -165,4 +192,4 @@ def test_device_argument_checks():
     with pytest.raises(ValueError, match="use w.to_device"):
         lin.linear(cp.zeros((2, 64), cp.float16), quant.quantize(np.zeros((8, 64), np.float32), "int8"))
     with pytest.raises(ValueError, match="x: data pointer must be 16-byte aligned"):
-        lin.linear(cp.zeros((2, 72), cp.float16)[:, 8:].copy().ravel()[4:4 + 128].reshape(2, 64), cp.zeros((8, 64), cp.float16))
+        lin.linear(cp.zeros(2 * 64 + 1, cp.float16)[1:].reshape(2, 64), cp.zeros((8, 64), cp.float16))

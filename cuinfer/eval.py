@@ -1,0 +1,109 @@
+"""Quality checks: python -m cuinfer.eval perplexity CKPT --text FILE [--quant none int8 int4 ...].
+
+Perplexity with a sliding window (as in the Hugging Face perplexity guide): windows of
+`--window` tokens start every `--stride` tokens; each token is scored once, by the first
+window that holds it with context before it, so every token after the first window
+sees at least window - stride tokens of context. Each window is a fresh sequence
+(positions from 0) in one paged KV cache that is reused. Several `--quant` values run
+the same text and print their perplexity relative to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+from . import runtime
+
+
+def token_nll(logits, targets):
+    """Negative log-likelihood (float64) of targets [n] under logits [n, vocab]."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(z).sum(axis=1))
+    return log_norm - z[np.arange(len(targets)), targets]
+
+
+def windows(n_tokens: int, window: int, stride: int):
+    """(begin, end, first scored index) per window; with stride < window every token t >= 1 is
+    scored exactly once, with at least window - stride tokens of context once t >= window."""
+    scored = 1  # token 0 has no context
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + window, n_tokens)
+        if end > scored:
+            yield begin, end, scored
+            scored = end
+        if end == n_tokens:
+            return
+
+
+def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int = 16):
+    """(perplexity, tokens scored) of the token ids under `model` (cuinfer.model.Model)."""
+    from .kv_cache import CacheShape, KVCache
+    from .model import Batch
+
+    if stride < 1 or stride >= window:
+        raise runtime.CuinferError(f"--stride {stride}: need 1 <= stride < window ({window})")
+    if len(ids) < 2:
+        raise runtime.CuinferError("the text has fewer than 2 tokens: nothing to score")
+    cfg = model.config
+    n_blocks = -(-window // block_size)
+    cache = KVCache(CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size),
+                    n_blocks, model.dtype, model.xp)
+    table = list(range(n_blocks))
+    ids = np.asarray(ids, dtype=np.int64)
+    nll, count = 0.0, 0
+    for begin, end, first in windows(len(ids), window, stride):
+        batch = Batch.from_chunks([(ids[begin:end], 0, table)], block_size)
+        logits = model.forward(batch.to(model.xp), cache, all_logits=True)
+        logits = runtime.cupy_or_none().asnumpy(logits) if runtime.is_device_array(logits) else logits
+        # logits[j] predicts ids[begin + j + 1]: the scored targets first .. end - 1
+        nll += token_nll(logits[first - begin - 1:end - begin - 1], ids[first:end]).sum()
+        count += end - first
+    return math.exp(nll / count), count
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m cuinfer.eval", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
+    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--stride", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--dtype", default=None, help="GPU dtype: float16 or bfloat16 (default from the checkpoint)")
+    p.add_argument("--quant", nargs="+", default=["none"], choices=("none", "int8", "int4"),
+                   help="weight formats to compare (int4: the largest group size dividing in_features)")
+    args = parser.parse_args(argv)
+    try:
+        from .checkpoint import load_checkpoint
+        from .model import Model
+        from .tokenizer import Tokenizer
+
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise runtime.CuinferError(f"{args.text}: {e.strerror}") from None
+        ids = Tokenizer.from_pretrained(args.checkpoint).encode(text)[: args.max_tokens]
+        config, tensors = load_checkpoint(args.checkpoint)
+        base = None
+        print(f"{len(ids)} tokens, window {args.window}, stride {args.stride}, device {args.device}")
+        for quant in args.quant:
+            model = Model.from_tensors(config, tensors, args.device, args.dtype, None if quant == "none" else quant)
+            ppl, n = perplexity(model, ids, args.window, args.stride)
+            base = base or ppl
+            print(f"{quant:>5}: perplexity {ppl:.4f} over {n} tokens ({100 * (ppl / base - 1):+.2f}% vs {args.quant[0]})")
+            del model
+    except runtime.CuinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
