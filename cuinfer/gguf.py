@@ -169,8 +169,14 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def raw_tensors(reader, config: ModelConfig):
-    """Yield RawTensor per GGUF tensor: blocks as stored, Q/K rows in Hugging Face order."""
+def raw_tensors(path):
+    """Yield a RawTensor per tensor of a llama GGUF file: the blocks as stored (memory-mapped),
+    Q/K rows in Hugging Face order. For importing Q8_0/Q4_0/Q4_1 weights without dequantizing."""
+    reader = open_gguf(path)
+    yield from _raw_tensors(reader, gguf_config(reader))
+
+
+def _raw_tensors(reader, config: ModelConfig):
     for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists the innermost size first
@@ -187,7 +193,7 @@ class GGUFTensors(Mapping):
     """Hugging Face name -> dequantized float32 array, made when looked up."""
 
     def __init__(self, reader, config: ModelConfig):
-        self.raw = {r.name: r for r in raw_tensors(reader, config)}
+        self.raw = {r.name: r for r in _raw_tensors(reader, config)}
 
     def __getitem__(self, name):
         r = self.raw[name]

@@ -51,9 +51,9 @@ def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model=
     any ggml type name (default F32). Returns {HF name: gguf's dequantization of the HF tensor
     quantized in HF row order} (row-wise blocks, so the Q/K row permutation commutes with
     quantization). The tokenizer is a small gpt2-style vocabulary."""
-    import gguf
     import numpy as np
 
+    gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)

@@ -105,3 +105,14 @@ def test_numpy_dtype():
     assert numpy_dtype("float16") == np.float16 and numpy_dtype(np.float32) == np.float32
     with pytest.raises(CuinferError):
         numpy_dtype(np.int8)
+
+
+@pytest.mark.parametrize("name, params", [
+    # parameter counts the model cards publish (safetensors metadata)
+    ("llama3-8b", 8_030_261_248), ("llama2-7b", 6_738_415_616), ("mistral-7b", 7_248_023_552),
+    ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008),
+])
+def test_preset_parameter_counts(name, params):
+    from cuinfer.checkpoint import expected_tensors
+
+    assert sum(int(np.prod(s)) for s in expected_tensors(load_preset(name)).values()) == params

@@ -84,8 +84,7 @@ def test_raw_blocks_keep_the_quantized_bytes(tmp_path):
     tensors = random_tensors(config, "float32")
     types = {n: "Q4_1" for n in tensors if n.endswith("proj.weight")}
     write_gguf(tmp_path / "m.gguf", config, tensors, types)
-    reader = cg.open_gguf(tmp_path / "m.gguf")
-    raws = {r.name: r for r in cg.raw_tensors(reader, cg.gguf_config(reader))}
+    raws = {r.name: r for r in cg.raw_tensors(tmp_path / "m.gguf")}
     _, got = load_checkpoint(cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out"))
     q = raws["model.layers.1.self_attn.k_proj.weight"]
     assert (q.gguf_name, q.type, q.shape) == ("blk.1.attn_k.weight", "Q4_1", (128, 256))

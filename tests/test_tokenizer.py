@@ -114,6 +114,9 @@ def test_chat_template_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
     with pytest.raises(CuinferError, match="no chat template"):
         Tokenizer.from_pretrained(tmp_path).apply_chat_template(CHATS[0])
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(CuinferError, match="tokenizer.json: cannot load tokenizer"):
+        Tokenizer.from_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(CuinferError, match="tokenizer.json: no such file"):
         Tokenizer.from_pretrained(tmp_path)
