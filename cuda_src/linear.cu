@@ -14,8 +14,9 @@
 // x is read with the same map, so the weights need no shuffle to reach fragment order:
 //   fp16 : lane c loads k = kq + 8c .. +8        (2 mma steps), a quad covers 32 k
 //   int8 : lane c loads k = kq + 16c .. +16      (4 mma steps), a quad covers 64 k
-//   int4 : lane c loads step t's k = kq + 16t + 4c .. +4 for t = 0..7 (packed that way),
-//          a quad covers 128 k and every mma step lies inside one scale group.
+//   int4 : lane c loads k = kq + 32j + 8c .. +8 for words j = 0..3 (packed that way), word j
+//          feeding steps 2j and 2j+1 (4 k each) from one 16-byte x load; a quad covers
+//          128 k and every mma step lies inside one scale group (32 | GS).
 // int8 scales multiply the finished dot product; int4 steps of one group accumulate into a
 // fresh fragment that is scaled into the fp32 sum when the group ends.
 #include "common.cuh"
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
           }
         }
       } else {
-        constexpr int kSteps = GS / 16;  // k16 steps per scale group
+        constexpr int kWords = GS / 32;  // words (two k16 steps, 32 k) per scale group
 #pragma unroll
         for (int gi = 0; gi < 128 / GS; ++gi) {
           const int g = kq / GS + gi;
@@ -213,25 +214,30 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
 #pragma unroll
               for (int j = 0; j < 4; ++j) p[r][n][j] = 0.0f;
 #pragma unroll
-          for (int st = 0; st < kSteps; ++st) {
-            const int t = gi * kSteps + st;  // step 0..7 of the quad: word t / 2, nibbles by t % 2
-            uint2 b[NT];
+          for (int wi = 0; wi < kWords; ++wi) {
+            const int j = gi * kWords + wi;  // word j of the lane: k = kq + 32 j + 8 c .. +8, steps 2j, 2j+1
+            uint4 b[NT];
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
               const int m = 8 * n + g4;
-              b[n] = m < M ? *reinterpret_cast<const uint2*>(x + (size_t)m * K + kq + 16 * t + 4 * c)
-                           : make_uint2(0, 0);
+              b[n] = m < M ? *reinterpret_cast<const uint4*>(x + (size_t)m * K + kq + 32 * j + 8 * c)
+                           : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-              const u32 wl = reinterpret_cast<const u32*>(&a_raw[u][r][0])[t >> 1];
-              const u32 wh = reinterpret_cast<const u32*>(&a_raw[u][r][1])[t >> 1];
-              const int sh = 8 * (t & 1);
-              u32 a[4];
-              a[0] = int4_pair<T>(wl, sh, z2[r][0]); a[1] = int4_pair<T>(wh, sh, z2[r][1]);
-              a[2] = int4_pair<T>(wl, sh + 4, z2[r][0]); a[3] = int4_pair<T>(wh, sh + 4, z2[r][1]);
+              const u32 wl = reinterpret_cast<const u32*>(&a_raw[u][r][0])[j];
+              const u32 wh = reinterpret_cast<const u32*>(&a_raw[u][r][1])[j];
 #pragma unroll
-              for (int n = 0; n < NT; ++n) mma(p[r][n], a, b[n].x, b[n].y, T());
+              for (int st = 0; st < 2; ++st) {  // nibbles 2st, 2st+4 are k 4st+0, 1; 2st+1, 2st+5 are 4st+2, 3
+                u32 a[4];
+                a[0] = int4_pair<T>(wl, 8 * st, z2[r][0]); a[1] = int4_pair<T>(wh, 8 * st, z2[r][1]);
+                a[2] = int4_pair<T>(wl, 8 * st + 4, z2[r][0]); a[3] = int4_pair<T>(wh, 8 * st + 4, z2[r][1]);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                  const u32* bw = reinterpret_cast<const u32*>(&b[n]);
+                  mma(p[r][n], a, bw[2 * st], bw[2 * st + 1], T());
+                }
+              }
             }
           }
 #pragma unroll
@@ -289,18 +295,17 @@ __global__ void __launch_bounds__(256) linear_dequant_kernel(const void* __restr
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = s * static_cast<float>(static_cast<i8>((j < 4 ? raw.x : raw.y) >> (8 * (j & 3))));
   } else {
-    // k .. k + 7 are two 4-k runs of the packed order: quad q, step t, lanes c and c + 1.
+    // k .. k + 7 are the eight nibbles of one word: quad q, word j, lane c (k = 128 q + 32 j + 8 c).
     const int n_quads = (K + 127) / 128, n_groups = K / GS;
-    const int q = k / 128, t = (k % 128) / 16, c = (k % 16) / 4;
-    const u32* row_w = static_cast<const u32*>(w) + (size_t)row * n_quads * 16 + q * 16;
+    const int q = k / 128, j = (k % 128) / 32, c = (k % 32) / 8;
+    const u32 word = static_cast<const u32*>(w)[(size_t)row * n_quads * 16 + q * 16 + 4 * c + j];
     const float s = __half2float(scales[(size_t)row * n_groups + k / GS]);
     const float z = to_float(from_float<T>(__half2float(zeros[(size_t)row * n_groups + k / GS])));
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const u32 word = row_w[4 * (c + (j >> 2)) + (t >> 1)];
-      const int o = j & 3, nib = 2 * (t & 1) + (o >> 1) + 4 * (o & 1);
+    for (int jj = 0; jj < 8; ++jj) {
+      const int st = jj >> 2, o = jj & 3, nib = 2 * st + (o >> 1) + 4 * (o & 1);
       const float qv = static_cast<float>((word >> (4 * nib)) & 0xfu);
-      v[j] = s * to_float(from_float<T>(qv - z));  // q - T(zero) rounded to T, as the GEMV does
+      v[jj] = s * to_float(from_float<T>(qv - z));  // q - T(zero) rounded to T, as the GEMV does
     }
   }
   Vec<T, 8> r;

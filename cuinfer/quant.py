@@ -10,17 +10,18 @@ Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_si
     into qweight uint32 [N, ceil(K / 128) * 16], 8 nibbles a word, in the order the GEMV's
     mma.sync fragments want (cuda_src/linear.cu), so a lane needs no shuffle:
 
-    one row, one quad of 128 k (16 words = 64 bytes; k = 128 Q + 16 t + 4 c + o):
+    one row, one quad of 128 k (16 words = 64 bytes; k = 128 Q + 32 j + 8 c + 4 s + o):
       words 4c .. 4c+3 belong to lane c of an mma quad (one 16-byte load);
-      word j holds the k16 steps t = 2j and 2j+1, four k (o = 0..3) of each:
+      word j holds the 8 consecutive k = 32 j + 8 c + 0..7: s = 0 feeds k16 step 2j, s = 1
+      step 2j + 1, and the lane's 8 x values for both come in one 16-byte load:
 
-      bits  31..28 27..24 23..20 19..16 | 15..12 11..8  7..4   3..0
-      nib      7      6      5      4   |    3     2     1      0
-      (t,o) (2j+1,3)(2j+1,1)(2j,3)(2j,1)|(2j+1,2)(2j+1,0)(2j,2)(2j,0)
+      bits          31..28 27..24 23..20 19..16 | 15..12 11..8  7..4   3..0
+      nibble           7      6      5      4   |    3     2     1      0
+      k - 32j - 8c     7      5      3      1   |    6     4     2      0
 
     (word >> 4i) & 0x000f000f puts nibble i in the low half and nibble i + 4 in the high
-    half: the pair (o = 0, 1) for i = 0 or 2 and (o = 2, 3) for i = 1 or 3, exactly the
-    two k of one register of the A fragment. OR-ing 0x64006400 makes two halves 1024 + q
+    half: k (0, 1) for i = 0, (2, 3) for i = 1, (4, 5) for i = 2, (6, 7) for i = 3, exactly
+    the two k of one register of the A fragment. OR-ing 0x64006400 makes two halves 1024 + q
     (half 1024 has ulp 1; bf16 uses 0x43004300, 128 + q), one subtraction takes 1024 off:
     two weights per lop3 + hsub2, no integer-to-float conversion. Zero padding fills
     the last quad when K % 128 != 0; every k16 step lies inside one group.
@@ -65,7 +66,7 @@ def _to_device(a):
 
 
 # ------------------------------------------------------------------------ int4 packing
-_NIBBLE = np.array([[0, 4, 1, 5], [2, 6, 3, 7]])  # _NIBBLE[t % 2, o]: nibble of (step, k offset)
+_NIBBLE = np.array([[0, 4, 1, 5], [2, 6, 3, 7]])  # _NIBBLE[s, o]: nibble of k = 4 s + o in a word
 
 
 def pack_int4(q):
@@ -74,18 +75,17 @@ def pack_int4(q):
     quads = -(-k // QUAD_K)
     padded = np.zeros((n, quads * QUAD_K), dtype=np.uint32)
     padded[:, :k] = q
-    # padded: [N, Q, j, t % 2, c, o] with k = 128 Q + 16 (2 j + t % 2) + 4 c + o
-    q6 = padded.reshape(n, quads, 4, 2, 4, 4)
-    words = (q6 << (4 * _NIBBLE).astype(np.uint32)[None, None, None, :, None, :]).sum(axis=(3, 5), dtype=np.uint32)
-    return np.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(n, quads * 16)  # [N, Q, c, j]
+    # padded: [N, Q, j, c, s, o] with k = 128 Q + 32 j + 8 c + 4 s + o
+    q6 = padded.reshape(n, quads, 4, 4, 2, 4)
+    words = (q6 << (4 * _NIBBLE).astype(np.uint32)).sum(axis=(4, 5), dtype=np.uint32)  # [N, Q, j, c]
+    return np.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(n, quads * 16)  # word 4 c + j
 
 
 def unpack_int4(qweight, k):
     """Inverse of pack_int4: uint8 [N, K]."""
     n = qweight.shape[0]
     words = np.asarray(qweight, dtype=np.uint32).reshape(n, -1, 4, 4).transpose(0, 1, 3, 2)  # [N, Q, j, c]
-    shifts = (4 * _NIBBLE).astype(np.uint32)[None, None, None, :, None, :]
-    q6 = (words[:, :, :, None, :, None] >> shifts) & np.uint32(0xF)  # [N, Q, j, t % 2, c, o]
+    q6 = (words[..., None, None] >> (4 * _NIBBLE).astype(np.uint32)) & np.uint32(0xF)  # [N, Q, j, c, s, o]
     return q6.reshape(n, -1)[:, :k].astype(np.uint8)
 
 

@@ -26,16 +26,16 @@ def test_pack_unpack_round_trip(n, quads, tail, seed):
 
 
 def test_pack_order_matches_the_documented_diagram():
-    # k = 128 Q + 16 t + 4 c + o sits in word 4c + t // 2, nibble (2 (t % 2) + o // 2 + 4 (o % 2))
+    # k = 128 Q + 32 j + 8 c + r sits in word 4 c + j, nibble r // 2 + 4 (r % 2)
     k = np.arange(256)
     q = np.zeros((1, 256), dtype=np.uint8)
     for kk in k:
         q[0, kk] = kk % 16
     words = quant.pack_int4(q)[0]
     for kk in k:
-        quad, t, c, o = kk // 128, kk % 128 // 16, kk % 16 // 4, kk % 4
-        word = words[16 * quad + 4 * c + t // 2]
-        nib = 2 * (t % 2) + o // 2 + 4 * (o % 2)
+        quad, j, c, r = kk // 128, kk % 128 // 32, kk % 32 // 8, kk % 8
+        word = words[16 * quad + 4 * c + j]
+        nib = r // 2 + 4 * (r % 2)
         assert (int(word) >> (4 * nib)) & 0xF == kk % 16
 
 
