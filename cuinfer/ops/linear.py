@@ -93,7 +93,8 @@ def _check_weight(w, k, dev):
         runtime.check("w", w, shape=(n, k))
         arrays = (w,)
     if any(runtime.is_device_array(a) != dev for a in arrays):
-        raise ValueError("w: weight arrays must be on the same side (numpy or cupy) as x: use w.to_device()")
+        raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x "
+                         "(quantized weights: w.to_device())")
     return n
 
 

@@ -195,7 +195,7 @@ def test_device_argument_checks():
     x = cp.zeros((2, 72), cp.float16)
     with pytest.raises(ValueError, match="need a multiple of 16"):
         lin.linear(x, quant.quantize(np.zeros((8, 72), np.float32), "int8").to_device())
-    with pytest.raises(ValueError, match="use w.to_device"):
+    with pytest.raises(ValueError, match="must be numpy for numpy x and cupy for cupy x"):
         lin.linear(cp.zeros((2, 64), cp.float16), quant.quantize(np.zeros((8, 64), np.float32), "int8"))
     with pytest.raises(ValueError, match="x: data pointer must be 16-byte aligned"):
         lin.linear(cp.zeros(2 * 64 + 1, cp.float16)[1:].reshape(2, 64), cp.zeros((8, 64), cp.float16))
