@@ -4,41 +4,35 @@ A kernel family is three files: cuda_src/<family>.cu, cuinfer/ops/<family>.py an
 tests/ops/test_<family>.py. The module holds the public op(s), the NumPy
 reference and the launcher side by side, plus `INSTANTIATIONS`: every template
 instantiation its launcher can ask for (the compile check builds them all for
-sm_80 and sm_90). Families are found from cuda_src/*.cu; ops are imported lazily
-so `import cuinfer.ops` never needs CuPy.
+sm_80 and sm_90). No family module imports CuPy at import time, so importing
+them all here is cheap and works without CuPy.
+
+The ops are bound here after their modules are imported: `cuinfer.ops.linear` is
+the function, and the family's internals are reached as `from cuinfer.ops.linear
+import tile_config` (Python binds a submodule as a package attribute when it is
+first imported; importing every family here first keeps the function on top).
 """
 import importlib
 
 from .. import runtime
+from .activation import gelu_and_mul, silu_and_mul
+from .embedding import embedding
+from .flash_attention import flash_attention, flash_attention_paged
+from .layer_norm import layer_norm
+from .linear import linear
+from .paged_attention import paged_attention
+from .rms_norm import rms_norm
+from .rope import rope
+from .softmax import softmax
+from .write_kv import write_kv
 
 FAMILIES = tuple(sorted(p.stem for p in runtime.source_dir().glob("*.cu")))
 
-# public op name -> the family module that defines it
-_OPS = {
-    "rms_norm": "rms_norm",
-    "layer_norm": "layer_norm",
-    "rope": "rope",
-    "silu_and_mul": "activation",
-    "gelu_and_mul": "activation",
-    "softmax": "softmax",
-    "embedding": "embedding",
-    "flash_attention": "flash_attention",
-    "flash_attention_paged": "flash_attention",
-    "paged_attention": "paged_attention",
-    "write_kv": "write_kv",
-    "linear": "linear",
-}
+
+def family_module(family: str):
+    """The Python module of a kernel family (its launcher, reference and INSTANTIATIONS)."""
+    return importlib.import_module(f"cuinfer.ops.{family}")
 
 
-def family_module(name):
-    return importlib.import_module(f"cuinfer.ops.{name}")
-
-
-def __getattr__(name):
-    if name in _OPS:
-        return getattr(family_module(_OPS[name]), name)
-    raise AttributeError(f"module 'cuinfer.ops' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_OPS))
+__all__ = ["embedding", "flash_attention", "flash_attention_paged", "gelu_and_mul", "layer_norm",
+           "linear", "paged_attention", "rms_norm", "rope", "silu_and_mul", "softmax", "write_kv"]

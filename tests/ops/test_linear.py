@@ -1,10 +1,18 @@
 """linear: NumPy reference against float64 loops, argument checks, GEMV / prefill kernels on the GPU."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cuinfer import quant, runtime
-from cuinfer.ops import linear as lin
+from cuinfer.ops.linear import (
+    INSTANTIATIONS,
+    _gemv,
+    instantiation,
+    linear,
+    linear_reference,
+    tile_config,
+)
 from tests.conftest import assert_close, poison
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
@@ -27,7 +35,7 @@ def reference_rounded(x, w, bias, prefill):
             wf = wf.astype(t).astype(np.float32)  # dequantize-to-scratch writes T
     else:
         wf = w.astype(np.float32)
-    return lin.linear_reference(x, wf, bias)
+    return linear_reference(x, wf, bias)
 
 
 # ------------------------------------------------------------------------ CPU
@@ -42,7 +50,7 @@ def test_reference_matches_float64_loops():
         for m in range(3):
             for n in range(5):
                 want[m, n] = sum(float(x[m, k]) * wf[n, k] for k in range(64)) + float(bias[n])
-        got = lin.linear(x, w.astype(np.float16) if fmt == "float" else w, bias)
+        got = linear(x, w.astype(np.float16) if fmt == "float" else w, bias)
         assert got.dtype == np.float16
         assert_close(got, want)
 
@@ -63,35 +71,35 @@ def test_argument_checks():
     x = np.zeros((2, 64), np.float16)
     w = np.zeros((8, 64), np.float16)
     with pytest.raises(ValueError, match="x: got dtype float64"):
-        lin.linear(x.astype(np.float64), w)
+        linear(x.astype(np.float64), w)
     with pytest.raises(ValueError, match=r"w: got shape \(8, 32\)"):
-        lin.linear(x, w[:, :32].copy())
+        linear(x, w[:, :32].copy())
     with pytest.raises(ValueError, match="w: got dtype"):
-        lin.linear(x, w.astype(np.float32))
+        linear(x, w.astype(np.float32))
     with pytest.raises(ValueError, match="bias: got shape"):
-        lin.linear(x, w, bias=np.zeros(7, np.float16))
+        linear(x, w, bias=np.zeros(7, np.float16))
     with pytest.raises(ValueError, match="out: got shape"):
-        lin.linear(x, w, out=np.zeros((2, 9), np.float16))
+        linear(x, w, out=np.zeros((2, 9), np.float16))
     q4 = quant.quantize(w.astype(np.float32), "int4", 32)
     with pytest.raises(ValueError, match=r"w: got shape \(8, 64\), need \[\*, 96\]"):
-        lin.linear(np.zeros((2, 96), np.float16), q4)
+        linear(np.zeros((2, 96), np.float16), q4)
     bad = quant.Int4Weight(q4.qweight, q4.scales[:, :1].copy(), q4.zeros, 32, (8, 64))
     with pytest.raises(ValueError, match="w.scales: got shape"):
-        lin.linear(x, bad)
+        linear(x, bad)
     q8 = quant.quantize(w.astype(np.float32), "int8")
     with pytest.raises(ValueError, match="w.qweight: got dtype"):
-        lin.linear(x, quant.Int8Weight(q8.qweight.astype(np.int16), q8.scales, q8.shape))
+        linear(x, quant.Int8Weight(q8.qweight.astype(np.int16), q8.scales, q8.shape))
     with pytest.raises(ValueError, match="w.scales: got dtype"):
-        lin.linear(x, quant.Int8Weight(q8.qweight, q8.scales.astype(np.float32), q8.shape))
+        linear(x, quant.Int8Weight(q8.qweight, q8.scales.astype(np.float32), q8.shape))
 
 
 def test_tile_config_fits_instantiations():
     for bits, gs in ((16, 0), (8, 0), (4, 32)):
         for m in range(1, 17):
             for n in (1, 17, 1024, 4096, 8448, 14336, 16896, 128256):
-                nt, rt, u, warps = lin.tile_config(bits, m, n)
+                nt, rt, u, warps = tile_config(bits, m, n)
                 assert 8 * nt >= m and rt * u * (2 if bits == 4 else 1) <= 4
-                assert lin.instantiation(runtime.bfloat16, bits, gs, nt, rt, u, warps) in lin.INSTANTIATIONS
+                assert instantiation(runtime.bfloat16, bits, gs, nt, rt, u, warps) in INSTANTIATIONS
 
 
 # ------------------------------------------------------------------------ GPU
@@ -117,12 +125,12 @@ def run_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, prefill=Fals
         # the prefill path rounds x @ W.T to T, then adds the bias in T (cupy's add): compare the
         # product with the reference, and the bias step exactly. A 1-ulp flip of the rounded
         # product (accumulation order) is 1 ulp of |x @ W.T|, not of |y|: beyond the table's atol.
-        product = lin.linear(cp.asarray(x), w_dev, out=poison(cp, (m, n), dtype))
+        product = linear(cp.asarray(x), w_dev, out=poison(cp, (m, n), dtype))
         assert_close(product, reference_rounded(x, w, None, prefill))
-        got = lin.linear(cp.asarray(x), w_dev, cp.asarray(bias), out=out)
+        got = linear(cp.asarray(x), w_dev, cp.asarray(bias), out=out)
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(product) + bias)
         return
-    got = lin.linear(cp.asarray(x), w_dev, None if bias is None else cp.asarray(bias), out=out)
+    got = linear(cp.asarray(x), w_dev, None if bias is None else cp.asarray(bias), out=out)
     assert got is out
     assert_close(out, reference_rounded(x, w, bias, prefill))
 
@@ -184,7 +192,7 @@ def test_gemv_every_tile_config(fmt, gs, config):
     ref = reference_rounded(x, w, None, False)
     w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
     out = poison(cp, (m, n), np.float16)
-    lin._gemv(cp.asarray(x), w_dev, None, out, config)
+    _gemv(cp.asarray(x), w_dev, None, out, config)
     assert_close(out, ref)
 
 
@@ -194,8 +202,8 @@ def test_device_argument_checks():
 
     x = cp.zeros((2, 72), cp.float16)
     with pytest.raises(ValueError, match="need a multiple of 16"):
-        lin.linear(x, quant.quantize(np.zeros((8, 72), np.float32), "int8").to_device())
+        linear(x, quant.quantize(np.zeros((8, 72), np.float32), "int8").to_device())
     with pytest.raises(ValueError, match="must be numpy for numpy x and cupy for cupy x"):
-        lin.linear(cp.zeros((2, 64), cp.float16), quant.quantize(np.zeros((8, 64), np.float32), "int8"))
+        linear(cp.zeros((2, 64), cp.float16), quant.quantize(np.zeros((8, 64), np.float32), "int8"))
     with pytest.raises(ValueError, match="x: data pointer must be 16-byte aligned"):
-        lin.linear(cp.zeros(2 * 64 + 1, cp.float16)[1:].reshape(2, 64), cp.zeros((8, 64), cp.float16))
+        linear(cp.zeros(2 * 64 + 1, cp.float16)[1:].reshape(2, 64), cp.zeros((8, 64), cp.float16))
