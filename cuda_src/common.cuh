@@ -90,10 +90,12 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// tanh-approximated GELU, as used by Gemma / GPT-2 ("gelu_pytorch_tanh")
+// tanh-approximated GELU, as used by Gemma / GPT-2 ("gelu_pytorch_tanh"):
+// 0.5 x (1 + tanh z) written as x * sigmoid(2z) = x / (1 + e^(-2z)). For negative x the
+// tanh form cancels in 1 + tanh z (1e-3 relative error at x = -5); this form does not.
 __device__ __forceinline__ float gelu_tanh(float x) {
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-  return 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x)));
+  const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + expf(-2.0f * z));
 }
 
 }  // namespace cuinfer

@@ -128,6 +128,12 @@ def check_out(out, shape, dtype, like):
     return check("out", out, dtype=dtype, shape=tuple(shape))
 
 
+def vector_widths(dtype) -> list:
+    """Every vector width (elements) a launcher may pick for dtype: 16 bytes down to 1 element."""
+    w = 16 // np.dtype(dtype).itemsize
+    return [w >> i for i in range(w.bit_length())]
+
+
 def vector_width(*arrays) -> int:
     """Elements per 16-byte vector that every array's row length and pointer allow (1 if none)."""
     width = 16 // max(a.dtype.itemsize for a in arrays)

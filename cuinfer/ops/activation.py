@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import runtime
-from .rms_norm import vector_widths
 
 THREADS = 256
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -21,7 +20,7 @@ def instantiation(dtype, vec, act) -> str:
     return f"activation_kernel<{runtime.ctype(dtype)}, {vec}, {ACTIVATIONS[act]}>"
 
 
-INSTANTIATIONS = [instantiation(dt, v, a) for dt in runtime.FLOAT_DTYPES for v in vector_widths(dt)
+INSTANTIATIONS = [instantiation(dt, v, a) for dt in runtime.FLOAT_DTYPES for v in runtime.vector_widths(dt)
                   for a in ACTIVATIONS]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import runtime
-from .rms_norm import vector_widths
 
 ID_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 
@@ -20,7 +19,7 @@ def instantiation(dtype, vec, id_dtype) -> str:
     return f"embedding_kernel<{runtime.ctype(dtype)}, {vec}, {ID_CTYPES[np.dtype(id_dtype)]}>"
 
 
-INSTANTIATIONS = [instantiation(dt, v, i) for dt in runtime.FLOAT_DTYPES for v in vector_widths(dt)
+INSTANTIATIONS = [instantiation(dt, v, i) for dt in runtime.FLOAT_DTYPES for v in runtime.vector_widths(dt)
                   for i in ID_CTYPES]
 
 

@@ -22,12 +22,6 @@ ITEMS = (1, 2, 4, 8)  # 16-byte vectors a thread keeps in registers
 MAX_THREADS = 512
 
 
-def vector_widths(dtype):
-    """Every vector width (elements) a launcher may pick for dtype: 16 bytes down to 1 element."""
-    w = 16 // np.dtype(dtype).itemsize
-    return [w >> i for i in range(w.bit_length())]
-
-
 def row_launch(n_vec: int, max_threads: int = 256):
     """(items, threads) for one CTA per row of n_vec vectors, shared by the row kernels.
 
@@ -48,7 +42,7 @@ def instantiation(dtype, vec, items, fused) -> str:
     return f"rms_norm_kernel<{runtime.ctype(dtype)}, {vec}, {items}, {'true' if fused else 'false'}>"
 
 
-INSTANTIATIONS = [instantiation(dt, v, i, f) for dt in runtime.FLOAT_DTYPES for v in vector_widths(dt)
+INSTANTIATIONS = [instantiation(dt, v, i, f) for dt in runtime.FLOAT_DTYPES for v in runtime.vector_widths(dt)
                   for i in ITEMS for f in (False, True)]
 
 

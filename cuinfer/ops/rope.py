@@ -19,7 +19,6 @@ import math
 import numpy as np
 
 from .. import runtime
-from .rms_norm import vector_widths
 
 THREADS = 128
 POSITION_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -29,7 +28,7 @@ def instantiation(dtype, vec, pos_dtype) -> str:
     return f"rope_kernel<{runtime.ctype(dtype)}, {vec}, {POSITION_CTYPES[np.dtype(pos_dtype)]}>"
 
 
-INSTANTIATIONS = [instantiation(dt, v, p) for dt in runtime.FLOAT_DTYPES for v in vector_widths(dt)
+INSTANTIATIONS = [instantiation(dt, v, p) for dt in runtime.FLOAT_DTYPES for v in runtime.vector_widths(dt)
                   for p in POSITION_CTYPES]
 
 
@@ -122,7 +121,7 @@ def rope(q, k, positions, theta, scaling=None, out=None):
         k_out[...] = rope_reference(k, positions, inv_freq).astype(k.dtype)
         return q_out, k_out
     cp = runtime.require_cupy()
-    vec = next(w for w in vector_widths(q.dtype) if (d // 2) % w == 0 and all(
+    vec = next(w for w in runtime.vector_widths(q.dtype) if (d // 2) % w == 0 and all(
         a.data.ptr % (w * q.dtype.itemsize) == 0 for a in (q, k, q_out, k_out)))
     kern = runtime.kernel("rope", instantiation(q.dtype, vec, positions.dtype))
     args = (q, k, positions, _device_inv_freq(cp.cuda.Device().id, d, float(theta), _scaling_key(scaling)),

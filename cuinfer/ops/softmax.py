@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from .. import runtime
-from .rms_norm import ITEMS, row_launch, vector_widths
+from .rms_norm import ITEMS, row_launch
 
 
 def instantiation(dtype, vec, items) -> str:
     return f"softmax_kernel<{runtime.ctype(dtype)}, {vec}, {items}>"
 
 
-INSTANTIATIONS = [instantiation(dt, v, i) for dt in runtime.FLOAT_DTYPES for v in vector_widths(dt)
+INSTANTIATIONS = [instantiation(dt, v, i) for dt in runtime.FLOAT_DTYPES for v in runtime.vector_widths(dt)
                   for i in ITEMS]
 
 
