@@ -18,7 +18,9 @@
 //          feeding steps 2j and 2j+1 (4 k each) from one 16-byte x load; a quad covers
 //          128 k and every mma step lies inside one scale group (32 | GS).
 // int8 scales multiply the finished dot product; int4 steps of one group accumulate into a
-// fresh fragment that is scaled into the fp32 sum when the group ends.
+// fresh fragment that is scaled into the fp32 sum when the group ends. The epilogue (EPI_*)
+// stores y, or silu(gate) * up of a stacked [gate; up] weight, or per-block argmax partials;
+// small grids split K over the blocks of a cluster (sm_90) that meet in distributed shared memory.
 #include "common.cuh"
 
 using namespace cuinfer;
@@ -90,55 +92,111 @@ template <int WBITS> struct Layout {
   static constexpr int kQuadK = 4 * kLaneK;                              // k per quad step
 };
 
+// (value, index) pairs: the larger value wins, ties go to the lower index; NaN never wins.
+__device__ __forceinline__ void argmax_merge(float& best, int& idx, float v, int i) {
+  if (v > best || (v == best && i < idx)) best = v, idx = i;
+}
+__device__ __forceinline__ void argmax_warp(float& best, int& idx) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    argmax_merge(best, idx, __shfl_xor_sync(0xffffffffu, best, off), __shfl_xor_sync(0xffffffffu, idx, off));
+}
+
 }  // namespace
 
-// grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
-// smem: static, 4 * WARPS * RT * NT * 128 bytes
-// x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] or null, all T; w: see the formats above;
-// scales: fp16 [N] (WBITS 8) or [N, K / GS] (WBITS 4); zeros: fp16 [N, K / GS] (WBITS 4).
-// Warp w of a block takes quad steps (i * WARPS + w) * U + u of K for the block's 16 RT rows,
-// loading the next U while it computes these; the warps' partial sums meet in shared memory.
-// Every weight byte is read once (streamed).
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
-    const T* __restrict__ x, const void* __restrict__ w, const __half* __restrict__ scales,
-    const __half* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out, int M, int N,
-    int K) {
+// Epilogues of linear_kernel: EPI_STORE out[m, n] = y (+ bias); EPI_SILU_AND_MUL out[m, n] =
+// silu(y[m, n]) * y[m, n + N] for the stacked weight [gate; up] ([2N, K]), both sums in fp32,
+// rounded once; EPI_ARGMAX: per block and row m of x the (max, lowest index) of T(y) over the
+// block's rows, into part_val / part_idx [M, gridDim.x] (linear_argmax_reduce_kernel finishes).
+#define EPI_STORE 0
+#define EPI_SILU_AND_MUL 1
+#define EPI_ARGMAX 2
+
+// Split-K across the blocks of a thread-block cluster (sm_90): SPLIT blocks along y share a row
+// tile, each reduces its K / SPLIT, and block 0 of the cluster adds the others' sums through
+// distributed shared memory. Below sm_90 there are no clusters and tile_config keeps SPLIT = 1.
+#if __CUDA_ARCH__ >= 900
+#define LINEAR_CLUSTER(n) __cluster_dims__(1, n, 1)
+__device__ __forceinline__ void cluster_sync() {  // all blocks of the cluster; orders shared memory
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// *p in the shared memory of the cluster's block `rank` (distributed shared memory).
+__device__ __forceinline__ float load_cluster(const float* p, unsigned rank) {
+  unsigned remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#else
+#define LINEAR_CLUSTER(n)
+#endif
+
+// One block: 16 RT output rows (RR = 2 RT weight rows with the SiLU epilogue: the gate tiles,
+// then the up tiles N rows further), the quads [rank, rank + 1) * ceil(quads / SPLIT) of K.
+// Warp w takes quad steps q_begin + (i * WARPS + w) * U + u, loading the next U quads (and
+// their int4 scales / zeros) while it computes these; the warps meet in shared memory.
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI>
+__device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
+                                            const __half* __restrict__ scales, const __half* __restrict__ zeros,
+                                            const T* __restrict__ bias, T* __restrict__ out,
+                                            float* __restrict__ part_val, int* __restrict__ part_idx, int M, int N,
+                                            int K) {
   using L = Layout<WBITS>;
   static_assert(WBITS != 4 || GS == 32 || GS == 64 || GS == 128, "int4 group size");
-  __shared__ float partial[WARPS][RT * NT * 4][32];
+  constexpr int RR = EPI == EPI_SILU_AND_MUL ? 2 * RT : RT;  // weight row tiles per block
+  constexpr int GQ = WBITS == 4 ? 128 / GS : 1;              // int4 scale groups per quad
+  constexpr int V = RR * NT * 4;                             // accumulator values per lane
+  __shared__ float partial[WARPS][V][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3, g4 = lane >> 2;
   const int row0 = blockIdx.x * 16 * RT;
   const int n_quads = (K + L::kQuadK - 1) / L::kQuadK;
+  const int per_split = (n_quads + SPLIT - 1) / SPLIT;
+  const int q_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split, q_end = min(n_quads, q_begin + per_split);
   const int n_groups = WBITS == 4 ? K / GS : 1;
 
-  float acc[RT][NT][4];
+  float acc[RR][NT][4];
 #pragma unroll
-  for (int r = 0; r < RT; ++r)
+  for (int r = 0; r < RR; ++r)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
 
-  // Raw weights of quad steps base .. base + U - 1 for rows g4 and g4 + 8 of each row tile.
-  auto load = [&](uint4 (&a_raw)[U][RT][2], int base) {
+  // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1, rows g4 and g4 + 8
+  // of each row tile; row tile r is output row tile r % RT of weight half r / RT.
+  auto load = [&](uint4 (&a_raw)[U][RR][2], __half2 (&sz)[U][RR][2][GQ], int base) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = base + u;
 #pragma unroll
-      for (int r = 0; r < RT; ++r)
+      for (int r = 0; r < RR; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int row = row0 + 16 * r + 8 * h + g4;
-          const bool ok = q < n_quads && row < N && (WBITS == 4 || (q * L::kQuadK + (c + 1) * L::kLaneK) <= K);
+          const int orow = row0 + 16 * (r % RT) + 8 * h + g4;
+          const size_t row = orow + (size_t)(r / RT) * N;
+          const bool ok = q < q_end && orow < N && (WBITS == 4 || (q * L::kQuadK + (c + 1) * L::kLaneK) <= K);
           a_raw[u][r][h] = make_uint4(0, 0, 0, 0);
           if (ok) {
             if constexpr (WBITS == 16) {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(w) + (size_t)row * K + q * 32 + 8 * c));
+              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(w) + row * K + q * 32 + 8 * c));
             } else if constexpr (WBITS == 8) {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const i8*>(w) + (size_t)row * K + q * 64 + 16 * c));
+              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const i8*>(w) + row * K + q * 64 + 16 * c));
             } else {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const u32*>(w) + (size_t)row * (n_quads * 16) + q * 16 + 4 * c));
+              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const u32*>(w) + row * (n_quads * 16) + q * 16 + 4 * c));
+            }
+          }
+          if constexpr (WBITS == 4) {
+#pragma unroll
+            for (int gi = 0; gi < GQ; ++gi) {
+              const int g = q * GQ + gi;
+              sz[u][r][h][gi] = ok && g < n_groups ? __halves2half2(scales[row * n_groups + g], zeros[row * n_groups + g])
+                                                   : __float2half2_rn(0.0f);
             }
           }
         }
@@ -146,14 +204,15 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
   };
 
   // Software pipeline: the next U quads are in flight while this warp computes the current U.
-  uint4 a_raw[U][RT][2], a_next[U][RT][2];
-  load(a_raw, warp * U);
-  for (int base = warp * U; base < n_quads; base += WARPS * U) {
-    if (base + WARPS * U < n_quads) load(a_next, base + WARPS * U);
+  uint4 a_raw[U][RR][2], a_next[U][RR][2];
+  __half2 sz[U][RR][2][GQ], sz_next[U][RR][2][GQ];
+  load(a_raw, sz, q_begin + warp * U);
+  for (int base = q_begin + warp * U; base < q_end; base += WARPS * U) {
+    if (base + WARPS * U < q_end) load(a_next, sz_next, base + WARPS * U);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = base + u;
-      if (q >= n_quads) break;
+      if (q >= q_end) break;
       const int kq = q * L::kQuadK;
       if constexpr (WBITS == 16 || WBITS == 8) {
         constexpr int kLoads = L::kLaneK / 8;  // 16-byte x loads per lane: 1 (fp16), 2 (int8)
@@ -170,7 +229,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
 #pragma unroll
           for (int s = 0; s < 2; ++s) {  // the two k16 steps of these 8 x values
 #pragma unroll
-            for (int r = 0; r < RT; ++r) {
+            for (int r = 0; r < RR; ++r) {
               u32 a[4];
               if constexpr (WBITS == 16) {
                 const u32* lo = reinterpret_cast<const u32*>(&a_raw[u][r][0]);
@@ -193,22 +252,20 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
       } else {
         constexpr int kWords = GS / 32;  // words (two k16 steps, 32 k) per scale group
 #pragma unroll
-        for (int gi = 0; gi < 128 / GS; ++gi) {
-          const int g = kq / GS + gi;
-          if (g >= n_groups) break;
-          float sc[RT][2];
-          u32 z2[RT][2];
+        for (int gi = 0; gi < GQ; ++gi) {
+          if (kq / GS + gi >= n_groups) break;
+          float sc[RR][2];
+          u32 z2[RR][2];
 #pragma unroll
-          for (int r = 0; r < RT; ++r)
+          for (int r = 0; r < RR; ++r)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const int row = min(row0 + 16 * r + 8 * h + g4, N - 1);
-              sc[r][h] = __half2float(scales[(size_t)row * n_groups + g]);
-              z2[r][h] = Pair<T>::splat(__half2float(zeros[(size_t)row * n_groups + g]));
+              sc[r][h] = __low2float(sz[u][r][h][gi]);
+              z2[r][h] = Pair<T>::splat(__high2float(sz[u][r][h][gi]));
             }
-          float p[RT][NT][4];
+          float p[RR][NT][4];
 #pragma unroll
-          for (int r = 0; r < RT; ++r)
+          for (int r = 0; r < RR; ++r)
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -224,7 +281,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
                            : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (int r = 0; r < RT; ++r) {
+            for (int r = 0; r < RR; ++r) {
               const u32 wl = reinterpret_cast<const u32*>(&a_raw[u][r][0])[j];
               const u32 wh = reinterpret_cast<const u32*>(&a_raw[u][r][1])[j];
 #pragma unroll
@@ -241,7 +298,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
             }
           }
 #pragma unroll
-          for (int r = 0; r < RT; ++r)
+          for (int r = 0; r < RR; ++r)
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -252,28 +309,129 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int r = 0; r < RT; ++r) a_raw[u][r][0] = a_next[u][r][0], a_raw[u][r][1] = a_next[u][r][1];
+      for (int r = 0; r < RR; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          a_raw[u][r][h] = a_next[u][r][h];
+#pragma unroll
+          for (int gi = 0; gi < GQ; ++gi) sz[u][r][h][gi] = sz_next[u][r][h][gi];
+        }
   }
 
-  // Sum the warps' fragments; thread i of the block finishes fragment value i / 32 of lane i % 32.
+  // Sum the warps' fragments into partial[0] (value v of lane l at [v][l]), then the cluster's blocks.
 #pragma unroll
-  for (int r = 0; r < RT; ++r)
+  for (int r = 0; r < RR; ++r)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int j = 0; j < 4; ++j) partial[warp][(r * NT + n) * 4 + j][lane] = acc[r][n][j];
   __syncthreads();
-  for (int i = threadIdx.x; i < RT * NT * 4 * 32; i += 32 * WARPS) {
+  float* red = &partial[0][0][0];
+  for (int i = threadIdx.x; i < V * 32; i += 32 * WARPS) {
+    float y = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < WARPS; ++wi) y += (&partial[wi][0][0])[i];
+    red[i] = y;
+  }
+  __syncthreads();
+  if constexpr (SPLIT > 1) {
+#if __CUDA_ARCH__ >= 900
+    cluster_sync();  // every block's sums are in its shared memory
+    const bool leader = cluster_rank() == 0;
+    if (leader) {
+      for (int i = threadIdx.x; i < V * 32; i += 32 * WARPS) {
+        float y = red[i];
+#pragma unroll
+        for (int s = 1; s < SPLIT; ++s) y += load_cluster(red + i, s);
+        red[i] = y;
+      }
+    }
+    cluster_sync();  // the leader has read the others' shared memory: they may exit
+    if (!leader) return;
+#else
+    __trap();  // unreachable: SPLIT > 1 is launched on sm_90 and newer only (ops/linear.py)
+#endif
+  }
+
+  // Epilogue: thread i finishes accumulator value i / 32 of lane i % 32 of the gate (or only) half.
+  constexpr int VO = RT * NT * 4;
+  __shared__ float logit[EPI == EPI_ARGMAX ? 16 : 1][16 * RT];
+  for (int i = threadIdx.x; i < VO * 32; i += 32 * WARPS) {
     const int v = i >> 5, l = i & 31, j = v & 3, n = (v >> 2) % NT, r = v / (4 * NT);
     const int row = row0 + 16 * r + (l >> 2) + 8 * (j >> 1);
     const int m = 8 * n + 2 * (l & 3) + (j & 1);
     if (row >= N || m >= M) continue;
-    float y = 0.0f;
-#pragma unroll
-    for (int wi = 0; wi < WARPS; ++wi) y += partial[wi][v][l];
+    float y = red[i];
     if constexpr (WBITS == 8) y *= __half2float(scales[row]);
     if (bias != nullptr) y += to_float(bias[row]);
-    out[(size_t)m * N + row] = from_float<T>(y);
+    if constexpr (EPI == EPI_SILU_AND_MUL) {
+      float up = red[i + VO * 32];
+      if constexpr (WBITS == 8) up *= __half2float(scales[row + N]);
+      if (bias != nullptr) up += to_float(bias[row + N]);
+      y = silu(y) * up;
+    }
+    if constexpr (EPI == EPI_ARGMAX) {
+      logit[m][row - row0] = to_float(from_float<T>(y));  // the logits rounded to T, as linear() stores them
+    } else {
+      out[(size_t)m * N + row] = from_float<T>(y);
+    }
+  }
+  if constexpr (EPI == EPI_ARGMAX) {
+    __syncthreads();
+    const int rows = min(16 * RT, N - row0);
+    for (int m = warp; m < M; m += WARPS) {
+      float best = __int_as_float(0xff800000u);  // -inf
+      int idx = row0;
+      for (int lr = lane; lr < rows; lr += 32) argmax_merge(best, idx, logit[m][lr], row0 + lr);
+      argmax_warp(best, idx);
+      if (lane == 0) part_val[(size_t)m * gridDim.x + blockIdx.x] = best, part_idx[(size_t)m * gridDim.x + blockIdx.x] = idx;
+    }
+  }
+}
+
+#define LINEAR_ARGS                                                                                          \
+  const T *__restrict__ x, const void *__restrict__ w, const __half *__restrict__ scales,                    \
+      const __half *__restrict__ zeros, const T *__restrict__ bias, T *__restrict__ out,                     \
+      float *__restrict__ part_val, int *__restrict__ part_idx, int M, int N, int K
+#define LINEAR_PASS x, w, scales, zeros, bias, out, part_val, part_idx, M, N, K
+
+// grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
+// smem: static, 4 * WARPS * RR * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX)
+// x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for EPI_SILU_AND_MUL) or null, all T;
+// w: see the formats above ([2N, K] for EPI_SILU_AND_MUL); scales: fp16 [rows] (WBITS 8) or
+// [rows, K / GS] (WBITS 4); zeros: fp16 [rows, K / GS] (WBITS 4); part_val / part_idx:
+// [M, gridDim.x] for EPI_ARGMAX, else null. Every weight byte is read once (streamed).
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI>
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(LINEAR_ARGS) {
+  linear_body<T, WBITS, GS, NT, RT, U, WARPS, 1, EPI>(LINEAR_PASS);
+}
+
+// grid: (ceil(N / (16 RT)), SPLIT), clusters of (1, SPLIT, 1) · otherwise as linear_kernel:
+// the blocks of a cluster split K, the cluster's block 0 writes the epilogue. sm_90 and newer.
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI>
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) LINEAR_CLUSTER(SPLIT) linear_split_kernel(LINEAR_ARGS) {
+  linear_body<T, WBITS, GS, NT, RT, U, WARPS, SPLIT, EPI>(LINEAR_PASS);
+}
+
+// grid: (M) · block: 1024 · smem: static 256 bytes
+// part_val / part_idx: [M, nb] from linear_kernel's EPI_ARGMAX; out: int32 [M], the index of
+// the largest value (ties: the lowest index, as numpy.argmax).
+__global__ void __launch_bounds__(1024) linear_argmax_reduce_kernel(const float* __restrict__ part_val,
+                                                                    const int* __restrict__ part_idx,
+                                                                    int* __restrict__ out, int nb) {
+  __shared__ float vals[32];
+  __shared__ int idxs[32];
+  const int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float best = __int_as_float(0xff800000u);  // -inf
+  int idx = 0x7fffffff;
+  for (int j = threadIdx.x; j < nb; j += 1024) argmax_merge(best, idx, part_val[(size_t)m * nb + j], part_idx[(size_t)m * nb + j]);
+  argmax_warp(best, idx);
+  if (lane == 0) vals[warp] = best, idxs[warp] = idx;
+  __syncthreads();
+  if (warp == 0) {
+    best = vals[lane], idx = idxs[lane];
+    argmax_warp(best, idx);
+    if (lane == 0) out[m] = idx;
   }
 }
 

@@ -1,49 +1,82 @@
-"""Linear layer y = x @ W.T (+ bias) with fp16 / bf16, INT8 or INT4 weights.
+"""Linear layer y = x @ W.T (+ bias) with fp16 / bf16, INT8 or INT4 weights, and its fused epilogues.
 
-linear(x, w, bias=None, out=None) -> [M, N] in x's dtype
+linear(x, w, bias=None, out=None, activation=None) -> [M, N] in x's dtype
     x: [M, K] fp16 / bf16; w: [N, K] array of x's dtype, or cuinfer.quant.Int8Weight /
     Int4Weight (Hugging Face layout, out_features first); bias: [N] in x's dtype.
+    activation="silu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I]) and the
+    result is silu(x @ gate.T) * (x @ up.T), [M, I] (ops.silu_and_mul of the plain result).
+linear_argmax(x, w, out=None, workspace=None) -> int32 [M]
+    argmax over N of the logits x @ W.T rounded to x's dtype (ties: the lowest index), for
+    greedy decoding. workspace: int32 [argmax_workspace_size(N)] of partial maxima; None
+    allocates one, so a CUDA graph capture must pass one allocated before it.
 
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
-cupy arrays: for M <= 16 (decode) cuda_src/linear.cu's tensor-core GEMV with the weight
-dequantized in registers (16-byte streamed loads, warps split K, one block per 16 RT rows);
-for M > 16 (prefill) the weight is dequantized to a scratch [N, K] array by
-linear_dequant_kernel and multiplied by cuBLAS (cupy.matmul), as is an fp16 / bf16 weight;
-a bias is then added in x's dtype (one more rounding than the GEMV, which adds it in fp32).
+cupy arrays: the decode GEMV of cuda_src/linear.cu (tensor cores, weights dequantized in
+registers, every weight byte read once, epilogue fused) for M <= 16, and for quantized weights up
+to M = 64 in chunks of 16 rows (each chunk reads the weight again: still fewer bytes than the
+dequantized fp16 copy). Beyond that (prefill) the weight is dequantized to a scratch [N, K]
+array (allocated: not for capture) and multiplied by cuBLAS gemmEx in fp32 with the bias
+pre-filled in `out` (beta = 1), so y is rounded once as in the GEMV; the SiLU epilogue then
+runs unfused (ops.silu_and_mul on an [M, 2I] intermediate). Everything except that prefill
+path allocates nothing when `out` (and for argmax `workspace`) is given: CUDA-graph safe.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import runtime
 from ..quant import GROUP_SIZES, Int4Weight, Int8Weight
+from .activation import silu_and_mul
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
-GEMV_MAX_M = 16
-NULL = np.uint64(0)  # a null pointer kernel argument (no scales / zeros / bias)
+GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
+GEMV_MAX_M = {16: 16, 8: 64, 4: 64}  # by weight bits: above, the prefill path
+EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2}  # EPI_* of linear.cu
+QUAD_K = {16: 32, 8: 64, 4: 128}  # k per quad step of one lane quad
+NULL = np.uint64(0)  # a null pointer kernel argument
+
+
+class Tile(NamedTuple):
+    nt: int  # n8 tiles of x rows (M <= 8 nt)
+    rt: int  # m16 tiles of output rows per block
+    u: int  # quads per warp per pipeline stage
+    warps: int  # warps per block, splitting the block's K range
+    split: int  # blocks of a cluster splitting K (sm_90)
 
 
 def weight_bits(w) -> int:
     return 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 16
 
 
-def tile_config(bits: int, m: int, n: int) -> tuple:
-    """(NT, RT, U, WARPS) for M rows of x and N outputs, measured on the H100 (notes/linear.md).
+def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True) -> Tile:
+    """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (notes/linear.md).
 
-    NT n8 tiles cover M. RT m16 row tiles per block share each x fragment: 2 at M > 8 once the
-    grid still has >= 4 blocks per SM (x loads then rival the weight bytes). Each warp has U
-    quads in compute and U more in flight (double-buffered); the raw weights take 16 RT U
-    registers, kept <= 32 (<= 128 registers, no spills, ptxas -v sm_90). WARPS split K in a
-    block: 16 when the grid has under 4 blocks per SM (N < 8448), else 8."""
+    RT = 2 at M > 8 once the grid still has >= 4 blocks per SM (x loads then rival the weight
+    bytes). U quads in compute and U in flight per warp, raw weights <= 32 registers (<= 128
+    in all, no spills). Grids of >= 4 blocks per SM take 4 warps per block; smaller ones 8 and
+    split K over a cluster of up to 8 blocks until there are 4 blocks per SM, keeping >= one
+    full pipeline stage (WARPS U quads) per block."""
     nt = 1 if m <= 8 else 2
-    rt = 2 if nt == 2 and n >= 16 * 2 * 4 * 132 else 1
-    u = 4 // rt // (2 if bits == 4 else 1)
-    warps = 16 if rt == 1 and -(-n // 16) < 4 * 132 else 8
-    return nt, rt, u, warps
+    rows = 2 if epilogue == "silu_and_mul" else 1
+    rt = 2 if nt == 2 and rows == 1 and n >= 16 * 2 * 4 * sms else 1
+    u = max(1, 4 // (rt * rows) // (2 if bits == 4 else 1))
+    blocks = -(-n // (16 * rt))
+    warps = 4 if blocks >= 4 * sms else 8
+    quads = -(-k // QUAD_K[bits])
+    split = 1
+    while clusters and split < 8 and blocks * split < 4 * sms and quads >= 2 * split * warps * u:
+        split *= 2
+    return Tile(nt, rt, u, warps, split)
 
 
-def instantiation(dtype, bits: int, group_size: int, nt: int, rt: int, u: int, warps: int) -> str:
-    return f"linear_kernel<{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {warps}>"
+def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store") -> str:
+    nt, rt, u, warps, split = tile
+    head = f"{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {warps}"
+    if split == 1:
+        return f"linear_kernel<{head}, {EPILOGUES[epilogue]}>"
+    return f"linear_split_kernel<{head}, {split}, {EPILOGUES[epilogue]}>"
 
 
 def dequant_instantiation(dtype, bits: int, group_size: int) -> str:
@@ -58,9 +91,10 @@ def _formats():
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, *tile_config(b, m, n)) for dt in KERNEL_DTYPES for b, g in _formats()
-     for m in (1, 16) for n in (1, 1 << 14, 1 << 20)}
-    | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16})
+    {instantiation(dt, b, g, tile_config(b, m, n, 4096, epi), epi) for dt in KERNEL_DTYPES for b, g in _formats()
+     for m in (1, 16) for n in (1024, 1 << 20) for epi in EPILOGUES}
+    | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16}
+    | {"linear_argmax_reduce_kernel"})
 
 
 def linear_reference(x, w, bias=None):
@@ -68,6 +102,12 @@ def linear_reference(x, w, bias=None):
     wf = w.dequantize() if isinstance(w, (Int8Weight, Int4Weight)) else np.asarray(w, dtype=np.float32)
     y = np.asarray(x, dtype=np.float32) @ wf.T
     return y if bias is None else y + np.asarray(bias, dtype=np.float32)
+
+
+def silu_and_mul_reference(y):
+    """float32 silu(gate) * up of y = [gate | up] along the last axis."""
+    gate, up = np.split(np.asarray(y, dtype=np.float32), 2, axis=-1)
+    return gate / (1 + np.exp(-gate)) * up
 
 
 def _check_weight(w, k, dev):
@@ -98,43 +138,98 @@ def _check_weight(w, k, dev):
     return n
 
 
-def linear(x, w, bias=None, out=None):
-    """x @ W.T (+ bias) in x's dtype; see the module docstring for shapes and formats."""
-    dev = runtime.on_device(x, bias, out)
+def _check_inputs(x, w, dev):
+    """Check x and w (dtype, shape, K alignment on the device); returns (M, K, N, bits)."""
     runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
     m, k = x.shape
     n = _check_weight(w, k, dev)
     bits = weight_bits(w)
     if bits == 16:
         runtime.check("w", w, dtype=x.dtype)
+    if dev:
+        if k % (need := {16: 8, 8: 16, 4: 32}[bits]):
+            raise ValueError(f"x: got K = {k} columns, need a multiple of {need} for {bits}-bit weights")
+        runtime.check("x", x, align=16)
+        runtime.check("w" if bits == 16 else "w.qweight", w if bits == 16 else w.qweight, align=16)
+    return m, k, n, bits
+
+
+def linear(x, w, bias=None, out=None, activation=None):
+    """x @ W.T (+ bias), or its SiLU-and-mul of the two halves; see the module docstring."""
+    if activation not in (None, "silu_and_mul"):
+        raise ValueError(f"activation: got {activation!r}, need None or 'silu_and_mul'")
+    dev = runtime.on_device(x, bias, out)
+    m, k, n_w, bits = _check_inputs(x, w, dev)
+    if activation and n_w % 2:
+        raise ValueError(f"w: got {n_w} rows, need an even number ([gate; up]) for activation='silu_and_mul'")
+    n = n_w // 2 if activation else n_w
     if bias is not None:
-        runtime.check("bias", bias, dtype=x.dtype, shape=(n,))
+        runtime.check("bias", bias, dtype=x.dtype, shape=(n_w,))
     out = runtime.check_out(out, (m, n), x.dtype, x)
     if not dev:
-        out[...] = linear_reference(x, w, bias).astype(x.dtype)  # rounded once
+        y = linear_reference(x, w, bias)
+        out[...] = (silu_and_mul_reference(y) if activation else y).astype(x.dtype)  # rounded once
         return out
-    need = {16: 8, 8: 16, 4: 32}[bits]
-    if k % need:
-        raise ValueError(f"x: got K = {k} columns, need a multiple of {need} for {bits}-bit weights")
-    runtime.check("x", x, align=16)
     runtime.check("out", out, align=16)
-    if m > GEMV_MAX_M:
-        return _prefill(x, w, bias, out)
-    qweight = w if bits == 16 else w.qweight
-    runtime.check("w" if bits == 16 else "w.qweight", qweight, align=16)
-    return _gemv(x, w, bias, out, tile_config(bits, m, n))
+    if m > GEMV_MAX_M[bits]:
+        if not activation:
+            return _prefill(x, w, bias, out)
+        return silu_and_mul(_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)
+    epilogue = activation or "store"
+    for m0 in range(0, m, GEMV_ROWS):
+        mc = min(GEMV_ROWS, m - m0)
+        _gemv(x[m0:m0 + mc], w, bias, out[m0:m0 + mc], _tile(bits, mc, n, k, epilogue), epilogue)
+    return out
 
 
-def _gemv(x, w, bias, out, config):
-    """Launch linear_kernel with config = (NT, RT, U, WARPS) on checked arguments."""
-    (m, k), n, bits = x.shape, out.shape[1], weight_bits(w)
-    nt, rt, u, warps = config
-    kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, nt, rt, u, warps))
+def argmax_workspace_size(n: int) -> int:
+    """int32 elements of linear_argmax's workspace for N logits (any M, any weight format)."""
+    return 2 * GEMV_ROWS * -(-n // 16)
+
+
+def linear_argmax(x, w, out=None, workspace=None):
+    """int32 [M]: argmax over N of x @ W.T rounded to x's dtype, ties to the lowest index."""
+    dev = runtime.on_device(x, out, workspace)
+    m, k, n, bits = _check_inputs(x, w, dev)
+    out = runtime.check_out(out, (m,), np.int32, x)
+    if not dev:
+        logits = linear_reference(x, w).astype(x.dtype).astype(np.float32)  # rounded as linear() stores them
+        out[...] = np.argmax(logits, axis=1)
+        return out
+    cp = runtime.require_cupy()
+    if workspace is None:
+        workspace = cp.empty(argmax_workspace_size(n), np.int32)
+    runtime.check("workspace", workspace, dtype=np.int32, ndim=1)
+    if workspace.size < argmax_workspace_size(n):
+        raise ValueError(f"workspace: got {workspace.size} elements, need >= {argmax_workspace_size(n)} "
+                         "(argmax_workspace_size(N))")
+    reduce = runtime.kernel("linear", "linear_argmax_reduce_kernel")
+    for m0 in range(0, m, GEMV_ROWS):
+        mc = min(GEMV_ROWS, m - m0)
+        tile = _tile(bits, mc, n, k, "argmax")
+        nb = -(-n // (16 * tile.rt))
+        vals, idx = workspace[:mc * nb].view(np.float32), workspace[mc * nb:2 * mc * nb]
+        _gemv(x[m0:m0 + mc], w, None, None, tile, "argmax", (vals, idx))
+        runtime.launch(reduce, (mc,), (1024,), (vals, idx, out[m0:m0 + mc], np.int32(nb)))
+    return out
+
+
+def _tile(bits, m, n, k, epilogue):
+    info = runtime.device_info()
+    return tile_config(bits, m, n, k, epilogue, info["sm_count"], int(info["arch"][3:]) >= 90)
+
+
+def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL)):
+    """Launch linear_kernel / linear_split_kernel with `tile` on checked arguments (M <= 8 tile.nt)."""
+    (m, k), bits = x.shape, weight_bits(w)
+    n = w.shape[0] // (2 if epilogue == "silu_and_mul" else 1)
+    kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue))
     qweight = w if bits == 16 else w.qweight
     scales = w.scales if bits < 16 else NULL
     zeros = w.zeros if bits == 4 else NULL
-    args = (x, qweight, scales, zeros, NULL if bias is None else bias, out, np.int32(m), np.int32(n), np.int32(k))
-    runtime.launch(kern, (-(-n // (16 * rt)),), (32 * warps,), args)
+    args = (x, qweight, scales, zeros, NULL if bias is None else bias, NULL if out is None else out, *parts,
+            np.int32(m), np.int32(n), np.int32(k))
+    runtime.launch(kern, (-(-n // (16 * tile.rt)), tile.split), (32 * tile.warps,), args)
     return out
 
 
@@ -150,10 +245,28 @@ def dequantize_weight(w, dtype):
     return scratch
 
 
+CUDA_DTYPES = {np.dtype(np.float16): 2, runtime.bfloat16: 14}  # cudaDataType CUDA_R_16F, CUDA_R_16BF
+
+
 def _prefill(x, w, bias, out):
+    """out = x @ W.T + bias through cuBLAS gemmEx (fp32 compute, beta = 1 on the bias): one rounding."""
     cp = runtime.require_cupy()
+    from cupy_backends.cuda.libs import cublas
+
     wt = w if weight_bits(w) == 16 else dequantize_weight(w, x.dtype)
-    cp.matmul(x, wt.T, out=out)
+    (m, k), n = x.shape, wt.shape[0]
     if bias is not None:
-        out += bias  # an add in x's dtype: the product is rounded before the bias (the GEMV adds in fp32)
+        out[...] = bias
+    alpha, beta = np.ones(1, np.float32), np.full(1, 0 if bias is None else 1, np.float32)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    t = CUDA_DTYPES[x.dtype]
+    try:  # column-major out.T [N, M] = W [N, K] (wt row-major = col-major [K, N], transposed) @ x.T
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data, wt.data.ptr, t, k,
+                      x.data.ptr, t, k, beta.ctypes.data, out.data.ptr, t, n, cublas.CUBLAS_COMPUTE_32F,
+                      cublas.CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
     return out

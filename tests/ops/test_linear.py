@@ -6,11 +6,13 @@ from hypothesis import strategies as st
 
 from cuinfer import quant, runtime
 from cuinfer.ops.linear import (
-    INSTANTIATIONS,
+    Tile,
     _gemv,
-    instantiation,
+    argmax_workspace_size,
     linear,
+    linear_argmax,
     linear_reference,
+    silu_and_mul_reference,
     tile_config,
 )
 from tests.conftest import assert_close, poison
@@ -26,8 +28,8 @@ def make_weight(rng, n, k, fmt, group_size=128):
 
 def reference_rounded(x, w, bias, prefill):
     """float32 reference mirroring the kernels' roundings: the GEMV uses T(q - T(zero)) with the
-    scale in fp32 (exact for integer zeros); the prefill path rounds the dequantized weight to T.
-    (Its bias add rounds the product first: run_case checks that step exactly.)"""
+    scale in fp32; the prefill path rounds the dequantized weight to T. Both add the bias in fp32
+    and round y once (the prefill's cuBLAS gemmEx adds it with beta = 1 in its fp32 compute)."""
     t = x.dtype
     if isinstance(w, (quant.Int8Weight, quant.Int4Weight)):
         wf = w.dequantize(t)
@@ -97,9 +99,45 @@ def test_tile_config_fits_instantiations():
     for bits, gs in ((16, 0), (8, 0), (4, 32)):
         for m in range(1, 17):
             for n in (1, 17, 1024, 4096, 8448, 14336, 16896, 128256):
-                nt, rt, u, warps = tile_config(bits, m, n)
-                assert 8 * nt >= m and rt * u * (2 if bits == 4 else 1) <= 4
-                assert instantiation(runtime.bfloat16, bits, gs, nt, rt, u, warps) in INSTANTIATIONS
+                for k in (32, 576, 4096, 14336):
+                    for epi in ("store", "silu_and_mul", "argmax"):
+                        t = tile_config(bits, m, n, k, epi)
+                        rows = 2 if epi == "silu_and_mul" else 1
+                        assert 8 * t.nt >= m and t.rt * rows * t.u * (2 if bits == 4 else 1) <= 4
+                        assert t.split in (1, 2, 4, 8)
+                        assert tile_config(bits, m, n, k, epi, clusters=False).split == 1
+
+
+def test_silu_and_mul_and_argmax_references():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 64)).astype(np.float16)
+    for fmt in ("float", "int8", "int4"):
+        w = make_weight(rng, 10, 64, fmt, 32)
+        w = w.astype(np.float16) if fmt == "float" else w
+        y = linear_reference(x, w).astype(np.float64)
+        want = y[:, :5] / (1 + np.exp(-y[:, :5])) * y[:, 5:]
+        assert_close(linear(x, w, activation="silu_and_mul"), want)
+        logits = y.astype(np.float16)
+        got = linear_argmax(x, w)
+        assert got.dtype == np.int32 and (got == np.argmax(logits, axis=1)).all()
+    w = np.zeros((4, 64), np.float16)
+    w[1] = w[3] = 1  # equal logits: the lowest index wins
+    assert (linear_argmax(np.ones((2, 64), np.float16), w) == 1).all()
+
+
+def test_fused_argument_checks():
+    x = np.zeros((2, 64), np.float16)
+    with pytest.raises(ValueError, match="activation: got 'gelu'"):
+        linear(x, np.zeros((8, 64), np.float16), activation="gelu")
+    with pytest.raises(ValueError, match="need an even number"):
+        linear(x, np.zeros((7, 64), np.float16), activation="silu_and_mul")
+    with pytest.raises(ValueError, match=r"bias: got shape \(4,\)"):
+        linear(x, np.zeros((8, 64), np.float16), np.zeros(4, np.float16), activation="silu_and_mul")
+    with pytest.raises(ValueError, match=r"out: got shape \(2, 8\)"):
+        linear(x, np.zeros((8, 64), np.float16), out=np.zeros((2, 8), np.float16), activation="silu_and_mul")
+    with pytest.raises(ValueError, match="out: got dtype int64"):
+        linear_argmax(x, np.zeros((8, 64), np.float16), out=np.zeros(2, np.int64))
+    assert argmax_workspace_size(17) == 2 * 16 * 2
 
 
 # ------------------------------------------------------------------------ GPU
@@ -121,15 +159,6 @@ def run_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, prefill=Fals
     bias = rng.standard_normal(n).astype(dtype) if use_bias else None
     w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
     out = poison(cp, (m, n), dtype)
-    if prefill and use_bias:
-        # the prefill path rounds x @ W.T to T, then adds the bias in T (cupy's add): compare the
-        # product with the reference, and the bias step exactly. A 1-ulp flip of the rounded
-        # product (accumulation order) is 1 ulp of |x @ W.T|, not of |y|: beyond the table's atol.
-        product = linear(cp.asarray(x), w_dev, out=poison(cp, (m, n), dtype))
-        assert_close(product, reference_rounded(x, w, None, prefill))
-        got = linear(cp.asarray(x), w_dev, cp.asarray(bias), out=out)
-        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(product) + bias)
-        return
     got = linear(cp.asarray(x), w_dev, None if bias is None else cp.asarray(bias), out=out)
     assert got is out
     assert_close(out, reference_rounded(x, w, bias, prefill))
@@ -175,25 +204,142 @@ def test_gemv_llama_shape_int4_lm_head_tile():
                  fmt, gs, True, 1.0)
 
 
+CONFIGS = [(1, 1, 1, 8, 1), (1, 1, 2, 4, 1), (1, 1, 4, 8, 1), (1, 2, 1, 8, 1), (2, 1, 2, 16, 1), (2, 2, 1, 8, 1),
+           (2, 2, 2, 8, 1), (2, 1, 4, 8, 1), (1, 1, 2, 16, 1), (1, 1, 1, 4, 2), (1, 1, 2, 8, 4), (2, 1, 1, 4, 8),
+           (2, 2, 1, 4, 2), (1, 1, 1, 8, 8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [("float", 0), ("int8", 0), ("int4", 32), ("int4", 128)])
-@pytest.mark.parametrize("config", [(1, 1, 1, 8), (1, 1, 2, 4), (1, 1, 4, 8), (1, 2, 1, 8), (2, 1, 2, 16),
-                                    (2, 2, 1, 8), (2, 2, 2, 8), (2, 1, 4, 8), (1, 1, 2, 16)])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_gemv_every_tile_config(fmt, gs, config):
-    """Tile configurations beyond the ones tile_config picks today give the same result."""
+    """Tile configurations (split-K clusters included) beyond the ones tile_config picks today give the
+    same result, for every epilogue; K leaves some splits without a single quad."""
     import cupy as cp
 
-    nt = config[0]
+    tile = Tile(*config)
     rng = np.random.default_rng(sum(config))
-    m, n, k = (7 if nt == 1 else 13), 75, (4 * 128 + 64 if fmt != "int4" else 5 * 128)
+    m, n, k = (7 if tile.nt == 1 else 13), 75, (4 * 128 + 64 if fmt != "int4" else 5 * 128)
     x = rng.standard_normal((m, k)).astype(np.float16)
-    w = make_weight(rng, n, k, fmt, gs or 128)
+    w = make_weight(rng, 2 * n, k, fmt, gs or 128)
     w = w.astype(np.float16) if fmt == "float" else w
     ref = reference_rounded(x, w, None, False)
     w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
+    plain = poison(cp, (m, 2 * n), np.float16)
+    _gemv(cp.asarray(x), w_dev, None, plain, tile)
+    assert_close(plain, ref)
     out = poison(cp, (m, n), np.float16)
-    _gemv(cp.asarray(x), w_dev, None, out, config)
-    assert_close(out, ref)
+    _gemv(cp.asarray(x), w_dev, None, out, tile, "silu_and_mul")
+    assert_close(out, silu_and_mul_reference(ref))
+    ws = cp.full(argmax_workspace_size(2 * n), -1, cp.int32)
+    nb = -(-2 * n // (16 * tile.rt))
+    vals, idx = ws[:m * nb].view(cp.float32), ws[m * nb:2 * m * nb]
+    _gemv(cp.asarray(x), w_dev, None, None, tile, "argmax", (vals, idx))
+    logits = cp.asnumpy(plain).astype(np.float32)  # the same tile: the same rounded logits
+    block_logits = np.pad(logits, ((0, 0), (0, nb * 16 * tile.rt - 2 * n)), constant_values=-np.inf)
+    block_logits = block_logits.reshape(m, nb, 16 * tile.rt)
+    want_idx = block_logits.argmax(axis=2) + 16 * tile.rt * np.arange(nb)
+    np.testing.assert_array_equal(cp.asnumpy(idx).reshape(m, nb), want_idx)  # ties: lowest index
+    np.testing.assert_array_equal(cp.asnumpy(vals).reshape(m, nb), block_logits.max(axis=2))
+
+
+def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
+    """silu_and_mul and argmax on the device against the NumPy references and the unfused device path."""
+    from cuinfer import ops
+
+    x = (rng.standard_normal((m, k)) * magnitude).astype(dtype)
+    w = make_weight(rng, 2 * n, k, fmt, gs or 128)
+    w = w.astype(dtype) if fmt == "float" else w
+    w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
+    bias = rng.standard_normal(2 * n).astype(dtype) if use_bias else None
+    bias_dev = None if bias is None else cp.asarray(bias)
+    prefill = m > {"float": 16}.get(fmt, 64)
+    y = reference_rounded(x, w, bias, prefill)
+    out = poison(cp, (m, n), dtype)
+    got = linear(cp.asarray(x), w_dev, bias_dev, out=out, activation="silu_and_mul")
+    assert got is out
+    # the fused epilogue rounds once; the reference's fp32 silu(gate) * up is rounded by assert_close's table
+    assert_close(out, silu_and_mul_reference(y))
+    unfused = ops.silu_and_mul(linear(cp.asarray(x), w_dev, bias_dev))
+    assert_close(out, cp.asnumpy(unfused).astype(np.float32), dtype)
+
+    got = linear_argmax(cp.asarray(x), w_dev, out=cp.full(m, -1, cp.int32),
+                        workspace=cp.full(argmax_workspace_size(2 * n), -1, cp.int32))
+    got = cp.asnumpy(got)
+    logits = reference_rounded(x, w, None, False)
+    # the chosen logit is the largest up to the rounding of the logits (one ulp of T at the max)
+    tol = np.abs(logits).max(axis=1) * (2.0**-7 if dtype == runtime.bfloat16 else 2.0**-10) + 1e-3
+    chosen = logits[np.arange(m), got]
+    assert (got >= 0).all() and (got < 2 * n).all()
+    assert (chosen >= logits.max(axis=1) - tol).all()
+    if m <= 16 or fmt != "float":  # the same GEMV tiles as linear(): the same rounded logits, exactly
+        device_logits = cp.asnumpy(linear(cp.asarray(x), w_dev)).astype(np.float32)
+        np.testing.assert_array_equal(got, device_logits.argmax(axis=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_epilogues_match_reference(fmt, gs, dtype):
+    import cupy as cp
+
+    @settings(max_examples=20, deadline=None)
+    @given(m=st.one_of(st.integers(1, 16), st.sampled_from([17, 40, 64, 65])), n=st.sampled_from([1, 17, 111, 989, 2048 + 48]),
+           k=k_strategy(fmt, gs), use_bias=st.booleans(), magnitude=st.sampled_from([1.0, 30.0]),
+           seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, use_bias, magnitude, seed):
+        fused_case(cp, np.random.default_rng(seed), dtype, m, n, k, fmt, gs, use_bias, magnitude)
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [("float", 0), ("int8", 0), ("int4", 128)])
+def test_argmax_ties_go_to_the_lowest_index(fmt, gs):
+    import cupy as cp
+
+    rng = np.random.default_rng(11)
+    n, k = 5000, 256
+    w = make_weight(rng, n, k, "float")
+    for i in (4097, 37, 2500):  # identical rows, so identical logits, at three indices in three blocks
+        w[i] = np.abs(w[0]) * 4
+    x = np.ones((3, k), np.float16)
+    w = w.astype(np.float16) if fmt == "float" else quant.quantize(w, fmt, gs or 128)
+    w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
+    assert (cp.asnumpy(linear_argmax(cp.asarray(x), w_dev)) == 37).all()
+
+
+@pytest.mark.gpu
+def test_fused_ops_replay_in_a_cuda_graph():
+    """linear (split-K cluster tile), its SiLU epilogue and linear_argmax with a workspace captured
+    once and replayed on new inputs give the eager results: no allocation, no host sync inside."""
+    import cupy as cp
+
+    rng = np.random.default_rng(12)
+    k, n = 4096, 1024
+    w = quant.quantize(rng.standard_normal((2 * n, k)).astype(np.float32), "int4", 128).to_device()
+    x = cp.asarray(rng.standard_normal((1, k)).astype(np.float16))
+    y, act, top = cp.empty((1, 2 * n), cp.float16), cp.empty((1, n), cp.float16), cp.empty(1, cp.int32)
+    ws = cp.empty(argmax_workspace_size(2 * n), cp.int32)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def step():
+        linear(x, w, out=y)
+        linear(x, w, out=act, activation="silu_and_mul")
+        linear_argmax(x, w, out=top, workspace=ws)
+
+    with stream:
+        step()  # compiles and loads every kernel before the capture
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        for _ in range(2):
+            x[...] = cp.asarray(rng.standard_normal((1, k)).astype(np.float16))
+            graph.launch(stream)
+            got = (y.copy(), act.copy(), top.copy())
+            step()
+            for a, b in zip(got, (y, act, top)):
+                np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
 
 
 @pytest.mark.gpu
