@@ -17,13 +17,14 @@ using namespace cuinfer;
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
 // part_out: [num_seqs, n_heads, n_splits, D] fp32; part_ml: [num_seqs, n_heads, n_splits, 2] (max, sum)
 // G: query heads per KV head, padded (the real count is n_heads / n_kv_heads <= G).
-template <typename T, int D, int G>
+// U: K/V rows each lane loads before it uses the first (bytes in flight).
+template <typename T, int D, int G, int U = 4>
 __global__ void __launch_bounds__(128) paged_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2) {
-  constexpr int WARPS = 4, U = 4;  // U: rows in flight per lane
+  constexpr int WARPS = 4;
   constexpr int CHUNKS = D / 8;
   constexpr int KL = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);  // lanes per row
   constexpr int RPW = 32 / KL;                                      // rows per warp step

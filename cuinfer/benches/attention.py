@@ -5,26 +5,31 @@ torch.nn.functional.scaled_dot_product_attention on [B, heads, S, d] with enable
 (K/V not repeated). Causal FLOPs count half the matrix: 4*B*S*S*H*d / 2.
 Decode: 32 query / 8 KV heads, head_dim 128, fp16, block_size 16, random block tables;
 bytes = K and V rows read. The peer is SDPA over contiguous [B, 8, ctx, 128] K/V (no
-paging) with one query per sequence. Decode and write_kv (ours and the peer) are timed as
-20 back-to-back eager calls per event pair: that is the GPU time per call only where it
-exceeds the Python launch cost of a call (tens of microseconds); below that the row is
-launch-bound and understates the kernel.
+paging) with one query per sequence. Decode and write_kv (ours and the peer) are timed
+as 20 calls replayed from one CUDA graph, as the decoder runs them (eagerly a call costs
+more Python than GPU time); every call reads more K/V than the 50 MB L2 holds.
+`--sweep` adds decode rows for other split partitions and rows-in-flight counts.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 from .. import bench, runtime
 from ..ops.flash_attention import flash_attention
-from ..ops.paged_attention import paged_attention, workspace_elems
+from ..ops.paged_attention import ROWS_IN_FLIGHT, launch_decode, padded_group, paged_attention, split_config
 from ..ops.write_kv import write_kv
 
 N_HEADS, N_KV = 32, 8
+REPS = 20
 
 
 def add_arguments(parser):
     parser.add_argument("--tokens", type=int, default=16384, help="prefill tokens per batch (B*S)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--sweep", action="store_true", help="decode split / rows-in-flight variants")
+    parser.add_argument("--no-prefill", action="store_true", help="decode and write_kv rows only")
 
 
 def _sdpa(torch, b, s, d, causal, kv_len=None):
@@ -36,9 +41,32 @@ def _sdpa(torch, b, s, d, causal, kv_len=None):
     return lambda: f(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def per_call_ms(fn, reps=20):
-    """Milliseconds per call of `reps` back-to-back eager calls between one pair of events."""
-    return bench.time_ms(lambda: [fn() for _ in range(reps)], warmup=2, iters=10) / reps
+def graph_ms(cp, fn, reps=REPS):
+    """Milliseconds per fn() replayed from one CUDA graph of `reps` calls on a non-blocking stream."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()  # inputs made on the default stream are ready
+    with stream:
+        fn()  # compiled, nothing left to allocate
+        stream.begin_capture()
+        for _ in range(reps):
+            fn()
+        graph = stream.end_capture()
+        ms = bench.time_ms(lambda: graph.launch(stream), warmup=3, iters=20)
+    stream.synchronize()
+    return ms / reps
+
+
+def torch_graph_ms(torch, fn, reps=REPS):
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return bench.time_ms(graph.replay, warmup=3, iters=20) / reps
 
 
 def prefill_rows(cp, torch, tokens, seq_lens):
@@ -52,17 +80,17 @@ def prefill_rows(cp, torch, tokens, seq_lens):
             cu = cp.arange(0, b * s + 1, s, dtype=cp.int32)
             out = cp.empty_like(q)
             for causal in (True, False):
-                ms = bench.time_ms(lambda: flash_attention(q, k, v, cu, causal, out=out, max_seqlen_q=s))
+                ms = bench.time_ms(functools.partial(flash_attention, q, k, v, cu, causal, out=out, max_seqlen_q=s))
                 flops = 4 * b * s * s * N_HEADS * d * (0.5 if causal else 1.0)
-                row = dict(name=f"prefill{' causal' if causal else ''}", shape=f"{b}x{s} d={d}",
-                           dtype="float16", ms=ms, flops=flops)
+                row = {"name": f"prefill{' causal' if causal else ''}", "shape": f"{b}x{s} d={d}",
+                       "dtype": "float16", "ms": ms, "flops": flops}
                 if torch is not None:
                     row.update(peer="sdpa", peer_ms=bench.time_ms(_sdpa(torch, b, s, d, causal)))
                 rows.append(row)
     return rows
 
 
-def decode_rows(cp, torch, cases, d=128, block_size=16):
+def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
     rows = []
     rng = np.random.default_rng(0)
     for b, ctx in cases:
@@ -73,14 +101,23 @@ def decode_rows(cp, torch, cases, d=128, block_size=16):
         lens = cp.full((b,), ctx, dtype=cp.int32)
         q = cp.random.standard_normal((b, N_HEADS, d), dtype=cp.float32).astype(cp.float16)
         out = cp.empty_like(q)
-        ws = cp.empty(max(1, workspace_elems(b, N_HEADS, N_KV, d, ctx)), dtype=cp.float32)
-        ms = per_call_ms(lambda: paged_attention(q, k_cache, v_cache, tables, lens, out=out,
-                                                 max_context_len=ctx, workspace=ws))
-        row = dict(name="decode paged", shape=f"{b}x{ctx} bs={block_size}", dtype="float16", ms=ms,
-                   bytes=2 * b * ctx * N_KV * d * 2)
-        if torch is not None:
-            row.update(peer="sdpa contiguous", peer_ms=per_call_ms(_sdpa(torch, b, 1, d, False, ctx)))
-        rows.append(row)
+        n_splits, partition = split_config(b, N_KV, ctx, runtime.device_info()["sm_count"])
+        variants = [(n_splits, partition, ROWS_IN_FLIGHT)]
+        if sweep:
+            variants += [(-(-ctx // p), p, ROWS_IN_FLIGHT) for p in (256, 512, 1024, 2048, 4096)
+                         if p <= ctx and p != partition] + [(n_splits, partition, 8)]
+        for i, (n, p, u) in enumerate(variants):
+            ws = cp.empty(n * b * N_HEADS * (d + 2), dtype=cp.float32)
+            call = (functools.partial(paged_attention, q, k_cache, v_cache, tables, lens, out=out,
+                                      max_context_len=ctx, workspace=ws) if i == 0 else
+                    functools.partial(launch_decode, q, k_cache, v_cache, tables, lens, out, d ** -0.5,
+                                      padded_group(N_HEADS, N_KV), n, p, ws, u))
+            row = {"name": "decode paged" if i == 0 else f"  split {n}x{p} U={u}",
+                   "shape": f"{b}x{ctx} bs={block_size}", "dtype": "float16", "ms": graph_ms(cp, call),
+                   "bytes": 2 * b * ctx * N_KV * d * 2}
+            if i == 0 and torch is not None:
+                row.update(peer="sdpa contiguous", peer_ms=torch_graph_ms(torch, _sdpa(torch, b, 1, d, False, ctx)))
+            rows.append(row)
     return rows
 
 
@@ -93,16 +130,17 @@ def write_kv_rows(cp, tokens=4096, d=128, block_size=16):
     slots = cp.asarray(np.random.default_rng(1).permutation(tokens).astype(np.int32))
     inv_freq = cp.asarray((10000.0 ** (-np.arange(0, d, 2) / d)).astype(np.float32))
     out = cp.empty_like(q)
-    ms = per_call_ms(lambda: write_kv(q, k, v, pos, caches[0], caches[1], slots, inv_freq, out=out))
-    return [dict(name="write_kv", shape=f"{tokens} tok d={d}", dtype="float16", ms=ms,
-                 bytes=2 * (q.nbytes + k.nbytes + v.nbytes))]
+    ms = graph_ms(cp, functools.partial(write_kv, q, k, v, pos, caches[0], caches[1], slots, inv_freq, out=out))
+    return [{"name": "write_kv", "shape": f"{tokens} tok d={d}", "dtype": "float16", "ms": ms,
+            "bytes": 2 * (q.nbytes + k.nbytes + v.nbytes)}]
 
 
 def run(args):
     cp = runtime.require_cupy()
     torch = bench.torch_or_none()
     seq_lens = (2048,) if args.quick else (512, 2048, 4096, 16384)
-    rows = decode_rows(cp, torch, ((1, 32768), (16, 4096), (64, 1024)))
+    rows = decode_rows(cp, torch, ((1, 32768), (16, 4096), (64, 1024)), args.sweep)
     rows += write_kv_rows(cp)
-    rows += prefill_rows(cp, torch, args.tokens, seq_lens)
+    if not args.no_prefill:
+        rows += prefill_rows(cp, torch, args.tokens, seq_lens)
     return rows

@@ -8,6 +8,8 @@ are processed in chunks so the score matrix stays small for long sequences.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 _SCORES_PER_CHUNK = 1 << 24  # float32 scores held at once (64 MiB)
@@ -56,7 +58,7 @@ def varlen_attention(q, k, v, cu_seqlens, causal=True, scale=None):
     scale = default_scale(q.shape[-1]) if scale is None else scale
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     out = np.zeros(q.shape, dtype=np.float32)
-    for s, e in zip(cu[:-1], cu[1:]):
+    for s, e in itertools.pairwise(cu):
         out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, causal)
     return out
 
@@ -83,7 +85,7 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     cu = np.asarray(cu_seqlens_q, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
     out = np.zeros(q.shape, dtype=np.float32)
-    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+    for i, (s, e) in enumerate(itertools.pairwise(cu)):
         n = int(ctx[i])
         k = gather_kv(k_cache, block_tables[i], n)
         v = gather_kv(v_cache, block_tables[i], n)

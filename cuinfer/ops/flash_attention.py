@@ -75,7 +75,7 @@ def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, m
     dev = runtime.on_device(q, k, v, cu_seqlens, out)
     runtime.check("k", k, ndim=3)
     _check_q(q, k.shape[1])
-    tokens, n_heads, d = q.shape
+    tokens, _n_heads, d = q.shape
     runtime.check("k", k, dtype=q.dtype, shape=(tokens, None, d))
     runtime.check("v", v, dtype=q.dtype, shape=tuple(k.shape))
     runtime.check("cu_seqlens", cu_seqlens, dtype=np.int32, ndim=1)
@@ -106,7 +106,7 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out)
     runtime.check("k_cache", k_cache, ndim=4)
     _check_q(q, k_cache.shape[2])
-    tokens, n_heads, d = q.shape
+    _tokens, _n_heads, d = q.shape
     runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, d))
     runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
     runtime.check("block_tables", block_tables, dtype=np.int32, ndim=2)

@@ -1,6 +1,7 @@
 """Paged decode attention: one query token per sequence against a paged KV cache.
 
-paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None)
+paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
+                max_context_len=None, workspace=None)
     q: [num_seqs, n_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]
     block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
     returns [num_seqs, n_heads, head_dim] in q's dtype (zeros where context_lens is 0)
@@ -8,9 +9,21 @@ paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
 reads each K/V row once for all query heads of its group; when sequences are few and
 long the context is split (flash-decoding) and a merge kernel combines the fp32
-partials. Under a CUDA graph pass `max_context_len` (an upper bound, so context_lens is
-not read back to the host) and `workspace` (float32, at least workspace_elems(...)
-elements, allocated before capture: the op then allocates nothing).
+partials. The grid and the split count depend on the shapes and on max_context_len
+only, never on the values in context_lens.
+
+Under CUDA-graph capture (and to avoid a device sync per call) the caller passes, all
+allocated before capture and kept alive as long as the graph:
+    out             [num_seqs, n_heads, head_dim], q's dtype
+    max_context_len an int >= every context_lens value any replay will see (the grid is
+                    sized from it at capture; tokens past it would be ignored)
+    workspace       float32, at least workspace_elems(num_seqs, n_heads, n_kv_heads,
+                    head_dim, max_context_len) elements (any size >= 1 when that is 0)
+A replay then reads new q, block_tables and context_lens copied into the same buffers.
+Inputs written on another stream must be ordered before the capture stream's work
+(an event, or a device synchronize): a non-blocking stream does not wait for the
+legacy default stream. Without these arguments the op allocates and may read
+context_lens back, so it refuses to run on a capturing stream.
 """
 from __future__ import annotations
 
@@ -23,6 +36,7 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 THREADS = 128
+ROWS_IN_FLIGHT = 4  # template U: K/V rows a lane loads before using the first
 MIN_PARTITION, MAX_PARTITION = 256, 1024  # tokens per split (multiples of 32)
 LOG2E = 1.4426950408889634
 
@@ -35,8 +49,8 @@ def padded_group(n_heads: int, n_kv_heads: int) -> int:
     raise ValueError(f"q: got {g} query heads per KV head, need at most {GROUPS[-1]}")
 
 
-def instantiation(dtype, head_dim: int, group: int) -> str:
-    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}>"
+def instantiation(dtype, head_dim: int, group: int, rows_in_flight: int = ROWS_IN_FLIGHT) -> str:
+    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {rows_in_flight}>"
 
 
 def merge_instantiation(dtype, head_dim: int) -> str:
@@ -71,6 +85,12 @@ def smem_bytes(group: int, partition: int, head_dim: int) -> int:
     return 4 * (group * partition + (THREADS // 32) * group * head_dim + 2 * group * (THREADS // 32))
 
 
+def capturing() -> bool:
+    """True when the current CuPy stream is capturing a CUDA graph."""
+    cp = runtime.cupy_or_none()
+    return cp is not None and cp.cuda.get_current_stream().is_capturing()
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
                     max_context_len=None, workspace=None):
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out)
@@ -96,25 +116,38 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
         raise ValueError(f"q: got head_dim {d}, need one of {HEAD_DIMS}")
     if bs & (bs - 1):
         raise ValueError(f"k_cache: got block_size {bs}, need a power of two")
-    group = padded_group(n_heads, n_kv)
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         runtime.check(name, a, align=16)
+    if max_context_len is not None and max_context_len < 0:
+        raise ValueError(f"max_context_len: got {max_context_len}, need >= 0")
+    group = padded_group(n_heads, n_kv)
+    missing = [name for name, a in (("out", out), ("max_context_len", max_context_len)) if a is None]
+    if missing and capturing():
+        _refuse_capture(missing)
     out = runtime.check_out(out, q.shape, q.dtype, q)
     runtime.check("out", out, align=16)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
-    _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group,
-            workspace)
+    n_splits, partition = split_config(num_seqs, n_kv, max_context_len, runtime.device_info()["sm_count"])
+    if n_splits > 1 and workspace is None and capturing():
+        _refuse_capture(["workspace"])
+    launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
+                  partition, workspace)
     return out
 
 
-def _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_len, scale, group,
-            workspace):
+def _refuse_capture(names):
+    raise ValueError(f"{', '.join(names)}: needed under CUDA-graph capture, allocated before it "
+                     "(see cuinfer.ops.paged_attention)")
+
+
+def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
+                  partition, workspace=None, rows_in_flight=ROWS_IN_FLIGHT):
+    """Launch the decode kernel (+ merge) with an explicit split: n_splits * partition tokens must
+    cover every context length, partition a multiple of 32. Arguments are checked by the caller."""
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
-    n_splits, partition = split_config(num_seqs, n_kv, max_context_len,
-                                       runtime.device_info()["sm_count"])
     if n_splits > 1:
         n_out, n_ml = num_seqs * n_heads * n_splits * d, num_seqs * n_heads * n_splits * 2
         if workspace is None:
@@ -127,7 +160,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, out, max_context_le
         part_ml = workspace[n_out:n_out + n_ml]  # [num_seqs, n_heads, n_splits, 2]
     else:
         part_out = part_ml = out  # unused: the kernel writes out directly
-    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group))
+    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, rows_in_flight))
     args = (q, k_cache, v_cache, out, part_out, part_ml, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E))

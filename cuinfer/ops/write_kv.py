@@ -6,13 +6,15 @@ write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=None)
     slot_mapping: int32 [tokens], slot = block * block_size + offset; a negative slot skips the token
     inv_freq: float32 [head_dim // 2] from cuinfer.ops.rope.rope_inv_freq (Hugging Face rotate-half)
 `out` may be q itself (in place). numpy arrays run the reference; cupy arrays launch
-cuda_src/write_kv.cu (one CTA per token).
+cuda_src/write_kv.cu (one CTA per token). Under CUDA-graph capture pass `out` (allocated
+before capture): the op then allocates nothing, and its grid depends on shapes only.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import runtime
+from .paged_attention import capturing
 
 INSTANTIATIONS = [f"write_kv_kernel<{runtime.ctype(dt)}>"
                   for dt in (np.float32, np.float16, runtime.bfloat16)]
@@ -56,6 +58,8 @@ def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=N
         return out
     for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         runtime.check(name, a, align=16)
+    if out is None and capturing():
+        raise ValueError("out: needed under CUDA-graph capture, allocated before it (see cuinfer.ops.write_kv)")
     out = runtime.check_out(out, q.shape, q.dtype, q)
     runtime.check("out", out, align=16)
     kern = runtime.kernel("write_kv", f"write_kv_kernel<{runtime.ctype(q.dtype)}>")

@@ -1,7 +1,8 @@
 """flash_attention / flash_attention_paged: references against float64 loops, kernels against references."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cuinfer import runtime
 from cuinfer.ops.attention_ref import causal_attention, paged_prefix_attention, varlen_attention

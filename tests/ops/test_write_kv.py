@@ -1,7 +1,8 @@
 """write_kv: RoPE on q and k + paged cache write, against an independent rotation and rope_reference."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cuinfer import runtime
 from cuinfer.ops.write_kv import write_kv
