@@ -8,6 +8,9 @@ Each step the Scheduler picks sequences and token counts (decodes plus prefill
 chunks), the step becomes one flat Batch, the Model returns the logits of each
 sequence's last token, and the sequences whose chunk reached their end get a
 sampled token. Finished sequences free their KV blocks; waiting ones take them.
+On the GPU a step of one token per sequence (decode) runs through DecodeGraph instead:
+a CUDA graph replay (use_graphs=False: the same step eagerly) that ends in the argmax when
+every sequence decodes greedily, so only the tokens come back to the host.
 """
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import runtime
+from .graph import DecodeGraph
 from .kv_cache import CacheShape, KVCache, kv_memory
 from .model import Batch, Model
 from .sampling import SamplingParams, draw_uniform, sample
 from .scheduler import Scheduler, Sequence
 
 CPU_KV_TOKENS = 16384
+DEFAULT_PARAMS = SamplingParams()
 
 
 class PromptTooLongError(runtime.CuinferError):
@@ -66,11 +71,13 @@ class _Request:
 
 class Engine:
     def __init__(self, model: Model, kv_cache: KVCache, tokenizer=None, eos_token_ids=(),
-                 max_batch_tokens: int = 512, max_num_seqs: int = 256, seed: int = 0):
+                 max_batch_tokens: int = 512, max_num_seqs: int = 256, seed: int = 0, use_graphs: bool = True):
         self.model, self.kv_cache, self.tokenizer = model, kv_cache, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.decoder = DecodeGraph(model, kv_cache, use_graphs) if model.xp is not np else None
         self.scheduler = Scheduler(kv_cache.allocator, kv_cache.block_size, max_batch_tokens, max_num_seqs)
-        self.max_len = min(model.config.max_position_embeddings, kv_cache.num_blocks * kv_cache.block_size)
+        free_tokens = kv_cache.allocator.num_free * kv_cache.block_size  # the decoder's scratch block is taken
+        self.max_len = min(model.config.max_position_embeddings, free_tokens)
         self._rng = np.random.default_rng(seed)
         self._requests = {}
         self._next_id = 0
@@ -78,7 +85,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path=None, device="gpu", dtype=None, quant=None, kv_tokens=None,
-                        block_size: int = 16, max_batch_tokens: int = 512, seed: int = 0) -> "Engine":
+                        block_size: int = 16, max_batch_tokens: int = 512, seed: int = 0,
+                        use_graphs: bool = True) -> Engine:
         from .checkpoint import load_checkpoint
         from .tokenizer import Tokenizer
 
@@ -104,7 +112,7 @@ class Engine:
             kv_tokens = CPU_KV_TOKENS
         cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
         tok = Tokenizer.from_pretrained(path)
-        return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, seed=seed)
+        return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, seed=seed, use_graphs=use_graphs)
 
     # ------------------------------------------------------------------ requests
 
@@ -144,10 +152,7 @@ class Engine:
             raise runtime.CuinferError("the scheduler found nothing to run: the KV cache is too small")
         alloc = self.kv_cache.allocator
         self.stats.peak_kv_blocks = max(self.stats.peak_kv_blocks, alloc.num_blocks - alloc.num_free)
-        chunks = [(s.token_ids[s.num_computed:s.num_computed + n], s.num_computed, s.block_table)
-                  for s, n in plan]
-        batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
-        logits = self.model.forward(batch, self.kv_cache)  # logits: [num_seqs, vocab]
+        tokens, logits = self._run_model(plan)
         for s, n in plan:
             s.num_computed += n
         ready = [i for i, (s, _) in enumerate(plan) if s.num_computed == s.num_tokens]
@@ -159,8 +164,11 @@ class Engine:
             histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
             uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids))
                         for r, s, p in zip(reqs, seqs, params)]
-            rows = logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))]
-            tokens = sample(rows, params, histories, uniforms)
+            if tokens is None:
+                rows = logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))]
+                tokens = sample(rows, params, histories, uniforms)
+            else:
+                tokens = tokens[ready]
             now = time.perf_counter()
             events = [self._append(r, int(t), now) for r, t in zip(reqs, tokens)]
         elapsed = time.perf_counter() - t0
@@ -173,6 +181,19 @@ class Engine:
             self.stats.decode_tokens += len(events)
         self.stats.preemptions += self.scheduler.num_preemptions - preempted
         return events
+
+    def _run_model(self, plan):
+        """(host argmax tokens, None) when the decoder took the step greedily, else (None, float32
+        logits [num_seqs, vocab] on the model's device)."""
+        if self.decoder is not None and all(n == 1 for _, n in plan):
+            greedy = all(s.params.greedy and s.params.repetition_penalty == 1 for s, _ in plan)
+            out = self.decoder.run([s.token_at(s.num_computed) for s, _ in plan],
+                                   [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan], greedy)
+            return (out.get(), None) if greedy else (None, out)
+        chunks = [(s.token_ids[s.num_computed:s.num_computed + n], s.num_computed, s.block_table)
+                  for s, n in plan]
+        batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
+        return None, self.model.forward(batch, self.kv_cache)
 
     def _append(self, req: _Request, token: int, now: float):
         seq, p = req.seq, req.seq.params
@@ -203,7 +224,7 @@ class Engine:
 
     # ------------------------------------------------------------------ batches
 
-    def stream(self, prompts, params: SamplingParams = SamplingParams()):
+    def stream(self, prompts, params: SamplingParams = DEFAULT_PARAMS):
         """Yield (prompt index, new text) as tokens arrive; self.outputs holds the results at the end
         and self.stats the numbers of this call."""
         self.stats = Stats()
@@ -220,7 +241,7 @@ class Engine:
         self.stats.kv = kv_memory(lens, self.kv_cache.block_size, self.kv_cache.token_bytes,
                                   self.model.config.max_position_embeddings)
 
-    def generate(self, prompts, params: SamplingParams = SamplingParams()) -> list:
+    def generate(self, prompts, params: SamplingParams = DEFAULT_PARAMS) -> list:
         """Run every prompt to completion; [Output] in prompt order."""
         for _ in self.stream(prompts, params):
             pass

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="GPU: float16 or bfloat16 (default from the checkpoint); CPU: float32")
     p.add_argument("--quant", choices=("int8", "int4"), help="quantize the linear weights at load")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
     return p
 
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
         from .engine import Engine
 
         engine = Engine.from_pretrained(args.checkpoint, device=device, dtype=args.dtype,
-                                        quant=args.quant, kv_tokens=args.kv_tokens)
+                                        quant=args.quant, kv_tokens=args.kv_tokens,
+                                        use_graphs=not args.no_graphs)
         if args.template:
             prompts = [engine.tokenizer.encode_chat(messages(args.system, [{"role": "user", "content": p}]))
                        for p in prompts]

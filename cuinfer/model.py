@@ -10,14 +10,19 @@ tokens at positions context_len - q_len .. context_len - 1. Per layer:
     x, residual = rms_norm(h, residual)           fused add + norm
     qkv = x @ w_qkv.T (+ b)                       one projection for q, k, v
     q = write_kv(q, k, v, ...)                    RoPE on q and k, k/v into the paged cache
-    a = flash_attention_paged(q, cache, ...)      causal GQA over the cache
+    a = attention(q, cache, ...)                  causal GQA over the cache
     h = a @ w_o.T;  x, residual = rms_norm(h, residual)
-    h = silu_and_mul(x @ w_gate_up.T) @ w_down.T
+    h = swiglu(x, w_gate_up) @ w_down.T           silu(gate) * up (fused in the GEMV where it exists)
 
 then the final norm and the lm_head on the last token of each sequence (or every token).
+`forward` attends with flash_attention_paged (any mix of prefill chunks and decodes);
+`decode` (one token per sequence, the step cuinfer.graph captures) with the split-K
+paged_attention over static inputs, and can end in the argmax (greedy) instead of logits.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -27,10 +32,16 @@ from .ops.activation import silu_and_mul
 from .ops.embedding import embedding
 from .ops.flash_attention import flash_attention_paged
 from .ops.linear import KERNEL_DTYPES, linear, linear_reference
+from .ops.paged_attention import paged_attention
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope_inv_freq
 from .ops.write_kv import write_kv
 from .weights import Weights, fuse, to_device
+
+# The fused GEMV epilogues (SwiGLU, lm_head + argmax) come from the linear family; until both are
+# there the unfused ops run (same math, one more launch and one more pass over the activations).
+_FUSED_SWIGLU = "activation" in inspect.signature(linear).parameters
+_linear_argmax = getattr(importlib.import_module(".ops.linear", __package__), "linear_argmax", None)
 
 
 def project(x, w, bias=None):
@@ -38,6 +49,31 @@ def project(x, w, bias=None):
     if x.dtype in KERNEL_DTYPES:
         return linear(x, w, bias)
     return linear_reference(x, w, bias)  # float32 (CPU backend): ops.linear takes fp16/bf16 only
+
+
+def swiglu(x, w_gate_up):
+    """silu(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight."""
+    if _FUSED_SWIGLU and x.dtype in KERNEL_DTYPES:
+        return linear(x, w_gate_up, activation="silu_and_mul")
+    return silu_and_mul(project(x, w_gate_up))
+
+
+def greedy_tokens(x, w_head):
+    """int32 [rows]: argmax of x @ w_head.T (the lm_head), fused in one GEMV where it exists."""
+    if _linear_argmax is not None and x.dtype in KERNEL_DTYPES:
+        return _linear_argmax(x, w_head)
+    xp = runtime.require_cupy() if runtime.is_device_array(x) else np
+    return xp.argmax(project(x, w_head), axis=-1).astype(np.int32)
+
+
+@dataclass
+class DecodeInputs:
+    """Model.decode's inputs, int32, one row per sequence (DecodeGraph keeps them in static buffers)."""
+    token_ids: object  # [num_seqs]
+    positions: object  # [num_seqs]
+    slot_mapping: object  # [num_seqs]
+    block_tables: object  # [num_seqs, max_blocks]
+    context_lens: object  # [num_seqs] = positions + 1
 
 
 @dataclass
@@ -52,7 +88,7 @@ class Batch:
     max_seqlen_q: int
 
     @classmethod
-    def from_chunks(cls, chunks, block_size: int) -> "Batch":
+    def from_chunks(cls, chunks, block_size: int) -> Batch:
         """chunks: [(new token ids, position of the first, block table)] per sequence."""
         q_lens = np.array([len(t) for t, _, _ in chunks], dtype=np.int64)
         starts = np.array([s for _, s, _ in chunks], dtype=np.int64)
@@ -69,7 +105,7 @@ class Batch:
                    cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
                    context_lens=(starts + q_lens).astype(np.int32), max_seqlen_q=int(q_lens.max()))
 
-    def to(self, xp) -> "Batch":
+    def to(self, xp) -> Batch:
         arrays = {f.name: xp.asarray(getattr(self, f.name)) for f in fields(self) if f.name != "max_seqlen_q"}
         return Batch(**arrays, max_seqlen_q=self.max_seqlen_q)
 
@@ -97,7 +133,7 @@ class Model:
         self.inv_freq = self.xp.asarray(np.asarray(inv_freq, dtype=np.float32))
 
     @classmethod
-    def from_tensors(cls, config, tensors, device="cpu", dtype=None, quant=None) -> "Model":
+    def from_tensors(cls, config, tensors, device="cpu", dtype=None, quant=None) -> Model:
         """device "cpu": numpy float32; "gpu": CuPy in `dtype` (default from the checkpoint)."""
         fused = fuse(config, tensors)
         if device == "cpu":
@@ -106,13 +142,37 @@ class Model:
         return cls(config, to_device(fused, cp, kernel_dtype(config, dtype), quant))
 
     def forward(self, batch: Batch, kv_cache, all_logits: bool = False):
-        """float32 logits [num_seqs, vocab] of each sequence's last token ([tokens, vocab] if all_logits)."""
-        w, cfg = self.weights, self.config
-        eps = cfg.rms_norm_eps
-        tokens = batch.token_ids.shape[0]
+        """float32 logits [num_seqs, vocab] of each sequence's last token ([tokens, vocab] if all_logits).
+        Attention: flash_attention_paged (any q_len per sequence: prefill chunks and decodes)."""
+        def attend(q, k_cache, v_cache):
+            return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                         batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
+
+        x = self.hidden(batch.token_ids, batch.positions, batch.slot_mapping, kv_cache, attend)
+        if not all_logits:
+            x = x[batch.cu_seqlens_q[1:] - 1]  # x: [num_seqs, hidden]
+        return project(x, self.weights.lm_head).astype(np.float32)
+
+    def decode(self, inputs: DecodeInputs, kv_cache, max_context_len: int, workspace=None, greedy=False):
+        """One new token per sequence (the step DecodeGraph captures): paged_attention (split-K)
+        with `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
+        Returns float32 logits [num_seqs, vocab], or with greedy the int32 argmax [num_seqs]."""
+        def attend(q, k_cache, v_cache):
+            return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
+                                   max_context_len=max_context_len, workspace=workspace)
+
+        x = self.hidden(inputs.token_ids, inputs.positions, inputs.slot_mapping, kv_cache, attend)
+        if greedy:
+            return greedy_tokens(x, self.weights.lm_head)
+        return project(x, self.weights.lm_head).astype(np.float32)
+
+    def hidden(self, token_ids, positions, slot_mapping, kv_cache, attend):
+        """Final-normed hidden states [tokens, hidden]; attend(q, k_cache, v_cache) -> [tokens, n_heads, head_dim]."""
+        w, eps = self.weights, self.config.rms_norm_eps
+        tokens = token_ids.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
-        split = lambda a, heads: self.xp.ascontiguousarray(a).reshape(tokens, heads, d)
-        h = embedding(batch.token_ids, w.embed)  # h: [tokens, hidden]
+        split = lambda a, heads: self.xp.ascontiguousarray(a).reshape(tokens, heads, d)  # no copy at 1 token
+        h = embedding(token_ids, w.embed)  # h: [tokens, hidden]
         residual = None
         for i, lw in enumerate(w.layers):
             if residual is None:
@@ -124,14 +184,10 @@ class Model:
             k = split(qkv[:, nq:nq + nkv], self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
             v = split(qkv[:, nq + nkv:], self.n_kv_heads)
             k_cache, v_cache = kv_cache.layer(i)
-            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping,
-                              self.inv_freq, out=q)
-            a = flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                           batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
+            q = write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, self.inv_freq, out=q)
+            a = attend(q, k_cache, v_cache)
             h = project(a.reshape(tokens, nq), lw.o)
             x, residual = rms_norm(h, lw.post_norm, eps, residual=residual)
-            h = project(silu_and_mul(project(x, lw.gate_up)), lw.down)
+            h = project(swiglu(x, lw.gate_up), lw.down)
         x, _ = rms_norm(h, w.norm, eps, residual=residual)
-        if not all_logits:
-            x = x[batch.cu_seqlens_q[1:] - 1]  # x: [num_seqs, hidden]
-        return project(x, w.lm_head).astype(np.float32)
+        return x

@@ -36,6 +36,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_at(self, i: int) -> int:
+        """token_ids[i] without building the list."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
     @property
     def remaining(self) -> int:
         """Tokens not yet in the cache: the prompt (or its rest) in prefill, 1 when decoding."""
