@@ -67,6 +67,26 @@ def pack_inputs(buf, token_ids, positions, block_tables, block_size: int, scratc
     v.context_lens[:] = pos + 1
 
 
+def capture(fn, stream, pool):
+    """(graph, fn's result, bytes the capture took from the device): fn runs once eagerly on `stream`
+    (warm-up), then once under stream capture; both allocate from `pool`, which must serve nothing
+    but graphs replayed one at a time. The caller synchronizes whatever fn reads first."""
+    cp = runtime.require_cupy()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        fn()
+        stream.synchronize()
+        before = pool.total_bytes()
+        stream.begin_capture()
+        try:
+            out = fn()
+        except BaseException:
+            stream.end_capture()  # leave capture mode, then report the first error
+            raise
+        graph = stream.end_capture()
+    stream.synchronize()
+    return graph, out, pool.total_bytes() - before
+
+
 @dataclass(eq=False)
 class _Step:
     """The static buffers (and, once captured, the graph) of one (batch, width, greedy) bucket."""
@@ -120,18 +140,6 @@ class DecodeGraph:
         return self.model.decode(step.inputs, self.kv_cache, max_context_len, step.workspace, greedy)
 
     def _capture(self, step: _Step, greedy: bool):
-        cp = self.cp
-        cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
-        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
-            self._decode(step, greedy)  # warm-up: compiles, loads, primes the pool
-            self.stream.synchronize()
-            before = self.pool.total_bytes()
-            self.stream.begin_capture()
-            try:
-                out = self._decode(step, greedy)
-            except BaseException:
-                self.stream.end_capture()  # leave capture mode, then report the first error
-                raise
-            step.graph, step.out = self.stream.end_capture(), out
-            step.capture_bytes = self.pool.total_bytes() - before
-        self.stream.synchronize()
+        self.cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
+        step.graph, step.out, step.capture_bytes = capture(lambda: self._decode(step, greedy),
+                                                           self.stream, self.pool)

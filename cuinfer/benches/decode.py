@@ -1,0 +1,265 @@
+"""Decode: end-to-end tok/s of the engine (CUDA graphs) against Hugging Face transformers generate.
+
+A preset (random weights built on the GPU, quantized there with --quant) or a checkpoint; b prompts
+of --prompt-len random tokens, --new-tokens greedy tokens each (ignore_eos), through Engine.generate
+after a warm-up run of the same shape (graphs captured, kernels compiled). Per row: decode tok/s and
+ms per step (decode-only steps, Engine.stats: host work included), the GPU time of one graph replay
+(replay ms) and of the step's linear layers alone (gemv ms: the same linear calls in one graph),
+bytes read per step (every weight once, lm_head included, plus the K/V of the mean context),
+achieved GB/s and % of the copy bandwidth (bench.copy_gbs), the roofline tok/s (copy bandwidth /
+bytes), prefill tok/s of one 2k-token prompt. The peer: transformers AutoModelForCausalLM on the
+same config and the same fp16 weights (shared through DLPack), generate greedy with the same
+prompts; its decode ms per step is (t(new) - t(1)) / (new - 1). Quantized rows are compared with
+the fp16 peer. Batch-1 rows also run the step eagerly (use_graphs=False): eager tok/s and whether
+its tokens equal the graph's. A smollm2-135m batch-1 row (the default model) closes a preset run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from .. import bench, runtime
+from ..engine import Engine
+from ..graph import bucket, capture
+from ..kv_cache import CacheShape, KVCache
+from ..model import Batch, Model, kernel_dtype
+from ..ops.linear import linear
+from ..quant import GROUP_SIZES, quantize
+from ..sampling import SamplingParams
+from ..weights import LINEAR_FIELDS, LayerWeights, Weights
+
+PREFILL_TOKENS = 2048
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def add_arguments(parser):
+    parser.add_argument("--preset", default="llama3-8b", help="a models/*.json preset (random weights)")
+    parser.add_argument("--checkpoint", help="a checkpoint directory instead of a preset")
+    parser.add_argument("--batch", default="1,8,32", help="batch sizes, comma-separated")
+    parser.add_argument("--quant", default="none,int8,int4", help="weight formats: none, int8, int4")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers generate")
+
+
+# ----------------------------------------------------------------------------- weights
+
+def random_weights(cp, config, dtype, seed=0) -> Weights:
+    """Random decoder weights made on the GPU, scaled so activations stay O(1) (as convert.py's)."""
+    cp.random.seed(seed)
+    h, inter = config.hidden_size, config.intermediate_size
+    randn = lambda *s: cp.random.standard_normal(s, dtype=cp.float32)
+    lin = lambda n, k: (randn(n, k) * np.float32(k ** -0.5)).astype(dtype)
+    norm = lambda: (1 + 0.05 * randn(h)).astype(dtype)
+    qkv = config.q_size + 2 * config.kv_size
+    layers = [LayerWeights(input_norm=norm(), qkv=lin(qkv, h),
+                           qkv_bias=(0.1 * randn(qkv)).astype(dtype) if config.attention_bias else None,
+                           o=lin(h, config.q_size), post_norm=norm(), gate_up=lin(2 * inter, h),
+                           down=lin(h, inter)) for _ in range(config.num_hidden_layers)]
+    embed = randn(config.vocab_size, h).astype(dtype)
+    lm_head = embed if config.tie_word_embeddings else lin(config.vocab_size, h)
+    return Weights(embed=embed, layers=layers, norm=norm(), lm_head=lm_head)
+
+
+def quantized(w: Weights, method: str) -> Weights:
+    """The linear layers quantized as weights.to_device does (int4: the largest group dividing K);
+    embedding, norms and lm_head stay in the float dtype."""
+    def q(a):
+        group = max(g for g in GROUP_SIZES if a.shape[1] % g == 0)
+        qw = quantize(a, method, group_size=group)
+        return qw if runtime.is_device_array(qw.qweight) else qw.to_device()
+
+    layers = [dataclasses.replace(lw, **{f: q(getattr(lw, f)) for f in LINEAR_FIELDS}) for lw in w.layers]
+    return dataclasses.replace(w, layers=layers)
+
+
+def weight_bytes(w: Weights) -> int:
+    arrays = [w.norm, w.lm_head] + [a for lw in w.layers for a in vars(lw).values() if a is not None]
+    return sum(a.nbytes for a in arrays)
+
+
+# ----------------------------------------------------------------------------- ours
+
+def make_engine(cp, model, batch, args, use_graphs=True):
+    cfg = model.config
+    shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    per_seq = -(-(args.prompt_len + args.new_tokens + 1) // shape.block_size) * shape.block_size
+    cache = KVCache.allocate(shape, model.dtype, cp, batch * per_seq + PREFILL_TOKENS + shape.block_size)
+    return Engine(model, cache, max_batch_tokens=max(512, batch * args.prompt_len),
+                  max_num_seqs=max(256, batch), use_graphs=use_graphs)
+
+
+def decode_run(engine, prompts, new_tokens):
+    """(decode ms per step, tokens per sequence) of one generate call."""
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    s = engine.stats
+    return 1000 * s.decode_s / (s.decode_tokens / len(prompts)), [o.token_ids for o in outs]
+
+
+def replay_ms(engine, batch):
+    """GPU ms of one replay of the largest-context greedy graph of this batch's bucket."""
+    steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == bucket(batch) and g]
+    step = max(steps, key=lambda ws: ws[0])[1]
+    return bench.time_ms(step.graph.launch, warmup=3, iters=20)
+
+
+def gemv_ms(cp, model, batch):
+    """GPU ms of the step's linear layers alone, replayed from one graph (same shapes, random x)."""
+    cfg, w = model.config, model.weights
+    x = lambda k: cp.random.standard_normal((batch, k), dtype=cp.float32).astype(model.dtype)
+    xh, xq, xi = x(cfg.hidden_size), x(cfg.q_size), x(cfg.intermediate_size)
+
+    def step():
+        for lw in w.layers:
+            linear(xh, lw.qkv, lw.qkv_bias), linear(xq, lw.o), linear(xh, lw.gate_up), linear(xi, lw.down)
+        return linear(xh, w.lm_head)
+
+    cp.cuda.Device().synchronize()
+    graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+    return bench.time_ms(graph.launch, warmup=3, iters=20)
+
+
+def prefill_tok_s(cp, engine):
+    """tok/s of Model.forward over one 2k-token prompt (eager: prefill is compute-bound)."""
+    alloc, bs = engine.kv_cache.allocator, engine.kv_cache.block_size
+    blocks = alloc.allocate(PREFILL_TOKENS // bs)
+    ids = np.random.default_rng(1).integers(0, engine.model.config.vocab_size, PREFILL_TOKENS)
+    batch = Batch.from_chunks([(ids, 0, blocks)], bs).to(cp)
+    ms = bench.time_ms(lambda: engine.model.forward(batch, engine.kv_cache), warmup=1, iters=3)
+    alloc.free(blocks)
+    return PREFILL_TOKENS / ms * 1000
+
+
+# ----------------------------------------------------------------------------- peer
+
+def hf_peer(torch, config, w: Weights):
+    """transformers' model for `config` whose parameters are views of our fp16 weights (no copy)."""
+    import transformers
+
+    d = config.to_dict()
+    hf_cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **dict(d, torch_dtype="float16"))
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float16)
+    t = torch.from_dlpack
+    nq, nkv, inter = config.q_size, config.kv_size, config.intermediate_size
+    sd = {"model.embed_tokens.weight": t(w.embed), "model.norm.weight": t(w.norm), "lm_head.weight": t(w.lm_head)}
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        qkv, gu = t(lw.qkv), t(lw.gate_up)
+        sd.update({p + "input_layernorm.weight": t(lw.input_norm), p + "post_attention_layernorm.weight":
+                   t(lw.post_norm), p + "self_attn.q_proj.weight": qkv[:nq],
+                   p + "self_attn.k_proj.weight": qkv[nq:nq + nkv], p + "self_attn.v_proj.weight": qkv[nq + nkv:],
+                   p + "self_attn.o_proj.weight": t(lw.o), p + "mlp.gate_proj.weight": gu[:inter],
+                   p + "mlp.up_proj.weight": gu[inter:], p + "mlp.down_proj.weight": t(lw.down)})
+        if lw.qkv_bias is not None:
+            b = t(lw.qkv_bias)
+            sd.update({p + "self_attn.q_proj.bias": b[:nq], p + "self_attn.k_proj.bias": b[nq:nq + nkv],
+                       p + "self_attn.v_proj.bias": b[nq + nkv:]})
+    hf.load_state_dict(sd, assign=True)
+    with torch.device(sd["model.norm.weight"].device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg)  # its buffers were on meta
+    left = [n for n, a in list(hf.named_parameters()) + list(hf.named_buffers()) if a.is_meta]
+    if left:
+        raise runtime.CuinferError(f"transformers peer: tensors not set: {left[:4]}")
+    return hf.eval()
+
+
+def peer_run(torch, hf, prompts, new_tokens):
+    """(decode ms per step, tokens per sequence) of transformers generate, greedy."""
+    ids = torch.as_tensor(np.asarray(prompts), device="cuda")
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+    timed(2)  # warm-up
+    t1, _ = timed(1)
+    tn, tokens = timed(new_tokens)
+    return 1000 * (tn - t1) / (new_tokens - 1), tokens
+
+
+# ----------------------------------------------------------------------------- rows
+
+def model_rows(cp, torch, name, config, base, args, batches, quants, detail):
+    rows, peer_ms = [], {}
+    hf = hf_peer(torch, config, base) if torch is not None and "none" in quants else None
+    rng = np.random.default_rng(0)
+    for q in quants:
+        weights = base if q == "none" else quantized(base, q)
+        model = Model(config, weights)
+        wbytes = weight_bytes(weights)
+        for b in batches:
+            prompts = rng.integers(0, config.vocab_size, (b, args.prompt_len)).tolist()
+            engine = make_engine(cp, model, b, args)
+            decode_run(engine, prompts, args.new_tokens)  # warm-up: compile, capture every bucket
+            ms, tokens = decode_run(engine, prompts, args.new_tokens)
+            mean_ctx = args.prompt_len + args.new_tokens / 2
+            row = {"name": f"{name} {q} b={b}", "shape": f"{args.prompt_len}+{args.new_tokens}",
+                       "dtype": str(model.dtype), "ms": ms,
+                       "bytes": wbytes + b * mean_ctx * engine.kv_cache.token_bytes}
+            d = {"tok_s": 1000 * b / ms, "replay_ms": replay_ms(engine, b), "gemv_ms": gemv_ms(cp, model, b),
+                     "roofline_tok_s": b * bench.copy_gbs() * 1e6 / row["bytes"] / 1000,
+                     "prefill_tok_s": prefill_tok_s(cp, engine)}
+            if b == 1:
+                eager_ms, eager_tokens = decode_run(make_engine(cp, model, b, args, use_graphs=False),
+                                                    prompts, args.new_tokens)
+                d.update(eager_tok_s=1000 / eager_ms, graph_eq_eager=eager_tokens == tokens)
+            if hf is not None:
+                if b not in peer_ms:
+                    peer_ms[b], hf_tokens = peer_run(torch, hf, prompts, args.new_tokens)
+                    if q == "none":
+                        d["hf_same_prefix"] = next((i for i, (x, y) in enumerate(zip(tokens[0], hf_tokens[0]))
+                                                    if x != y), len(tokens[0]))
+                row.update(peer="hf generate fp16", peer_ms=peer_ms[b])
+            detail.append((row["name"], d))
+            rows.append(row)
+            del engine
+    return rows
+
+
+def format_detail(detail) -> str:
+    cols = ("tok_s", "replay_ms", "gemv_ms", "roofline_tok_s", "prefill_tok_s", "eager_tok_s",
+            "graph_eq_eager", "hf_same_prefix")
+    cell = lambda v: "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| name | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    lines += ["| " + name + " | " + " | ".join(cell(d.get(c)) for c in cols) + " |" for name, d in detail]
+    return "\n".join(lines)
+
+
+def run(args):
+    from ..checkpoint import load_checkpoint
+    from ..convert import load_preset
+
+    cp = runtime.require_cupy()
+    torch = None if args.no_peer else bench.torch_or_none()
+    batches = [int(b) for b in args.batch.split(",")]
+    quants = [q.strip() for q in args.quant.split(",")]
+    bad = [q for q in quants if q not in ("none", "int8", "int4")]
+    if bad:
+        raise runtime.CuinferError(f"--quant: got {bad[0]!r}, need none, int8 or int4")
+    dtype = kernel_dtype(None, args.dtype)
+    if torch is not None and dtype != np.float16:
+        torch = None  # the peer runs fp16 only
+    detail = []
+    if args.checkpoint:
+        config, tensors = load_checkpoint(args.checkpoint)
+        base = Model.from_tensors(config, tensors, "gpu", dtype).weights
+        rows = model_rows(cp, torch, config.architecture, config, base, args, batches, quants, detail)
+    else:
+        config = load_preset(args.preset)
+        rows = model_rows(cp, torch, args.preset, config, random_weights(cp, config, dtype), args,
+                          batches, quants, detail)
+        if args.preset != DEFAULT_MODEL:
+            small = load_preset(DEFAULT_MODEL)
+            rows += model_rows(cp, torch, DEFAULT_MODEL, small, random_weights(cp, small, dtype), args,
+                               [1], ["none"], detail)
+    print(format_detail(detail))
+    return rows
