@@ -76,12 +76,14 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     p.add_argument("--dtype", default=None, help="GPU dtype: float16 or bfloat16 (default from the checkpoint)")
-    p.add_argument("--quant", nargs="+", default=["none"], choices=("none", "int8", "int4"),
-                   help="weight formats to compare (int4: the largest group size dividing in_features)")
+    p.add_argument("--quant", nargs="+", default=["none"],
+                   help="weight formats to compare: none, int8, int4 (g128, fit mse), int4-g32, int4-g64-minmax, "
+                        "... (cuinfer.quant.parse_spec; a group size not dividing in_features shrinks to one that does)")
     args = parser.parse_args(argv)
     try:
         from .checkpoint import load_checkpoint
         from .model import Model
+        from .quant import parse_spec
         from .tokenizer import Tokenizer
 
         try:
@@ -91,13 +93,16 @@ def main(argv=None):
             raise runtime.CuinferError(f"{args.text}: {e.strerror}") from None
         ids = Tokenizer.from_pretrained(args.checkpoint).encode(text)[: args.max_tokens]
         config, tensors = load_checkpoint(args.checkpoint)
+        for quant in args.quant:
+            if quant != "none":
+                parse_spec(quant)  # a bad value fails before the model is loaded
         base = None
         print(f"{len(ids)} tokens, window {args.window}, stride {args.stride}, device {args.device}")
         for quant in args.quant:
             model = Model.from_tensors(config, tensors, args.device, args.dtype, None if quant == "none" else quant)
             ppl, n = perplexity(model, ids, args.window, args.stride)
             base = base or ppl
-            print(f"{quant:>5}: perplexity {ppl:.4f} over {n} tokens ({100 * (ppl / base - 1):+.2f}% vs {args.quant[0]})")
+            print(f"{quant:>16}: perplexity {ppl:.4f} over {n} tokens ({100 * (ppl / base - 1):+.2f}% vs {args.quant[0]})")
             del model
     except runtime.CuinferError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -49,12 +49,16 @@ QUAD_K = 128  # k per packed quad (16 uint32 per row)
 METHODS = ("int8", "int4")
 
 
+def _xp(a):
+    """The array module of `a`: cupy for a device array, else numpy."""
+    return runtime.cupy_or_none() if runtime.is_device_array(a) else np
+
+
 def _fp16_round_up(s):
-    """fp16 scales that are never below the fp32 ones, so the quantization grid covers the range."""
+    """fp16 scales (of s >= 0) never below the fp32 ones, so the quantization grid covers the range."""
     h = s.astype(np.float16)
     low = h.astype(np.float32) < s
-    h[low] = np.nextafter(h[low], np.float16(np.inf))
-    return h
+    return (h.view(np.uint16) + low.astype(np.uint16)).view(np.float16)  # the next fp16 up where low
 
 
 def _asnumpy(a):
@@ -70,15 +74,17 @@ _NIBBLE = np.array([[0, 4, 1, 5], [2, 6, 3, 7]])  # _NIBBLE[s, o]: nibble of k =
 
 
 def pack_int4(q):
-    """q: uint8 [N, K] in 0..15 -> qweight uint32 [N, ceil(K / 128) * 16] in the documented order."""
+    """q: uint8 [N, K] in 0..15 -> qweight uint32 [N, ceil(K / 128) * 16] in the documented order
+    (numpy or cupy, as q)."""
+    xp = _xp(q)
     n, k = q.shape
     quads = -(-k // QUAD_K)
-    padded = np.zeros((n, quads * QUAD_K), dtype=np.uint32)
+    padded = xp.zeros((n, quads * QUAD_K), dtype=xp.uint32)
     padded[:, :k] = q
     # padded: [N, Q, j, c, s, o] with k = 128 Q + 32 j + 8 c + 4 s + o
     q6 = padded.reshape(n, quads, 4, 4, 2, 4)
-    words = (q6 << (4 * _NIBBLE).astype(np.uint32)).sum(axis=(4, 5), dtype=np.uint32)  # [N, Q, j, c]
-    return np.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(n, quads * 16)  # word 4 c + j
+    words = (q6 << xp.asarray(4 * _NIBBLE, dtype=xp.uint32)).sum(axis=(4, 5), dtype=xp.uint32)  # [N, Q, j, c]
+    return xp.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(n, quads * 16)  # word 4 c + j
 
 
 def unpack_int4(qweight, k):
@@ -139,37 +145,108 @@ class Int4Weight:
 
 
 # ------------------------------------------------------------------------ quantizers
-def quantize(w, method, group_size=128):
-    """Quantize a float weight [N, K] (numpy) into Int8Weight or Int4Weight (numpy arrays).
+FITS = ("mse", "minmax")
+MSE_STEPS = 20  # candidate grids of the int4 "mse" fit: 15 + (-1 + 0.1 i) steps over the range, i = 0..20
+
+
+def quantize(w, method, group_size=128, fit="mse"):
+    """Quantize a float weight [N, K] into Int8Weight or Int4Weight. A numpy w gives numpy arrays;
+    a cupy w is quantized on its GPU into cupy arrays, bit for bit the numpy result.
 
     int8: scale = max|w| / 127 per row (rounded up to fp16), q = round(w / scale).
-    int4: per group the range [min(w, 0), max(w, 0)] maps onto 0..15: scale = range / 15
-    (rounded up to fp16), integer zero = round(-min / scale) in 0..15. Both keep
-    |w - dequantized| <= scale / 2 and reproduce weights already on such a grid exactly.
+    int4, fit="minmax": per group the range [min(w, 0), max(w, 0)] maps onto 0..15: scale =
+      range / 15 (rounded up to fp16), integer zero = round(-min / scale) in 0..15; keeps
+      |w - dequantized| <= scale / 2 and reproduces weights already on such a grid exactly.
+    int4, fit="mse" (the default): per group the grid w ~ scale * q + offset of least squared
+      error among MSE_STEPS + 1 candidates, as llama.cpp's make_qkx2_quants (Q4_K) searches: for
+      each candidate the q of the rounded grid (15 + (-1 + 0.1 i)) / range, then scale and
+      offset <= 0 refit by least squares to those q; the best becomes scale (fp16) and a
+      fractional zero -offset / scale (fp16), and q is rounded once more on that stored grid.
+      Outliers may be clipped (no half-step bound) for a smaller group error.
     """
-    w = _asnumpy(w).astype(np.float32)
+    xp = _xp(w)
+    w = xp.asarray(w, dtype=xp.float32)
     if w.ndim != 2:
         raise ValueError(f"w: got shape {w.shape}, need [out_features, in_features]")
     n, k = w.shape
     if method == "int8":
-        s = _fp16_round_up(np.abs(w).max(axis=1) / 127)
+        s = _fp16_round_up(xp.abs(w).max(axis=1) / 127)
         s[s == 0] = 1
-        q = np.clip(np.rint(w / s.astype(np.float32)[:, None]), -127, 127).astype(np.int8)
+        q = xp.clip(xp.rint(w / s.astype(xp.float32)[:, None]), -127, 127).astype(xp.int8)
         return Int8Weight(q, s, (n, k))
     if method != "int4":
         raise ValueError(f"method: got {method!r}, need one of {METHODS}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size: got {group_size}, need one of {GROUP_SIZES}")
+    if fit not in FITS:
+        raise ValueError(f"fit: got {fit!r}, need one of {FITS}")
     if k % group_size:
         raise ValueError(f"w: got in_features {k}, need a multiple of group_size {group_size}")
     g = w.reshape(n, k // group_size, group_size)  # g: [N, groups, group_size]
-    lo, hi = np.minimum(g.min(axis=2), 0), np.maximum(g.max(axis=2), 0)
-    s = _fp16_round_up((hi - lo) / 15)
-    s[s == 0] = 1
-    s32 = s.astype(np.float32)
-    z = np.clip(np.rint(-lo / s32), 0, 15)
-    q = np.clip(np.rint(g / s32[..., None] + z[..., None]), 0, 15).astype(np.uint8)
-    return Int4Weight(pack_int4(q.reshape(n, k)), s, z.astype(np.float16), group_size, (n, k))
+    if fit == "minmax":
+        lo, hi = xp.minimum(g.min(axis=2), 0), xp.maximum(g.max(axis=2), 0)
+        s = _fp16_round_up((hi - lo) / 15)
+        s[s == 0] = 1
+        z = xp.clip(xp.rint(-lo / s.astype(xp.float32)), 0, 15).astype(xp.float16)
+    else:
+        s, z = _mse_grid(g, xp)
+    s32, z32 = s.astype(xp.float32), z.astype(xp.float32)
+    q = xp.clip(xp.rint(g / s32[..., None] + z32[..., None]), 0, 15).astype(xp.uint8)
+    return Int4Weight(pack_int4(q.reshape(n, k)), s, z, group_size, (n, k))
+
+
+def _mse_grid(g, xp):
+    """fp16 (scale, zero) [N, G] of the least-squares int4 grid of each group of g [N, G, gs] (float64
+    sums: the numpy and cupy reductions agree far below the fp16 rounding)."""
+    g = g.astype(xp.float64)
+    gs = g.shape[-1]
+    lo, hi = xp.minimum(g.min(axis=2), 0), xp.maximum(g.max(axis=2), 0)
+    span = hi - lo
+    flat = span == 0
+    inv = 1 / xp.where(flat, 1, span)
+    sum_x = g.sum(axis=2)
+    best = xp.full(lo.shape, xp.inf)
+    scale, offset = xp.ones_like(lo), xp.zeros_like(lo)
+    for i in range(MSE_STEPS + 1):
+        l = xp.clip(xp.rint(((15 - 1 + 0.1 * i) * inv)[..., None] * (g - lo[..., None])), 0, 15)
+        sl, sl2, sxl = l.sum(axis=2), (l * l).sum(axis=2), (g * l).sum(axis=2)
+        det = gs * sl2 - sl * sl
+        ok = det > 0
+        det = xp.where(ok, det, 1)
+        d, m = (gs * sxl - sum_x * sl) / det, (sl2 * sum_x - sl * sxl) / det
+        pos = m > 0  # the offset stays <= 0 (zero >= 0): refit the scale alone
+        d, m = xp.where(pos, sxl / xp.where(sl2 > 0, sl2, 1), d), xp.where(pos, 0, m)
+        err = ((d[..., None] * l + m[..., None] - g) ** 2).sum(axis=2)
+        better = ok & (d > 0) & (err < best)
+        best, scale, offset = xp.where(better, err, best), xp.where(better, d, scale), xp.where(better, m, offset)
+    s = xp.where(flat, 1, scale).astype(xp.float16)
+    s = xp.where(s > 0, s, xp.float16(2.0**-24))  # a scale below fp16's range: the smallest subnormal
+    z = xp.where(flat, 0, -offset / s.astype(xp.float64)).astype(xp.float16)
+    return s, z
+
+
+def parse_spec(spec):
+    """A --quant value -> (method, group_size, fit): "int8", "int4" (g128, fit "mse"), "int4-g32",
+    "int4-g128-minmax". The int4 group size shrinks, per matrix, to the largest of GROUP_SIZES
+    dividing in_features (group_for)."""
+    method, *rest = str(spec).split("-")
+    group_size, fit = 128, "mse"
+    for part in rest:
+        if part in FITS:
+            fit = part
+        elif part[:1] == "g" and part[1:].isdigit() and int(part[1:]) in GROUP_SIZES:
+            group_size = int(part[1:])
+        else:
+            raise runtime.CuinferError(f"quantization {spec!r}: unknown part {part!r} (need g32/g64/g128 or {FITS})")
+    if method not in METHODS or (method == "int8" and rest):
+        raise runtime.CuinferError(f"quantization {spec!r}: need int8, or int4[-g32|-g64|-g128][-mse|-minmax]")
+    return method, group_size, fit
+
+
+def group_for(k, group_size):
+    """The int4 group size used for in_features k: group_size if it divides k, else the largest
+    smaller one of GROUP_SIZES that does (576 at g128 -> 64); None if none does."""
+    return max((g for g in GROUP_SIZES if g <= group_size and k % g == 0), default=None)
 
 
 # ------------------------------------------------------------------------ checkpoints
@@ -178,7 +255,7 @@ def is_quantizable(name, w):
     return name.endswith(".weight") and np.ndim(w) == 2 and "embed_tokens" not in name
 
 
-def quantize_state_dict(tensors, method, group_size=128, predicate=is_quantizable):
+def quantize_state_dict(tensors, method, group_size=128, predicate=is_quantizable, fit="mse"):
     """Quantize a {name: array} dict; returns ({name: array} for safetensors, config entry).
 
     `<prefix>.weight` becomes `<prefix>.qweight` / `.scales` (/ `.zeros`); the rest is kept."""
@@ -187,13 +264,13 @@ def quantize_state_dict(tensors, method, group_size=128, predicate=is_quantizabl
         if not predicate(name, w):
             out[name] = w
             continue
-        out.update(quantized_tensors_to_safetensors(name[: -len(".weight")], quantize(w, method, group_size)))
-    return out, quantization_config(method, group_size)
+        out.update(quantized_tensors_to_safetensors(name[: -len(".weight")], quantize(w, method, group_size, fit)))
+    return out, quantization_config(method, group_size, fit)
 
 
-def quantization_config(method, group_size=128):
-    """The `quantization` entry of config.json."""
-    return {"method": method, "group_size": group_size} if method == "int4" else {"method": method}
+def quantization_config(method, group_size=128, fit="mse"):
+    """The `quantization` entry of config.json (the int4 fit is recorded, not needed to load)."""
+    return {"method": method, "group_size": group_size, "fit": fit} if method == "int4" else {"method": method}
 
 
 def quantized_tensors_to_safetensors(prefix, weight):

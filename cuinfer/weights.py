@@ -67,21 +67,24 @@ def fuse(config, tensors) -> Weights:
 
 def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
     """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set
-    ("int8" per row, "int4" in groups of the largest size in quant.GROUP_SIZES dividing in_features)."""
+    (a cuinfer.quant.parse_spec string: "int8" per row, "int4" in groups of 128 with the "mse"
+    fit, "int4-g32", ...; a matrix whose in_features the group does not divide takes the largest
+    group size that does). On the GPU the weights are quantized there (the same bits as numpy).
+    The embedding / lm_head stays in `dtype`."""
     put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))
 
     def linear_weight(a):
         if quant is None:
             return put(a)
-        from .quant import GROUP_SIZES, quantize
+        from .quant import GROUP_SIZES, group_for, parse_spec, quantize
 
+        method, group_size, fit = parse_spec(quant)
         k = a.shape[1]
-        group = 128 if quant == "int8" else max((g for g in GROUP_SIZES if k % g == 0), default=None)
+        group = group_for(k, group_size) if method == "int4" else group_size
         if group is None:
             raise runtime.CuinferError(f"--quant {quant}: in_features {k} is not a multiple of any "
                                        f"group size {GROUP_SIZES}")
-        q = quantize(a, quant, group_size=group)
-        return q if xp is np else q.to_device()
+        return quantize(xp.asarray(np.asarray(a, dtype=np.float32)), method, group, fit)
 
     layers = []
     for lw in w.layers:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import bench, runtime
-from ..ops.linear import linear
+from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, tile_config
 from ..quant import Int4Weight, Int8Weight
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
@@ -24,7 +24,29 @@ ROTATE_BYTES = 120 << 20
 
 def add_arguments(parser):
     parser.add_argument("--m", type=int, nargs="*", default=list(ROWS_M), help="rows of x")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: time int4 g128 / int8 tiles (warps, U, split-K) per shape at M = 1")
 
+
+SWEEP_FORMATS = ("int4", "int8")
+
+
+def sweep_tiles(bits, k, n):
+    """Tiles of the sweep for one shape at M = 1: 4 or 8 warps, U, split-K 1..8 while each split keeps
+    one full pipeline stage (WARPS U quads), plus the tile_config choice."""
+    quads = -(-k // QUAD_K[bits])
+    us = (1, 2) if bits == 4 else (2, 4)
+    tiles = {Tile(1, 1, u, w, s) for w in (4, 8) for u in us for s in (1, 2, 4, 8) if quads >= s * w * u
+             and (s == 1 or n <= 16384)}
+    return sorted(tiles | {tile_config(bits, 1, n, k)})
+
+
+def sweep_instantiations():
+    import numpy as np
+
+    bits = {"int4": (4, 128), "int8": (8, 0)}
+    return sorted({instantiation(np.float16, *bits[f], t) for f in SWEEP_FORMATS for k, n in SHAPES
+                   for t in sweep_tiles(bits[f][0], k, n)})
 
 def _random_weight(cp, fmt, n, k):
     if fmt == "fp16":
@@ -76,8 +98,30 @@ def _cycle(fns):
     return step
 
 
+def _sweep(cp, busy):
+    rows = []
+    for k, n in SHAPES:
+        x = cp.random.standard_normal((1, k), dtype=cp.float32).astype(cp.float16)
+        out = cp.empty((1, n), cp.float16)
+        for fmt in SWEEP_FORMATS:
+            copies = _copies(lambda: _random_weight(cp, fmt, n, k))
+            bits = 4 if fmt == "int4" else 8
+            chosen = tile_config(bits, 1, n, k)
+            for t in sweep_tiles(bits, k, n):
+                fns = [lambda w=w, t=t: _gemv(x, w, None, out, t) for w in copies]
+                ms = queued_ms(cp, busy, _cycle(fns))
+                mark = " (tile_config)" if t == chosen else ""
+                rows.append(dict(name=f"{fmt} w{t.warps} u{t.u} split{t.split}{mark}", shape=f"M=1 K={k} N={n}",
+                                 dtype="float16", ms=ms, bytes=copies[0].nbytes + x.nbytes + out.nbytes))
+            del copies
+            cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def run(args):
     cp = runtime.require_cupy()
+    if args.sweep:
+        return _sweep(cp, (cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32)))
     torch = bench.torch_or_none()
     rows, sums = [], {}
     busy = (cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32))
