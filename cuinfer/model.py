@@ -21,8 +21,6 @@ paged_attention over static inputs, and can end in the argmax (greedy) instead o
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -31,17 +29,12 @@ from . import runtime
 from .ops.activation import silu_and_mul
 from .ops.embedding import embedding
 from .ops.flash_attention import flash_attention_paged
-from .ops.linear import KERNEL_DTYPES, linear, linear_reference
+from .ops.linear import KERNEL_DTYPES, linear, linear_argmax, linear_reference
 from .ops.paged_attention import paged_attention
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope_inv_freq
 from .ops.write_kv import write_kv
 from .weights import Weights, fuse, to_device
-
-# The fused GEMV epilogues (SwiGLU, lm_head + argmax) come from the linear family; until both are
-# there the unfused ops run (same math, one more launch and one more pass over the activations).
-_FUSED_SWIGLU = "activation" in inspect.signature(linear).parameters
-_linear_argmax = getattr(importlib.import_module(".ops.linear", __package__), "linear_argmax", None)
 
 
 def project(x, w, bias=None):
@@ -52,18 +45,18 @@ def project(x, w, bias=None):
 
 
 def swiglu(x, w_gate_up):
-    """silu(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight."""
-    if _FUSED_SWIGLU and x.dtype in KERNEL_DTYPES:
+    """silu(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight
+    (GPU: the GEMV's fused epilogue; float32 CPU backend: the product, then ops.silu_and_mul)."""
+    if x.dtype in KERNEL_DTYPES:
         return linear(x, w_gate_up, activation="silu_and_mul")
     return silu_and_mul(project(x, w_gate_up))
 
 
 def greedy_tokens(x, w_head):
-    """int32 [rows]: argmax of x @ w_head.T (the lm_head), fused in one GEMV where it exists."""
-    if _linear_argmax is not None and x.dtype in KERNEL_DTYPES:
-        return _linear_argmax(x, w_head)
-    xp = runtime.require_cupy() if runtime.is_device_array(x) else np
-    return xp.argmax(project(x, w_head), axis=-1).astype(np.int32)
+    """int32 [rows]: argmax of x @ w_head.T (the lm_head; GPU: one fused GEMV + reduction)."""
+    if x.dtype in KERNEL_DTYPES:
+        return linear_argmax(x, w_head)
+    return np.argmax(project(x, w_head), axis=-1).astype(np.int32)
 
 
 @dataclass
@@ -157,9 +150,10 @@ class Model:
         """One new token per sequence (the step DecodeGraph captures): paged_attention (split-K)
         with `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
         Returns float32 logits [num_seqs, vocab], or with greedy the int32 argmax [num_seqs]."""
-        def attend(q, k_cache, v_cache):
+        def attend(q, k_cache, v_cache):  # out: under capture from DecodeGraph's private pool
             return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-                                   max_context_len=max_context_len, workspace=workspace)
+                                   out=self.xp.empty_like(q), max_context_len=max_context_len,
+                                   workspace=workspace)
 
         x = self.hidden(inputs.token_ids, inputs.positions, inputs.slot_mapping, kv_cache, attend)
         if greedy:

@@ -25,7 +25,7 @@ from ..engine import Engine
 from ..graph import bucket, capture
 from ..kv_cache import CacheShape, KVCache
 from ..model import Batch, Model, kernel_dtype
-from ..ops.linear import linear
+from ..ops.linear import linear, linear_argmax
 from ..quant import GROUP_SIZES, quantize
 from ..sampling import SamplingParams
 from ..weights import LINEAR_FIELDS, LayerWeights, Weights
@@ -65,11 +65,13 @@ def random_weights(cp, config, dtype, seed=0) -> Weights:
 
 
 def quantized(w: Weights, method: str) -> Weights:
-    """The linear layers quantized as weights.to_device does (int4: the largest group dividing K);
-    embedding, norms and lm_head stay in the float dtype."""
+    """The linear layers quantized on the GPU as weights.to_device does (int4: the largest group
+    dividing K); embedding, norms and lm_head stay in the float dtype. int4 takes the "minmax" fit:
+    the same format, bytes and kernels as the default "mse" fit, whose grid search would take
+    minutes at 8B."""
     def q(a):
         group = max(g for g in GROUP_SIZES if a.shape[1] % g == 0)
-        qw = quantize(a, method, group_size=group)
+        qw = quantize(a, method, group_size=group, fit="minmax")
         return qw if runtime.is_device_array(qw.qweight) else qw.to_device()
 
     layers = [dataclasses.replace(lw, **{f: q(getattr(lw, f)) for f in LINEAR_FIELDS}) for lw in w.layers]
@@ -107,15 +109,17 @@ def replay_ms(engine, batch):
 
 
 def gemv_ms(cp, model, batch):
-    """GPU ms of the step's linear layers alone, replayed from one graph (same shapes, random x)."""
+    """GPU ms of the greedy step's linear layers alone (fused SwiGLU and argmax epilogues), replayed
+    from one graph: same shapes and weights, random x."""
     cfg, w = model.config, model.weights
     x = lambda k: cp.random.standard_normal((batch, k), dtype=cp.float32).astype(model.dtype)
     xh, xq, xi = x(cfg.hidden_size), x(cfg.q_size), x(cfg.intermediate_size)
 
     def step():
         for lw in w.layers:
-            linear(xh, lw.qkv, lw.qkv_bias), linear(xq, lw.o), linear(xh, lw.gate_up), linear(xi, lw.down)
-        return linear(xh, w.lm_head)
+            linear(xh, lw.qkv, lw.qkv_bias), linear(xq, lw.o)
+            linear(xh, lw.gate_up, activation="silu_and_mul"), linear(xi, lw.down)
+        return linear_argmax(xh, w.lm_head)
 
     cp.cuda.Device().synchronize()
     graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
@@ -188,7 +192,7 @@ def peer_run(torch, hf, prompts, new_tokens):
 
 # ----------------------------------------------------------------------------- rows
 
-def model_rows(cp, torch, name, config, base, args, batches, quants, detail):
+def model_rows(cp, torch, name, config, base, args, batches, quants):
     rows, peer_ms = [], {}
     hf = hf_peer(torch, config, base) if torch is not None and "none" in quants else None
     rng = np.random.default_rng(0)
@@ -219,19 +223,19 @@ def model_rows(cp, torch, name, config, base, args, batches, quants, detail):
                         d["hf_same_prefix"] = next((i for i, (x, y) in enumerate(zip(tokens[0], hf_tokens[0]))
                                                     if x != y), len(tokens[0]))
                 row.update(peer="hf generate fp16", peer_ms=peer_ms[b])
-            detail.append((row["name"], d))
+            print(detail_line(row["name"], d), flush=True)
             rows.append(row)
             del engine
     return rows
 
 
-def format_detail(detail) -> str:
-    cols = ("tok_s", "replay_ms", "gemv_ms", "roofline_tok_s", "prefill_tok_s", "eager_tok_s",
-            "graph_eq_eager", "hf_same_prefix")
+DETAIL = ("tok_s", "replay_ms", "gemv_ms", "roofline_tok_s", "prefill_tok_s", "eager_tok_s",
+          "graph_eq_eager", "hf_same_prefix")
+
+
+def detail_line(name, d) -> str:
     cell = lambda v: "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-    lines = ["| name | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
-    lines += ["| " + name + " | " + " | ".join(cell(d.get(c)) for c in cols) + " |" for name, d in detail]
-    return "\n".join(lines)
+    return "| " + name + " | " + " | ".join(cell(d.get(c)) for c in DETAIL) + " |"
 
 
 def run(args):
@@ -248,18 +252,17 @@ def run(args):
     dtype = kernel_dtype(None, args.dtype)
     if torch is not None and dtype != np.float16:
         torch = None  # the peer runs fp16 only
-    detail = []
+    print("| name | " + " | ".join(DETAIL) + " |\n|" + "---|" * (len(DETAIL) + 1), flush=True)
     if args.checkpoint:
         config, tensors = load_checkpoint(args.checkpoint)
         base = Model.from_tensors(config, tensors, "gpu", dtype).weights
-        rows = model_rows(cp, torch, config.architecture, config, base, args, batches, quants, detail)
+        rows = model_rows(cp, torch, config.architecture, config, base, args, batches, quants)
     else:
         config = load_preset(args.preset)
         rows = model_rows(cp, torch, args.preset, config, random_weights(cp, config, dtype), args,
-                          batches, quants, detail)
+                          batches, quants)
         if args.preset != DEFAULT_MODEL:
             small = load_preset(DEFAULT_MODEL)
             rows += model_rows(cp, torch, DEFAULT_MODEL, small, random_weights(cp, small, dtype), args,
-                               [1], ["none"], detail)
-    print(format_detail(detail))
+                               [1], ["none"])
     return rows
