@@ -5,8 +5,9 @@
 // with cp.async (two stages: tile j+1 loads while tile j is computed), rows padded
 // by 8 elements so that ldmatrix's eight 16-byte row reads hit distinct banks.
 // S = Q K^T and O += P V run on mma.sync.m16n8k16 (fp32 accumulate); P is rounded
-// to T before the PV product, as FlashAttention does. Softmax is online in fp32 on
-// scores prescaled by scale * log2(e), so exp2f gives the exponentials.
+// to T before the PV product, as FlashAttention does. Softmax is online in fp32: the row
+// max is taken on the raw scores (scale > 0) and each exponential is one FFMA and one
+// ex2: p = 2^(s * scale * log2(e) - max * scale * log2(e)).
 #include "common.cuh"
 
 namespace cuinfer {
@@ -53,6 +54,13 @@ template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x on the SFU, denormal results flushed to zero (exp2f adds a rescale around MUFU.EX2 for them).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Two floats rounded to T and packed into one 32-bit register (lo = a).
@@ -208,12 +216,12 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int qrow = warp_row0 + mt * 16 + lane / 4 + 8 * h;
-        float mx = row_max[mt][h];
+        float mx = row_max[mt][h];  // raw (unscaled) scores
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            float x = s[mt][nt][2 * h + e] * scale_log2;
+            float x = s[mt][nt][2 * h + e];
             const int key = n0 + nt * 8 + 2 * (lane % 4) + e;
             if (masked && (key >= kv_len || (causal && key > qrow + offset))) x = Max::identity();
             s[mt][nt][2 * h + e] = x;
@@ -221,15 +229,15 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
           }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_use = mx == Max::identity() ? 0.0f : mx;  // a row with no visible key yet
-        const float alpha = exp2f(row_max[mt][h] - m_use);
+        const float m_scaled = mx == Max::identity() ? 0.0f : mx * scale_log2;  // 0: no visible key yet
+        const float alpha = exp2_ftz(fmaf(row_max[mt][h], scale_log2, -m_scaled));
         row_max[mt][h] = mx;
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float p = exp2f(s[mt][nt][2 * h + e] - m_use);
+            const float p = exp2_ftz(fmaf(s[mt][nt][2 * h + e], scale_log2, -m_scaled));
             s[mt][nt][2 * h + e] = p;
             sum += p;
           }

@@ -3,7 +3,10 @@
 // One CTA per (split, kv_head, sequence) computes all G query heads of the KV group
 // from one read of each K/V row. A row of D elements is KL lanes x 16 bytes (KL =
 // D/8 rounded up to a power of two), so a warp covers 32/KL rows per step; U steps
-// are loaded before they are used, to keep enough 16-byte loads in flight.
+// are loaded before they are used, to keep enough 16-byte loads in flight. The split's
+// block-table entries are staged in shared memory first, and the loads are unpredicated
+// (rows past the end and lanes past D read a valid row, their results are dropped), so
+// the U loads of a step issue back to back instead of waiting on a table read each.
 // Pass 1 writes the scores (prescaled by scale * log2 e) of the split's tokens to
 // shared memory, pass 2 turns them into exp2(s - max), pass 3 streams V.
 // With one split the CTA writes the output; otherwise fp32 (out / sum, max, sum)
@@ -12,7 +15,8 @@
 
 using namespace cuinfer;
 
-// grid: (n_splits, n_kv_heads, num_seqs) · block: 128 · smem: 4 * (G * partition + 4 * G * D + 8 * G)
+// grid: (n_splits, n_kv_heads, num_seqs) · block: 128
+// smem: 4 * (G * partition + 4 * G * D + 8 * G + partition / block_size + 2)
 // q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D]
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
 // part_out: [num_seqs, n_heads, n_splits, D] fp32; part_ml: [num_seqs, n_heads, n_splits, 2] (max, sum)
@@ -55,6 +59,12 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
   float* scores = smem;                       // [G][partition]
   float* red = scores + G * partition;        // [WARPS][G][D]
   float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
+  int* blocks = reinterpret_cast<int*>(stat + 2 * G * WARPS);  // the split's block-table entries
+
+  const int* table = block_tables + (size_t)seq * max_blocks;
+  const int first_block = start >> block_shift;
+  for (int i = tid; i <= ((end - 1) >> block_shift) - first_block; i += blockDim.x)
+    blocks[i] = table[first_block + i];
 
   float qv[G][8];
 #pragma unroll
@@ -64,12 +74,16 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
 #pragma unroll
     for (int e = 0; e < 8; ++e) qv[g][e] = x.v[e] * scale_log2;
   }
+  __syncthreads();  // blocks[] written
 
-  const int* table = block_tables + (size_t)seq * max_blocks;
   const int block_mask = (1 << block_shift) - 1;
   const size_t row_stride = (size_t)n_kv_heads * D;
-  const size_t col = (size_t)kv_head * D + chunk * 8;
-  auto row_of = [&](int t) { return ((size_t)table[t >> block_shift] << block_shift) + (t & block_mask); };
+  const size_t col = (size_t)kv_head * D + min(chunk, CHUNKS - 1) * 8;  // idle lanes re-read a valid chunk
+  // element offset of token t's row (t clamped to the split, so every load is in bounds)
+  auto offset_of = [&](int t) {
+    t = min(t, end - 1);
+    return (((size_t)blocks[(t >> block_shift) - first_block] << block_shift) + (t & block_mask)) * row_stride + col;
+  };
 
   // pass 1: scores
   float mx[G];
@@ -78,11 +92,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
   for (int base = start + warp * RPW; base < end; base += STEP * U) {  // warp-uniform loop
     Vec<T, 8> kr[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = base + u * STEP + sub;
-      if (t < end && active) kr[u] = Vec<T, 8>::load(k_cache + row_of(t) * row_stride + col);
-      else kr[u] = Vec<T, 8>{};
-    }
+    for (int u = 0; u < U; ++u) kr[u] = Vec<T, 8>::load(k_cache + offset_of(base + u * STEP + sub));
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = base + u * STEP + sub;
@@ -146,19 +156,15 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
   for (int base = start + warp * RPW; base < end; base += STEP * U) {
     Vec<T, 8> vr[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = base + u * STEP + sub;
-      if (t < end && active) vr[u] = Vec<T, 8>::load(v_cache + row_of(t) * row_stride + col);
-      else vr[u] = Vec<T, 8>{};
-    }
+    for (int u = 0; u < U; ++u) vr[u] = Vec<T, 8>::load(v_cache + offset_of(base + u * STEP + sub));
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int t = base + u * STEP + sub;
-      if (t >= end) continue;
+      const int t = min(base + u * STEP + sub, end - 1);
+      const bool live = base + u * STEP + sub < end;
       const VecF<T, 8> vf = VecF<T, 8>::from(vr[u]);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const float p = scores[g * partition + t - start];
+        const float p = live ? scores[g * partition + t - start] : 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf.v[e], acc[g][e]);
       }
@@ -200,27 +206,34 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
   }
 }
 
-// grid: (n_heads, num_seqs) · block: 128 · smem: none
+// grid: (n_heads, num_seqs) · block: 128 · smem: 4 * n_splits (the split weights)
 // part_out: [num_seqs, n_heads, n_splits, D]; part_ml: [num_seqs, n_heads, n_splits, 2]; out: [num_seqs, n_heads, D]
 // out = sum_s w_s part_out_s / sum_s w_s with w_s = sum_s * exp2(max_s - max); empty splits have sum 0.
+// The weights are computed once into shared memory, so the loop over splits has independent loads.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) paged_attention_merge_kernel(
     const float* __restrict__ part_out, const float* __restrict__ part_ml, T* __restrict__ out, int n_splits) {
+  extern __shared__ float weight[];  // [n_splits]
+  __shared__ float scratch[32];
   const size_t h = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
   const float* ml = part_ml + h * n_splits * 2;
   float m = Max::identity();
-  for (int s = 0; s < n_splits; ++s)
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x)
     if (ml[2 * s + 1] > 0.0f) m = fmaxf(m, ml[2 * s]);
+  m = block_reduce<Max>(m, scratch);
+  float wsum = 0.0f;
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+    const float l = ml[2 * s + 1];
+    const float w = l > 0.0f ? l * exp2f(ml[2 * s] - m) : 0.0f;
+    weight[s] = w;
+    wsum += w;
+  }
+  wsum = block_reduce(wsum, scratch);  // its barriers also publish weight[]
+  const float* po = part_out + h * n_splits * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.0f, wsum = 0.0f;
-    for (int s = 0; s < n_splits; ++s) {
-      const float l = ml[2 * s + 1];
-      if (l > 0.0f) {
-        const float w = l * exp2f(ml[2 * s] - m);
-        acc = fmaf(w, part_out[(h * n_splits + s) * D + d], acc);
-        wsum += w;
-      }
-    }
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < n_splits; ++s) acc = fmaf(weight[s], po[(size_t)s * D + d], acc);
     out[h * D + d] = from_float<T>(wsum > 0.0f ? acc / wsum : 0.0f);
   }
 }

@@ -8,7 +8,8 @@ bytes = K and V rows read. The peer is SDPA over contiguous [B, 8, ctx, 128] K/V
 paging) with one query per sequence. Decode and write_kv (ours and the peer) are timed
 as 20 calls replayed from one CUDA graph, as the decoder runs them (eagerly a call costs
 more Python than GPU time); every call reads more K/V than the 50 MB L2 holds.
-`--sweep` adds decode rows for other split partitions and rows-in-flight counts.
+`--sweep` adds decode rows for other split partitions and rows-in-flight counts, and
+d=128 prefill rows for other tile shapes.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import functools
 import numpy as np
 
 from .. import bench, runtime
-from ..ops.flash_attention import flash_attention
+from ..ops.flash_attention import flash_attention, launch_kernel
 from ..ops.paged_attention import ROWS_IN_FLIGHT, launch_decode, padded_group, paged_attention, split_config
 from ..ops.write_kv import write_kv
 
@@ -28,7 +29,7 @@ REPS = 20
 def add_arguments(parser):
     parser.add_argument("--tokens", type=int, default=16384, help="prefill tokens per batch (B*S)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--sweep", action="store_true", help="decode split / rows-in-flight variants")
+    parser.add_argument("--sweep", action="store_true", help="decode split / rows-in-flight and prefill tile variants")
     parser.add_argument("--no-prefill", action="store_true", help="decode and write_kv rows only")
 
 
@@ -90,6 +91,24 @@ def prefill_rows(cp, torch, tokens, seq_lens):
     return rows
 
 
+def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=((128, 32, 4), (128, 64, 8), (64, 64, 4))):
+    """--sweep: d=128 prefill at 4x4096 with other (BLOCK_M, BLOCK_N, warps) tiles, direct launches."""
+    b = tokens // s
+    q = cp.random.standard_normal((b * s, N_HEADS, d), dtype=cp.float32).astype(cp.float16)
+    k = cp.random.standard_normal((b * s, N_KV, d), dtype=cp.float32).astype(cp.float16)
+    v = cp.random.standard_normal((b * s, N_KV, d), dtype=cp.float32).astype(cp.float16)
+    cu = cp.arange(0, b * s + 1, s, dtype=cp.int32)
+    out = cp.empty_like(q)
+    rows = []
+    for tile in tiles:
+        for causal in (True, False):
+            call = functools.partial(launch_kernel, q, k, v, out, cu, None, None, 0, b, s, d ** -0.5, causal, tile)
+            rows.append({"name": f"  prefill{' causal' if causal else ''} tile {'x'.join(map(str, tile))}",
+                         "shape": f"{b}x{s} d={d}", "dtype": "float16", "ms": bench.time_ms(call),
+                         "flops": 4 * b * s * s * N_HEADS * d * (0.5 if causal else 1.0)})
+    return rows
+
+
 def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
     rows = []
     rng = np.random.default_rng(0)
@@ -104,8 +123,9 @@ def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
         n_splits, partition = split_config(b, N_KV, ctx, runtime.device_info()["sm_count"])
         variants = [(n_splits, partition, ROWS_IN_FLIGHT)]
         if sweep:
-            variants += [(-(-ctx // p), p, ROWS_IN_FLIGHT) for p in (256, 512, 1024, 2048, 4096)
-                         if p <= ctx and p != partition] + [(n_splits, partition, 8)]
+            variants += [(-(-ctx // p), p, u) for p in (128, 256, 512, 1024, 2048) for u in (4, 8)
+                         if p <= ctx and (p, u) != (partition, ROWS_IN_FLIGHT)]
+            variants += [(n_splits, partition, 8)]
         for i, (n, p, u) in enumerate(variants):
             ws = cp.empty(n * b * N_HEADS * (d + 2), dtype=cp.float32)
             call = (functools.partial(paged_attention, q, k_cache, v_cache, tables, lens, out=out,
@@ -143,4 +163,6 @@ def run(args):
     rows += write_kv_rows(cp)
     if not args.no_prefill:
         rows += prefill_rows(cp, torch, args.tokens, seq_lens)
+        if args.sweep:
+            rows += prefill_tile_rows(cp)
     return rows

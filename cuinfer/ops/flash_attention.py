@@ -42,8 +42,8 @@ def tile_config(head_dim: int) -> tuple:
     return 64, 32, 4
 
 
-def instantiation(dtype, head_dim: int, paged: bool) -> str:
-    bm, bn, warps = tile_config(head_dim)
+def instantiation(dtype, head_dim: int, paged: bool, tile=None) -> str:
+    bm, bn, warps = tile or tile_config(head_dim)
     return (f"flash_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {bm}, {bn}, {warps}, "
             f"{'true' if paged else 'false'}>")
 
@@ -52,9 +52,9 @@ INSTANTIATIONS = [instantiation(dt, d, p) for dt in (np.float16, runtime.bfloat1
                   for d in HEAD_DIMS for p in (False, True)]
 
 
-def smem_bytes(head_dim: int, itemsize: int = 2) -> int:
+def smem_bytes(head_dim: int, itemsize: int = 2, tile=None) -> int:
     """Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes)."""
-    bm, bn, _ = tile_config(head_dim)
+    bm, bn, _ = tile or tile_config(head_dim)
     return (bm + 4 * bn) * (head_dim + 8) * itemsize
 
 
@@ -64,10 +64,12 @@ def _check_q(q, n_kv_heads):
         raise ValueError(f"q: got {q.shape[1]} heads, need a multiple of n_kv_heads = {n_kv_heads}")
 
 
-def _check_kernel_args(q, dtypes=KERNEL_DTYPES):
-    runtime.check("q", q, dtype=dtypes, align=16)
+def _check_kernel_args(q, scale):
+    runtime.check("q", q, dtype=KERNEL_DTYPES, align=16)
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"q: got head_dim {q.shape[-1]}, need one of {HEAD_DIMS}")
+    if not scale > 0:
+        raise ValueError(f"scale: got {scale}, need > 0 (the kernel takes the row max before scaling)")
 
 
 def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, max_seqlen_q=None):
@@ -88,7 +90,7 @@ def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, m
         out = runtime.check_out(out, q.shape, q.dtype, q)
         out[...] = res
         return out
-    _check_kernel_args(q)
+    _check_kernel_args(q, scale)
     for name, a in (("k", k), ("v", v)):
         runtime.check(name, a, align=16)
     out = runtime.check_out(out, q.shape, q.dtype, q)
@@ -96,7 +98,7 @@ def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, m
     num_seqs = cu_seqlens.shape[0] - 1
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if num_seqs else 0
-    _launch(q, k, v, out, cu_seqlens, None, None, 0, num_seqs, max_seqlen_q, scale, causal)
+    launch_kernel(q, k, v, out, cu_seqlens, None, None, 0, num_seqs, max_seqlen_q, scale, causal)
     return out
 
 
@@ -120,7 +122,7 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
         out = runtime.check_out(out, q.shape, q.dtype, q)
         out[...] = res.astype(q.dtype)  # rounded once
         return out
-    _check_kernel_args(q)
+    _check_kernel_args(q, scale)
     bs = k_cache.shape[1]
     if bs & (bs - 1):
         raise ValueError(f"k_cache: got block_size {bs}, need a power of two")
@@ -130,18 +132,19 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     runtime.check("out", out, align=16)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
-    _launch(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, bs, num_seqs,
-            max_seqlen_q, scale, True)
+    launch_kernel(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, bs, num_seqs,
+                  max_seqlen_q, scale, True)
     return out
 
 
-def _launch(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
-            scale, causal):
+def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
+                  scale, causal, tile=None):
+    """Launch on checked arguments; `tile` (BLOCK_M, BLOCK_N, warps) overrides tile_config (bench sweeps)."""
     paged = block_tables is not None
     n_heads, d = q.shape[1], q.shape[2]
     n_kv = k.shape[-2]
-    bm, _, warps = tile_config(d)
-    kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged))
+    bm, _, warps = tile or tile_config(d)
+    kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged, tile))
     if paged:
         extra = (context_lens, block_tables, np.int32(block_tables.shape[1]),
                  np.int32(int(math.log2(block_size))))
@@ -150,4 +153,4 @@ def _launch(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs
     grid = (-(-max_seqlen_q // bm), n_heads, num_seqs)
     args = (q, k, v, out, cu_q) + extra + (np.int32(n_heads), np.int32(n_kv),
                                            np.float32(scale * LOG2E), np.int32(bool(causal)))
-    runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, q.dtype.itemsize))
+    runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, q.dtype.itemsize, tile))

@@ -80,9 +80,12 @@ def workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
     return 0 if n_splits == 1 else num_seqs * n_heads * n_splits * (head_dim + 2)
 
 
-def smem_bytes(group: int, partition: int, head_dim: int) -> int:
-    """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)."""
-    return 4 * (group * partition + (THREADS // 32) * group * head_dim + 2 * group * (THREADS // 32))
+def smem_bytes(group: int, partition: int, head_dim: int, block_size: int) -> int:
+    """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
+    + the split's block-table entries (a run of `partition` tokens touches at most
+    partition // block_size + 2 blocks)."""
+    warps = THREADS // 32
+    return 4 * (group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2)
 
 
 def capturing() -> bool:
@@ -165,8 +168,8 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (THREADS,), args,
-                   smem=smem_bytes(group, partition, d))
+                   smem=smem_bytes(group, partition, d, bs))
     if n_splits > 1:
         merge = runtime.kernel("paged_attention", merge_instantiation(q.dtype, d))
         runtime.launch(merge, (n_heads, num_seqs), (THREADS,),
-                       (part_out, part_ml, out, np.int32(n_splits)))
+                       (part_out, part_ml, out, np.int32(n_splits)), smem=4 * n_splits)

@@ -85,7 +85,8 @@ def test_paged_attention_kernel(cp, lens, ratio, n_kv, d, dtype, block_size, mag
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lens,ratio,d", [([20000], 4, 128), ([8193, 1, 5000], 8, 64), ([12345], 7, 256)])
+@pytest.mark.parametrize(("lens", "ratio", "d"), [([20000], 4, 128), ([8193, 1, 5000], 8, 64), ([12345], 7, 256),
+                                             ([40000], 4, 128)])  # the last: 157 splits, more than the merge threads
 def test_paged_attention_long_split(cp, lens, ratio, d):
     rng = np.random.default_rng(len(lens))
     lens = np.array(lens, np.int32)
