@@ -16,7 +16,8 @@ registers, every weight byte read once, epilogue fused) for M <= 16, and for qua
 to M = 64 in chunks of 16 rows (each chunk reads the weight again: still fewer bytes than the
 dequantized fp16 copy). Beyond that (prefill) the weight is dequantized to a scratch [N, K]
 array (allocated: not for capture) and multiplied by cuBLAS gemmEx in fp32 with the bias
-pre-filled in `out` (beta = 1), so y is rounded once as in the GEMV; the SiLU epilogue then
+pre-filled in `out` (beta = 1) and fp32 split-K reductions, so y is rounded once as in the
+GEMV (cupy.matmul under stream capture is refused by CuPy, gemmEx too); the SiLU epilogue then
 runs unfused (ops.silu_and_mul on an [M, 2I] intermediate). Everything except that prefill
 path allocates nothing when `out` (and for argmax `workspace`) is given: CUDA-graph safe.
 """
@@ -54,19 +55,21 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (notes/linear.md).
 
     RT = 2 at M > 8 once the grid still has >= 4 blocks per SM (x loads then rival the weight
-    bytes). U quads in compute and U in flight per warp, raw weights <= 32 registers (<= 128
-    in all, no spills). Grids of >= 4 blocks per SM take 4 warps per block; smaller ones 8 and
-    split K over a cluster of up to 8 blocks until there are 4 blocks per SM, keeping >= one
-    full pipeline stage (WARPS U quads) per block."""
+    bytes). U quads in compute and U in flight per warp: int4 1 (2 from 64 quads of K on),
+    int8 2, fp16 4, halved for the two weight rows of the SiLU epilogue (raw weights <= 32
+    registers, <= 128 in all). Grids of >= 6 blocks per SM take 4 warps per block, others 8.
+    A grid of fewer blocks than SMs splits K over a cluster of up to 4 blocks (sm_90), each
+    keeping >= two pipeline stages (2 WARPS U quads); on 256+ blocks a split measured slower."""
     nt = 1 if m <= 8 else 2
     rows = 2 if epilogue == "silu_and_mul" else 1
     rt = 2 if nt == 2 and rows == 1 and n >= 16 * 2 * 4 * sms else 1
-    u = max(1, 4 // (rt * rows) // (2 if bits == 4 else 1))
-    blocks = -(-n // (16 * rt))
-    warps = 4 if blocks >= 4 * sms else 8
     quads = -(-k // QUAD_K[bits])
+    u = {4: 2 if quads >= 64 else 1, 8: 2, 16: 4}[bits]
+    u = max(1, u // (rt * rows))
+    blocks = -(-n // (16 * rt))
+    warps = 4 if blocks >= 6 * sms else 8
     split = 1
-    while clusters and split < 8 and blocks * split < 4 * sms and quads >= 2 * split * warps * u:
+    while clusters and split < 4 and blocks * split < sms and quads >= 2 * split * warps * u:
         split *= 2
     return Tile(nt, rt, u, warps, split)
 
@@ -260,13 +263,16 @@ def _prefill(x, w, bias, out):
     alpha, beta = np.ones(1, np.float32), np.full(1, 0 if bias is None else 1, np.float32)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    mode = cublas.getPointerMode(handle)
+    pointer_mode, math_mode = cublas.getPointerMode(handle), cublas.getMathMode(handle)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    # split-K partial sums stay fp32 (cuBLAS may otherwise reduce them in fp16 / bf16: a second rounding)
+    cublas.setMathMode(handle, math_mode | cublas.CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)
     t = CUDA_DTYPES[x.dtype]
     try:  # column-major out.T [N, M] = W [N, K] (wt row-major = col-major [K, N], transposed) @ x.T
         cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data, wt.data.ptr, t, k,
                       x.data.ptr, t, k, beta.ctypes.data, out.data.ptr, t, n, cublas.CUBLAS_COMPUTE_32F,
                       cublas.CUBLAS_GEMM_DEFAULT)
     finally:
-        cublas.setPointerMode(handle, mode)
+        cublas.setPointerMode(handle, pointer_mode)
+        cublas.setMathMode(handle, math_mode)
     return out

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from cuinfer import quant, runtime
 from cuinfer.ops.linear import (
+    GEMV_MAX_M,
     Tile,
     _gemv,
     argmax_workspace_size,
@@ -244,24 +245,21 @@ def test_gemv_every_tile_config(fmt, gs, config):
 
 
 def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
-    """silu_and_mul and argmax on the device against the NumPy references and the unfused device path."""
-    from cuinfer import ops
-
+    """silu_and_mul and argmax on the device against the unfused NumPy references (fp32 sums, one
+    rounding: the fused epilogue does not round gate and up to T as linear + ops.silu_and_mul do)."""
     x = (rng.standard_normal((m, k)) * magnitude).astype(dtype)
     w = make_weight(rng, 2 * n, k, fmt, gs or 128)
     w = w.astype(dtype) if fmt == "float" else w
     w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
     bias = rng.standard_normal(2 * n).astype(dtype) if use_bias else None
     bias_dev = None if bias is None else cp.asarray(bias)
-    prefill = m > {"float": 16}.get(fmt, 64)
+    prefill = m > GEMV_MAX_M[16 if fmt == "float" else 4]
     y = reference_rounded(x, w, bias, prefill)
     out = poison(cp, (m, n), dtype)
     got = linear(cp.asarray(x), w_dev, bias_dev, out=out, activation="silu_and_mul")
     assert got is out
     # the fused epilogue rounds once; the reference's fp32 silu(gate) * up is rounded by assert_close's table
     assert_close(out, silu_and_mul_reference(y))
-    unfused = ops.silu_and_mul(linear(cp.asarray(x), w_dev, bias_dev))
-    assert_close(out, cp.asnumpy(unfused).astype(np.float32), dtype)
 
     got = linear_argmax(cp.asarray(x), w_dev, out=cp.full(m, -1, cp.int32),
                         workspace=cp.full(argmax_workspace_size(2 * n), -1, cp.int32))
@@ -272,7 +270,7 @@ def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
     chosen = logits[np.arange(m), got]
     assert (got >= 0).all() and (got < 2 * n).all()
     assert (chosen >= logits.max(axis=1) - tol).all()
-    if m <= 16 or fmt != "float":  # the same GEMV tiles as linear(): the same rounded logits, exactly
+    if not prefill:  # the same GEMV tiles as linear(): the same rounded logits, exactly
         device_logits = cp.asnumpy(linear(cp.asarray(x), w_dev)).astype(np.float32)
         np.testing.assert_array_equal(got, device_logits.argmax(axis=1))
 
