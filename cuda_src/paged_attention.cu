@@ -22,8 +22,9 @@ using namespace cuinfer;
 // part_out: [num_seqs, n_heads, n_splits, D] fp32; part_ml: [num_seqs, n_heads, n_splits, 2] (max, sum)
 // G: query heads per KV head, padded (the real count is n_heads / n_kv_heads <= G).
 // U: K/V rows each lane loads before it uses the first (bytes in flight).
-template <typename T, int D, int G, int U = 4>
-__global__ void __launch_bounds__(128) paged_attention_kernel(
+// Launch bounds: 5 CTAs per SM (<= 102 registers) where that costs no spills (G <= 4, D <= 128).
+template <typename T, int D, int G, int U>
+__global__ void __launch_bounds__(128, (G <= 4 && D <= 128) ? 5 : 1) paged_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
@@ -43,13 +44,17 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
   const bool active = chunk < CHUNKS;
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
 
-  if (len <= 0) {  // an empty split (or an empty context)
+  if (len <= 0) {  // an empty split (or an empty context): zeros, and sum 0 for the merge
     for (int i = tid; i < group * D; i += blockDim.x) {
       const size_t h = head0 + i / D;
-      if (n_splits == 1) out[h * D + i % D] = from_float<T>(0.0f);
-      else if (i % D == 0) {
-        part_ml[(h * n_splits + split) * 2] = Max::identity();
-        part_ml[(h * n_splits + split) * 2 + 1] = 0.0f;
+      if (n_splits == 1) {
+        out[h * D + i % D] = from_float<T>(0.0f);
+      } else {
+        part_out[(h * n_splits + split) * D + i % D] = 0.0f;  // the merge weighs it by 0, so it must be finite
+        if (i % D == 0) {
+          part_ml[(h * n_splits + split) * 2] = Max::identity();
+          part_ml[(h * n_splits + split) * 2 + 1] = 0.0f;
+        }
       }
     }
     return;
@@ -206,15 +211,18 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
   }
 }
 
-// grid: (n_heads, num_seqs) · block: 128 · smem: 4 * n_splits (the split weights)
+// grid: (n_heads, num_seqs) · block: 128 · smem: 4 * round_up(n_splits, 8) (the split weights)
 // part_out: [num_seqs, n_heads, n_splits, D]; part_ml: [num_seqs, n_heads, n_splits, 2]; out: [num_seqs, n_heads, D]
-// out = sum_s w_s part_out_s / sum_s w_s with w_s = sum_s * exp2(max_s - max); empty splits have sum 0.
-// The weights are computed once into shared memory, so the loop over splits has independent loads.
+// out = sum_s w_s part_out_s / sum_s w_s with w_s = sum_s * exp2(max_s - max); empty splits have sum 0
+// (and part_out 0). The weights go to shared memory first (zero-padded to a multiple of 8), so the
+// loop over splits issues 8 independent loads at a time and every access is in bounds.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) paged_attention_merge_kernel(
     const float* __restrict__ part_out, const float* __restrict__ part_ml, T* __restrict__ out, int n_splits) {
-  extern __shared__ float weight[];  // [n_splits]
+  constexpr int CH = 8;
+  extern __shared__ float weight[];  // [round_up(n_splits, CH)]
   __shared__ float scratch[32];
+  const int n_pad = (n_splits + CH - 1) / CH * CH;
   const size_t h = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
   const float* ml = part_ml + h * n_splits * 2;
   float m = Max::identity();
@@ -222,8 +230,8 @@ __global__ void __launch_bounds__(128) paged_attention_merge_kernel(
     if (ml[2 * s + 1] > 0.0f) m = fmaxf(m, ml[2 * s]);
   m = block_reduce<Max>(m, scratch);
   float wsum = 0.0f;
-  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
-    const float l = ml[2 * s + 1];
+  for (int s = threadIdx.x; s < n_pad; s += blockDim.x) {
+    const float l = s < n_splits ? ml[2 * s + 1] : 0.0f;
     const float w = l > 0.0f ? l * exp2f(ml[2 * s] - m) : 0.0f;
     weight[s] = w;
     wsum += w;
@@ -232,8 +240,13 @@ __global__ void __launch_bounds__(128) paged_attention_merge_kernel(
   const float* po = part_out + h * n_splits * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < n_splits; ++s) acc = fmaf(weight[s], po[(size_t)s * D + d], acc);
+    for (int s0 = 0; s0 < n_pad; s0 += CH) {
+      float pv[CH];
+#pragma unroll
+      for (int i = 0; i < CH; ++i) pv[i] = s0 + i < n_splits ? po[(size_t)(s0 + i) * D + d] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < CH; ++i) acc = fmaf(weight[s0 + i], pv[i], acc);
+    }
     out[h * D + d] = from_float<T>(wsum > 0.0f ? acc / wsum : 0.0f);
   }
 }

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import bench, runtime
 from ..ops.flash_attention import flash_attention, launch_kernel
-from ..ops.paged_attention import ROWS_IN_FLIGHT, launch_decode, padded_group, paged_attention, split_config
+from ..ops.paged_attention import decode_splits, launch_decode, padded_group, paged_attention, rows_in_flight
 from ..ops.write_kv import write_kv
 
 N_HEADS, N_KV = 32, 8
@@ -120,19 +120,19 @@ def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
         lens = cp.full((b,), ctx, dtype=cp.int32)
         q = cp.random.standard_normal((b, N_HEADS, d), dtype=cp.float32).astype(cp.float16)
         out = cp.empty_like(q)
-        n_splits, partition = split_config(b, N_KV, ctx, runtime.device_info()["sm_count"])
-        variants = [(n_splits, partition, ROWS_IN_FLIGHT)]
+        group = padded_group(N_HEADS, N_KV)
+        n_splits, partition = decode_splits(b, N_HEADS, N_KV, d, ctx)
+        variants = [(n_splits, partition, rows_in_flight(group, d))]
         if sweep:
-            variants += [(-(-ctx // p), p, u) for p in (128, 256, 512, 1024, 2048) for u in (4, 8)
-                         if p <= ctx and (p, u) != (partition, ROWS_IN_FLIGHT)]
-            variants += [(n_splits, partition, 8)]
+            variants += [(-(-ctx // p), p, u) for p in (256, 512, 1024, 2048) for u in (4, 8)
+                         if p <= ctx and (-(-ctx // p), p, u) != variants[0]]
         for i, (n, p, u) in enumerate(variants):
             ws = cp.empty(n * b * N_HEADS * (d + 2), dtype=cp.float32)
             call = (functools.partial(paged_attention, q, k_cache, v_cache, tables, lens, out=out,
                                       max_context_len=ctx, workspace=ws) if i == 0 else
                     functools.partial(launch_decode, q, k_cache, v_cache, tables, lens, out, d ** -0.5,
-                                      padded_group(N_HEADS, N_KV), n, p, ws, u))
-            row = {"name": "decode paged" if i == 0 else f"  split {n}x{p} U={u}",
+                                      group, n, p, ws, u))
+            row = {"name": f"decode paged {n}x{p} U={u}" if i == 0 else f"  split {n}x{p} U={u}",
                    "shape": f"{b}x{ctx} bs={block_size}", "dtype": "float16", "ms": graph_ms(cp, call),
                    "bytes": 2 * b * ctx * N_KV * d * 2}
             if i == 0 and torch is not None:

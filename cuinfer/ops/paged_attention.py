@@ -36,7 +36,6 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 THREADS = 128
-ROWS_IN_FLIGHT = 4  # template U: K/V rows a lane loads before using the first
 MIN_PARTITION, MAX_PARTITION = 256, 1024  # tokens per split (multiples of 32)
 LOG2E = 1.4426950408889634
 
@@ -49,8 +48,22 @@ def padded_group(n_heads: int, n_kv_heads: int) -> int:
     raise ValueError(f"q: got {g} query heads per KV head, need at most {GROUPS[-1]}")
 
 
-def instantiation(dtype, head_dim: int, group: int, rows_in_flight: int = ROWS_IN_FLIGHT) -> str:
-    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {rows_in_flight}>"
+def rows_in_flight(group: int, head_dim: int) -> int:
+    """Template U, K/V rows a lane loads before using the first. H100, d=128, G=4, graph replay:
+    U=8 beat U=4 by 4-5 % of copy bandwidth at equal grids; with G <= 4 and D <= 128 it fits
+    5 CTAs per SM in 96 registers without spills (the launch bounds ask for that)."""
+    return 8 if group <= 4 and head_dim <= 128 else 4
+
+
+def resident_ctas(group: int, head_dim: int) -> int:
+    """CTAs per SM the decode kernel gets (ptxas -v, sm_90): G <= 4 uses <= 96 registers
+    (5 x 128 threads per SM), G = 8 uses 153-167 (3 per SM)."""
+    return 5 if group <= 4 else 3
+
+
+def instantiation(dtype, head_dim: int, group: int, u=None) -> str:
+    u = u or rows_in_flight(group, head_dim)
+    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}>"
 
 
 def merge_instantiation(dtype, head_dim: int) -> str:
@@ -62,11 +75,18 @@ INSTANTIATIONS = ([instantiation(dt, d, g) for dt in (np.float16, runtime.bfloat
                   + [merge_instantiation(dt, d) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS])
 
 
-def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int) -> tuple:
-    """(n_splits, partition): enough CTAs for about 4 per SM, partitions of 256..1024 tokens."""
+def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int,
+                 ctas_per_sm: int = 5) -> tuple:
+    """(n_splits, partition). The split count aims at one full wave of resident CTAs (a second,
+    partial wave is a tail): no split when (sequence, KV head) pairs alone fill half the slots
+    (a merge costs more than the missing occupancy), else slots // pairs splits; partitions of
+    256..1024 tokens, a multiple of 32. Measured best on the H100 (graph replay, d=128, G=4, of
+    128..2048-token partitions, U=4 and 8, 4-5 CTAs per SM): 16x4k 5x832, 64x1k 1x1024 (no
+    split), 1x32k 64x512; the 4-CTA wave rule picked 2x512 for 64x1k (-9 %)."""
     work = max(1, num_seqs * n_kv_heads)
     ctx = max(1, max_context_len)
-    want = -(-4 * sm_count // work)
+    slots = ctas_per_sm * sm_count
+    want = 1 if 2 * work >= slots else slots // work
     n_splits = max(-(-ctx // MAX_PARTITION), min(want, -(-ctx // MIN_PARTITION)))
     partition = -(-ctx // n_splits)
     partition = -(-partition // 32) * 32
@@ -76,8 +96,14 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
 def workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     max_context_len: int) -> int:
     """float32 scratch elements paged_attention needs for the split partials (0 when it does not split)."""
-    n_splits, _ = split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"])
+    n_splits, _ = decode_splits(num_seqs, n_heads, n_kv_heads, head_dim, max_context_len)
     return 0 if n_splits == 1 else num_seqs * n_heads * n_splits * (head_dim + 2)
+
+
+def decode_splits(num_seqs, n_heads, n_kv_heads, head_dim, max_context_len) -> tuple:
+    """(n_splits, partition) the op launches with on this device."""
+    ctas = resident_ctas(padded_group(n_heads, n_kv_heads), head_dim)
+    return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
 
 
 def smem_bytes(group: int, partition: int, head_dim: int, block_size: int) -> int:
@@ -131,7 +157,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     runtime.check("out", out, align=16)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
-    n_splits, partition = split_config(num_seqs, n_kv, max_context_len, runtime.device_info()["sm_count"])
+    n_splits, partition = decode_splits(num_seqs, n_heads, n_kv, d, max_context_len)
     if n_splits > 1 and workspace is None and capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
@@ -145,7 +171,7 @@ def _refuse_capture(names):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace=None, rows_in_flight=ROWS_IN_FLIGHT):
+                  partition, workspace=None, u=None):
     """Launch the decode kernel (+ merge) with an explicit split: n_splits * partition tokens must
     cover every context length, partition a multiple of 32. Arguments are checked by the caller."""
     cp = runtime.require_cupy()
@@ -163,7 +189,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
         part_ml = workspace[n_out:n_out + n_ml]  # [num_seqs, n_heads, n_splits, 2]
     else:
         part_out = part_ml = out  # unused: the kernel writes out directly
-    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, rows_in_flight))
+    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u))
     args = (q, k_cache, v_cache, out, part_out, part_ml, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E))
@@ -172,4 +198,4 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
     if n_splits > 1:
         merge = runtime.kernel("paged_attention", merge_instantiation(q.dtype, d))
         runtime.launch(merge, (n_heads, num_seqs), (THREADS,),
-                       (part_out, part_ml, out, np.int32(n_splits)), smem=4 * n_splits)
+                       (part_out, part_ml, out, np.int32(n_splits)), smem=4 * (-(-n_splits // 8) * 8))

@@ -37,7 +37,8 @@ def test_reference_is_last_row_of_contiguous(block_size):
 
 
 def test_split_config():
-    assert split_config(64, 8, 1024, 132) == (2, 512)
+    assert split_config(64, 8, 1024, 132) == (1, 1024)  # 512 CTAs fill most of one wave: no merge
+    assert split_config(16, 8, 4096, 132) == (5, 832)  # 640 CTAs <= 5 x 132 slots
     n, part = split_config(1, 8, 32768, 132)
     assert n * part >= 32768 and part <= 1024 and n * 8 >= 4 * 132 // 2
     assert split_config(256, 8, 100, 132) == (1, 128)
