@@ -54,19 +54,22 @@ def weight_bits(w) -> int:
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True) -> Tile:
     """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (notes/linear.md).
 
-    RT = 2 at M > 8 once the grid still has >= 4 blocks per SM (x loads then rival the weight
-    bytes). U quads in compute and U in flight per warp: int4 1 (2 from 64 quads of K on),
-    int8 2, fp16 4, halved for the two weight rows of the SiLU epilogue (raw weights <= 32
-    registers, <= 128 in all). Grids of >= 6 blocks per SM take 4 warps per block, others 8.
-    A grid of fewer blocks than SMs splits K over a cluster of up to 4 blocks (sm_90), each
-    keeping >= two pipeline stages (2 WARPS U quads); on 256+ blocks a split measured slower."""
+    Quantized weights at M <= 8 (run 4 sweep): U = 1 int4 quad per stage below 64 quads of K,
+    else 2 (int8: 2); 4 warps per block from 6 blocks per SM on, else 8; a grid of fewer blocks
+    than SMs splits K over a cluster of up to 4 blocks (sm_90), each keeping >= two pipeline
+    stages (2 WARPS U quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and
+    M > 8 (run 3 tiles; the M <= 8 rule measured slower there in run 5): RT = 2 at M > 8 once
+    the grid still has >= 4 blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks
+    per SM, else 8. The SiLU epilogue's two weight rows halve U (raw weights <= 32 registers)."""
     nt = 1 if m <= 8 else 2
     rows = 2 if epilogue == "silu_and_mul" else 1
     rt = 2 if nt == 2 and rows == 1 and n >= 16 * 2 * 4 * sms else 1
-    quads = -(-k // QUAD_K[bits])
-    u = {4: 2 if quads >= 64 else 1, 8: 2, 16: 4}[bits]
-    u = max(1, u // (rt * rows))
     blocks = -(-n // (16 * rt))
+    quads = -(-k // QUAD_K[bits])
+    if bits == 16 or nt == 2:
+        u = max(1, 4 // (rt * rows) // (2 if bits == 4 else 1))
+        return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
+    u = max(1, (2 if bits == 8 or quads >= 64 else 1) // rows)
     warps = 4 if blocks >= 6 * sms else 8
     split = 1
     while clusters and split < 4 and blocks * split < sms and quads >= 2 * split * warps * u:
@@ -249,6 +252,7 @@ def dequantize_weight(w, dtype):
 
 
 CUDA_DTYPES = {np.dtype(np.float16): 2, runtime.bfloat16: 14}  # cudaDataType CUDA_R_16F, CUDA_R_16BF
+CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION = 16  # cublas_api.h (not exported by every CuPy build)
 
 
 def _prefill(x, w, bias, out):
@@ -266,7 +270,7 @@ def _prefill(x, w, bias, out):
     pointer_mode, math_mode = cublas.getPointerMode(handle), cublas.getMathMode(handle)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     # split-K partial sums stay fp32 (cuBLAS may otherwise reduce them in fp16 / bf16: a second rounding)
-    cublas.setMathMode(handle, math_mode | cublas.CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)
+    cublas.setMathMode(handle, math_mode | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)
     t = CUDA_DTYPES[x.dtype]
     try:  # column-major out.T [N, M] = W [N, K] (wt row-major = col-major [K, N], transposed) @ x.T
         cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data, wt.data.ptr, t, k,
