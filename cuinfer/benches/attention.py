@@ -121,7 +121,7 @@ def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
         q = cp.random.standard_normal((b, N_HEADS, d), dtype=cp.float32).astype(cp.float16)
         out = cp.empty_like(q)
         group = padded_group(N_HEADS, N_KV)
-        n_splits, partition = decode_splits(b, N_HEADS, N_KV, d, ctx)
+        n_splits, partition = decode_splits(b, N_HEADS, N_KV, ctx)
         variants = [(n_splits, partition, rows_in_flight(group, d))]
         if sweep:
             variants += [(-(-ctx // p), p, u) for p in (256, 512, 1024, 2048) for u in (4, 8)

@@ -55,7 +55,7 @@ def rows_in_flight(group: int, head_dim: int) -> int:
     return 8 if group <= 4 and head_dim <= 128 else 4
 
 
-def resident_ctas(group: int, head_dim: int) -> int:
+def resident_ctas(group: int) -> int:
     """CTAs per SM the decode kernel gets (ptxas -v, sm_90): G <= 4 uses <= 96 registers
     (5 x 128 threads per SM), G = 8 uses 153-167 (3 per SM)."""
     return 5 if group <= 4 else 3
@@ -80,9 +80,9 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     """(n_splits, partition). The split count aims at one full wave of resident CTAs (a second,
     partial wave is a tail): no split when (sequence, KV head) pairs alone fill half the slots
     (a merge costs more than the missing occupancy), else slots // pairs splits; partitions of
-    256..1024 tokens, a multiple of 32. Measured best on the H100 (graph replay, d=128, G=4, of
-    128..2048-token partitions, U=4 and 8, 4-5 CTAs per SM): 16x4k 5x832, 64x1k 1x1024 (no
-    split), 1x32k 64x512; the 4-CTA wave rule picked 2x512 for 64x1k (-9 %)."""
+    256..1024 tokens, a multiple of 32. H100, graph replay, d=128, G=4, against partitions of
+    256..2048 tokens and U=4/8 in the same run: it picks 16x4k 5x832 (85 % of copy, best),
+    64x1k 1x1024 (80 %, best), 1x32k 79x416 (72 %; 64x512 70 %)."""
     work = max(1, num_seqs * n_kv_heads)
     ctx = max(1, max_context_len)
     slots = ctas_per_sm * sm_count
@@ -96,13 +96,13 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
 def workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     max_context_len: int) -> int:
     """float32 scratch elements paged_attention needs for the split partials (0 when it does not split)."""
-    n_splits, _ = decode_splits(num_seqs, n_heads, n_kv_heads, head_dim, max_context_len)
+    n_splits, _ = decode_splits(num_seqs, n_heads, n_kv_heads, max_context_len)
     return 0 if n_splits == 1 else num_seqs * n_heads * n_splits * (head_dim + 2)
 
 
-def decode_splits(num_seqs, n_heads, n_kv_heads, head_dim, max_context_len) -> tuple:
+def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len: int) -> tuple:
     """(n_splits, partition) the op launches with on this device."""
-    ctas = resident_ctas(padded_group(n_heads, n_kv_heads), head_dim)
+    ctas = resident_ctas(padded_group(n_heads, n_kv_heads))
     return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
 
 
@@ -157,7 +157,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     runtime.check("out", out, align=16)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
-    n_splits, partition = decode_splits(num_seqs, n_heads, n_kv, d, max_context_len)
+    n_splits, partition = decode_splits(num_seqs, n_heads, n_kv, max_context_len)
     if n_splits > 1 and workspace is None and capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
