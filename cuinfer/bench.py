@@ -86,7 +86,8 @@ def format_table(rows) -> str:
 
 def header() -> dict:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        # "-dirty" when the working tree differs from HEAD (a copied checkout may carry a stale .git)
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
