@@ -77,7 +77,7 @@ def main(argv=None):
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     p.add_argument("--dtype", default=None, help="GPU dtype: float16 or bfloat16 (default from the checkpoint)")
     p.add_argument("--quant", nargs="+", default=["none"],
-                   help="weight formats to compare: none, int8, int4 (g128, fit mse), int4-g32, int4-g64-minmax, "
+                   help="weight formats to compare: none, int8, int4 (g128, fit minmax), int4-g32, int4-g32-mse, "
                         "... (cuinfer.quant.parse_spec; a group size not dividing in_features shrinks to one that does)")
     args = parser.parse_args(argv)
     try:

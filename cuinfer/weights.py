@@ -67,8 +67,8 @@ def fuse(config, tensors) -> Weights:
 
 def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
     """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set
-    (a cuinfer.quant.parse_spec string: "int8" per row, "int4" in groups of 128 with the "mse"
-    fit, "int4-g32", ...; a matrix whose in_features the group does not divide takes the largest
+    (a cuinfer.quant.parse_spec string: "int8" per row, "int4" in groups of 128 with the
+    "minmax" fit, "int4-g32-mse", ...; a matrix whose in_features the group does not divide takes the largest
     group size that does). On the GPU the weights are quantized there (the same bits as numpy).
     The embedding / lm_head stays in `dtype`."""
     put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))

@@ -68,7 +68,7 @@ def test_int8_exact_on_grid_values():
 def test_minmax_error_at_most_half_a_step(method, group_size, n, groups, scale, shift, seed):
     k = groups * group_size
     w = (np.random.default_rng(seed).standard_normal((n, k)) * scale + shift * scale).astype(np.float32)
-    qw = quant.quantize(w, method, group_size, fit="minmax")
+    qw = quant.quantize(w, method, group_size)
     s = qw.scales.astype(np.float64)
     step = s[:, None] if method == "int8" else np.repeat(s, group_size, axis=1)
     err = np.abs(qw.dequantize().astype(np.float64) - w)
@@ -93,9 +93,9 @@ def test_mse_fit_error_on_gaussian_weights(group_size, bound):
 
 
 def test_parse_spec_and_group_for():
-    assert quant.parse_spec("int4") == ("int4", 128, "mse")
-    assert quant.parse_spec("int4-g32-minmax") == ("int4", 32, "minmax")
-    assert quant.parse_spec("int8") == ("int8", 128, "mse")
+    assert quant.parse_spec("int4") == ("int4", 128, "minmax")
+    assert quant.parse_spec("int4-g32-mse") == ("int4", 32, "mse")
+    assert quant.parse_spec("int8") == ("int8", 128, "minmax")
     for bad in ("int3", "int4-g48", "int8-g32", "int4-best"):
         with pytest.raises(quant.runtime.CuinferError, match="quantization"):
             quant.parse_spec(bad)
@@ -104,7 +104,7 @@ def test_parse_spec_and_group_for():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g128-minmax", "int4-g32-minmax"])
+@pytest.mark.parametrize("spec", ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g128-mse", "int4-g32-mse"])
 def test_gpu_quantize_matches_numpy_bit_for_bit(spec):
     import cupy as cp
 
@@ -149,7 +149,7 @@ def test_state_dict_safetensors_round_trip(tmp_path, method):
                "model.layers.0.mlp.up_proj.weight": rng.standard_normal((96, 64)).astype(np.float16),
                "model.norm.weight": np.ones(64, np.float16)}
     saved, config = quant.quantize_state_dict(tensors, method, 32)
-    assert config == ({"method": "int4", "group_size": 32, "fit": "mse"} if method == "int4" else {"method": "int8"})
+    assert config == ({"method": "int4", "group_size": 32, "fit": "minmax"} if method == "int4" else {"method": "int8"})
     assert "model.layers.0.mlp.up_proj.qweight" in saved and "model.layers.0.mlp.up_proj.weight" not in saved
     save_file(saved, str(tmp_path / "model.safetensors"))
     loaded = quant.weights_from_safetensors(load_file(str(tmp_path / "model.safetensors")), config)
