@@ -19,7 +19,7 @@ from .activation import gelu_and_mul, silu_and_mul
 from .embedding import embedding
 from .flash_attention import flash_attention, flash_attention_paged
 from .layer_norm import layer_norm
-from .linear import linear
+from .linear import argmax_workspace_size, linear, linear_argmax
 from .paged_attention import paged_attention
 from .rms_norm import rms_norm
 from .rope import rope
@@ -34,5 +34,6 @@ def family_module(family: str):
     return importlib.import_module(f"cuinfer.ops.{family}")
 
 
-__all__ = ["embedding", "flash_attention", "flash_attention_paged", "gelu_and_mul", "layer_norm",
-           "linear", "paged_attention", "rms_norm", "rope", "silu_and_mul", "softmax", "write_kv"]
+__all__ = ["argmax_workspace_size", "embedding", "flash_attention", "flash_attention_paged", "gelu_and_mul",
+           "layer_norm", "linear", "linear_argmax", "paged_attention", "rms_norm", "rope", "silu_and_mul",
+           "softmax", "write_kv"]
