@@ -25,7 +25,8 @@ addresses are baked into the graphs, so nothing else may be handed that memory, 
 share it safely because their replays are serialized on one stream. Replays, the input copy
 before them and the output read after them all run on the current stream, ordered with the
 eager prefill steps around them without further synchronization. use_graphs=False runs the same
-step eagerly on the same buffers (same kernels, same order: the same tokens).
+step eagerly on the same buffers (same kernels, same order: the same tokens), as do buckets past
+graph_batch_limit (fp16 weights above 16 rows go through cuBLAS, which cannot be captured).
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ import numpy as np
 
 from . import runtime
 from .model import DecodeInputs
+from .ops.linear import GEMV_MAX_M, weight_bits
 from .ops.paged_attention import workspace_elems
+from .weights import LINEAR_FIELDS
 
 MIN_CONTEXT_BUCKET = 256  # tokens
 
@@ -43,6 +46,14 @@ MIN_CONTEXT_BUCKET = 256  # tokens
 def bucket(n: int, smallest: int = 1) -> int:
     """The smallest power of two that is >= n and >= smallest."""
     return max(smallest, 1 << max(0, n - 1).bit_length())
+
+
+def graph_batch_limit(weights, greedy: bool) -> int:
+    """The largest batch whose decode step can be captured: every linear call must take the GEMV
+    (above GEMV_MAX_M rows it takes cuBLAS, which CuPy refuses to call under capture); the greedy
+    lm_head is linear_argmax, a GEMV at any batch. Larger buckets run the same step eagerly."""
+    mats = [getattr(lw, f) for lw in weights.layers for f in LINEAR_FIELDS]
+    return min(GEMV_MAX_M[weight_bits(w)] for w in mats + ([] if greedy else [weights.lm_head]))
 
 
 def input_views(buf, b: int, width: int) -> DecodeInputs:
@@ -107,6 +118,7 @@ class DecodeGraph:
         self.pool = self.cp.cuda.MemoryPool()  # the captured steps' temporaries, nothing else's
         self.stream = self.cp.cuda.Stream(non_blocking=True)  # capture cannot run on the legacy stream
         self.steps = {}
+        self.graph_limit = {g: graph_batch_limit(model.weights, g) for g in (True, False)}
 
     def run(self, token_ids, positions, block_tables, greedy: bool):
         """One decode step for n sequences (token at `positions`, whose K/V go to the blocks in
@@ -117,7 +129,7 @@ class DecodeGraph:
         step = self.steps.get((b, width, greedy)) or self._new_step(b, width, greedy)
         pack_inputs(step.host, token_ids, positions, block_tables, bs, self.scratch, b, width)
         step.device.set(step.host)  # pinned: asynchronous on the current stream
-        if not self.use_graphs:
+        if not self.use_graphs or b > self.graph_limit[greedy]:
             return self._decode(step, greedy)[:n]
         if step.graph is None:
             self._capture(step, greedy)

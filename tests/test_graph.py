@@ -6,7 +6,7 @@ import pytest
 from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts, random_tensors, tiny_config
 
 from cuinfer.engine import Engine
-from cuinfer.graph import bucket, input_views, pack_inputs
+from cuinfer.graph import bucket, graph_batch_limit, input_views, pack_inputs
 from cuinfer.model import Batch, Model
 from cuinfer.sampling import SamplingParams
 
@@ -26,6 +26,14 @@ def test_pack_inputs_pads_into_the_scratch_block():
     np.testing.assert_array_equal(v.slot_mapping, [4 * 16, 2 * 16 + 1, 7 * 16 + 8, scratch * 16])
     np.testing.assert_array_equal(v.context_lens, [1, 18, 41, 1])
     np.testing.assert_array_equal(v.block_tables, [[4, 0, 0], [9, 2, 0], [5, 6, 7], [scratch, 0, 0]])
+
+
+def test_graph_batch_limit_follows_the_gemv_limits():
+    cfg = tiny_config(intermediate_size=384)
+    fp = Model.from_tensors(cfg, random_tensors(cfg), "cpu").weights
+    q = Model.from_tensors(cfg, random_tensors(cfg), "cpu", quant="int4").weights
+    assert graph_batch_limit(fp, True) == graph_batch_limit(fp, False) == 16  # cuBLAS above 16 rows
+    assert graph_batch_limit(q, True) == 64 and graph_batch_limit(q, False) == 16  # the fp16 lm_head
 
 
 def decode_inputs(model, seqs, block_size, b, width, scratch):

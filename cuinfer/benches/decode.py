@@ -4,13 +4,15 @@ A preset (random weights built on the GPU, quantized there with --quant) or a ch
 of --prompt-len random tokens, --new-tokens greedy tokens each (ignore_eos), through Engine.generate
 after a warm-up run of the same shape (graphs captured, kernels compiled). Per row: decode tok/s and
 ms per step (decode-only steps, Engine.stats: host work included), the GPU time of one graph replay
-(replay ms) and of the step's linear layers alone (gemv ms: the same linear calls in one graph),
+(replay ms), of the step's linear layers alone (gemv ms: the same linear calls in one graph) and of
+its paged_attention calls alone (attn ms, at the final context),
 bytes read per step (every weight once, lm_head included, plus the K/V of the mean context),
 achieved GB/s and % of the copy bandwidth (bench.copy_gbs), the roofline tok/s (copy bandwidth /
 bytes), prefill tok/s of one 2k-token prompt. The peer: transformers AutoModelForCausalLM on the
 same config and the same fp16 weights (shared through DLPack), generate greedy with the same
-prompts; its decode ms per step is (t(new) - t(1)) / (new - 1). Quantized rows are compared with
-the fp16 peer. Batch-1 rows also run the step eagerly (use_graphs=False): eager tok/s and whether
+prompts, at batch 1 (its eager generate takes ~0.13 s a step at 8B: larger batches would
+not fit the run's time); its decode ms per step is (t(new) - t(1)) / (new - 1). Quantized rows
+are compared with the fp16 peer. Batch-1 rows also run the step eagerly (use_graphs=False): eager tok/s and whether
 its tokens equal the graph's. A smollm2-135m batch-1 row (the default model) closes a preset run.
 """
 from __future__ import annotations
@@ -22,10 +24,11 @@ import numpy as np
 
 from .. import bench, runtime
 from ..engine import Engine
-from ..graph import bucket, capture
+from ..graph import MIN_CONTEXT_BUCKET, bucket, capture
 from ..kv_cache import CacheShape, KVCache
 from ..model import Batch, Model, kernel_dtype
 from ..ops.linear import linear, linear_argmax
+from ..ops.paged_attention import paged_attention, workspace_elems
 from ..quant import GROUP_SIZES, quantize
 from ..sampling import SamplingParams
 from ..weights import LINEAR_FIELDS, LayerWeights, Weights
@@ -102,10 +105,11 @@ def decode_run(engine, prompts, new_tokens):
 
 
 def replay_ms(engine, batch):
-    """GPU ms of one replay of the largest-context greedy graph of this batch's bucket."""
+    """GPU ms of one replay of the largest-context greedy graph of this batch's bucket (None when the
+    bucket runs eagerly: past graph_batch_limit)."""
     steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == bucket(batch) and g]
     step = max(steps, key=lambda ws: ws[0])[1]
-    return bench.time_ms(step.graph.launch, warmup=3, iters=20)
+    return None if step.graph is None else bench.time_ms(step.graph.launch, warmup=3, iters=20)
 
 
 def gemv_ms(cp, model, batch):
@@ -124,6 +128,30 @@ def gemv_ms(cp, model, batch):
     cp.cuda.Device().synchronize()
     graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
     return bench.time_ms(graph.launch, warmup=3, iters=20)
+
+
+def attention_ms(cp, engine, batch, ctx):
+    """GPU ms of the step's paged_attention calls alone (every layer, each sequence at context ctx,
+    the decode step's bound and workspace), replayed from one graph."""
+    model, cache = engine.model, engine.kv_cache
+    n_blocks = -(-ctx // cache.block_size)
+    blocks = cache.allocator.allocate(batch * n_blocks)
+    tables = cp.asarray(np.asarray(blocks, dtype=np.int32).reshape(batch, n_blocks))
+    lens = cp.full(batch, ctx, dtype=np.int32)
+    q = cp.random.standard_normal((batch, model.n_heads, model.head_dim), dtype=cp.float32).astype(model.dtype)
+    out, bound = cp.empty_like(q), bucket(ctx, MIN_CONTEXT_BUCKET)
+    ws = cp.empty(max(1, workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, bound)),
+                  dtype=np.float32)
+
+    def step():
+        for i in range(model.config.num_hidden_layers):
+            paged_attention(q, *cache.layer(i), tables, lens, out=out, max_context_len=bound, workspace=ws)
+
+    cp.cuda.Device().synchronize()
+    graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+    ms = bench.time_ms(graph.launch, warmup=3, iters=20)
+    cache.allocator.free(blocks)
+    return ms
 
 
 def prefill_tok_s(cp, engine):
@@ -210,18 +238,18 @@ def model_rows(cp, torch, name, config, base, args, batches, quants):
                        "dtype": str(model.dtype), "ms": ms,
                        "bytes": wbytes + b * mean_ctx * engine.kv_cache.token_bytes}
             d = {"tok_s": 1000 * b / ms, "replay_ms": replay_ms(engine, b), "gemv_ms": gemv_ms(cp, model, b),
-                     "roofline_tok_s": b * bench.copy_gbs() * 1e6 / row["bytes"] / 1000,
+                 "attn_ms": attention_ms(cp, engine, b, args.prompt_len + args.new_tokens),
+                 "roofline_tok_s": b * bench.copy_gbs() * 1e9 / row["bytes"],
                      "prefill_tok_s": prefill_tok_s(cp, engine)}
             if b == 1:
                 eager_ms, eager_tokens = decode_run(make_engine(cp, model, b, args, use_graphs=False),
                                                     prompts, args.new_tokens)
                 d.update(eager_tok_s=1000 / eager_ms, graph_eq_eager=eager_tokens == tokens)
-            if hf is not None:
-                if b not in peer_ms:
+            if hf is not None and b == 1:
+                if not peer_ms:
                     peer_ms[b], hf_tokens = peer_run(torch, hf, prompts, args.new_tokens)
-                    if q == "none":
-                        d["hf_same_prefix"] = next((i for i, (x, y) in enumerate(zip(tokens[0], hf_tokens[0]))
-                                                    if x != y), len(tokens[0]))
+                    d["hf_same_prefix"] = next((i for i, (x, y) in enumerate(zip(tokens[0], hf_tokens[0]))
+                                                if x != y), len(tokens[0]))
                 row.update(peer="hf generate fp16", peer_ms=peer_ms[b])
             print(detail_line(row["name"], d), flush=True)
             rows.append(row)
@@ -229,7 +257,7 @@ def model_rows(cp, torch, name, config, base, args, batches, quants):
     return rows
 
 
-DETAIL = ("tok_s", "replay_ms", "gemv_ms", "roofline_tok_s", "prefill_tok_s", "eager_tok_s",
+DETAIL = ("tok_s", "replay_ms", "gemv_ms", "attn_ms", "roofline_tok_s", "prefill_tok_s", "eager_tok_s",
           "graph_eq_eager", "hf_same_prefix")
 
 
