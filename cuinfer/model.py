@@ -165,7 +165,11 @@ class Model:
         w, eps = self.weights, self.config.rms_norm_eps
         tokens = token_ids.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
-        split = lambda a, heads: self.xp.ascontiguousarray(a).reshape(tokens, heads, d)  # no copy at 1 token
+
+        def split(qkv, start, stop, heads):  # [tokens, heads, d] contiguous: a view at one token, else a copy
+            a = qkv.reshape(-1)[start:stop] if tokens == 1 else self.xp.ascontiguousarray(qkv[:, start:stop])
+            return a.reshape(tokens, heads, d)
+
         h = embedding(token_ids, w.embed)  # h: [tokens, hidden]
         residual = None
         for i, lw in enumerate(w.layers):
@@ -174,9 +178,9 @@ class Model:
             else:
                 x, residual = rms_norm(h, lw.input_norm, eps, residual=residual)
             qkv = project(x, lw.qkv, lw.qkv_bias)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
-            q = split(qkv[:, :nq], self.n_heads)  # q: [tokens, n_heads, head_dim]
-            k = split(qkv[:, nq:nq + nkv], self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
-            v = split(qkv[:, nq + nkv:], self.n_kv_heads)
+            q = split(qkv, 0, nq, self.n_heads)  # q: [tokens, n_heads, head_dim]
+            k = split(qkv, nq, nq + nkv, self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
+            v = split(qkv, nq + nkv, nq + 2 * nkv, self.n_kv_heads)
             k_cache, v_cache = kv_cache.layer(i)
             q = write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, self.inv_freq, out=q)
             a = attend(q, k_cache, v_cache)
