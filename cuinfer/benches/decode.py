@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import bench, runtime
 from ..engine import Engine
-from ..graph import MIN_CONTEXT_BUCKET, bucket, capture
+from ..graph import MIN_CONTEXT_BUCKET, bucket, capture, graph_batch_limit
 from ..kv_cache import CacheShape, KVCache
 from ..model import Batch, Model, kernel_dtype
 from ..ops.linear import linear, linear_argmax
@@ -114,7 +114,7 @@ def replay_ms(engine, batch):
 
 def gemv_ms(cp, model, batch):
     """GPU ms of the greedy step's linear layers alone (fused SwiGLU and argmax epilogues), replayed
-    from one graph: same shapes and weights, random x."""
+    from one graph (eager where the step is: past graph_batch_limit): same shapes and weights, random x."""
     cfg, w = model.config, model.weights
     x = lambda k: cp.random.standard_normal((batch, k), dtype=cp.float32).astype(model.dtype)
     xh, xq, xi = x(cfg.hidden_size), x(cfg.q_size), x(cfg.intermediate_size)
@@ -125,6 +125,8 @@ def gemv_ms(cp, model, batch):
             linear(xh, lw.gate_up, activation="silu_and_mul"), linear(xi, lw.down)
         return linear_argmax(xh, w.lm_head)
 
+    if batch > graph_batch_limit(w, greedy=True):
+        return bench.time_ms(step, warmup=1, iters=5)  # cuBLAS (fp16 above 16 rows): not capturable
     cp.cuda.Device().synchronize()
     graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
     return bench.time_ms(graph.launch, warmup=3, iters=20)
