@@ -71,7 +71,7 @@ def apply_repetition_penalty(logits, histories, penalties, xp):
 
 def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
     """Sample one token per row of float32 logits [n, vocab] with per-row parameters ([n] arrays)."""
-    n, vocab = logits.shape
+    _n, vocab = logits.shape
     order = xp.argsort(-logits, axis=-1)  # order: [n, vocab], largest logit first
     z = xp.take_along_axis(logits, order, axis=-1) / temperature[:, None]
     p = xp.exp(z - z[:, :1])  # p: [n, vocab] unnormalised, sorted descending, p[:, 0] = 1

@@ -2,13 +2,13 @@
 stops, seeds; GPU batched-vs-alone on the same weights."""
 import numpy as np
 import pytest
+from test_model import random_tensors, tiny_config
 
 from cuinfer import runtime
 from cuinfer.engine import Engine, PromptTooLongError
 from cuinfer.kv_cache import CacheShape, KVCache
 from cuinfer.model import Model
 from cuinfer.sampling import SamplingParams
-from test_model import random_tensors, tiny_config
 
 
 class CharTokenizer:

@@ -11,11 +11,11 @@ from cuinfer.model import Batch, Model
 
 def tiny_config(**over):
     """A llama3-style GQA 4:1 decoder small enough for the CPU (fields as in cuinfer.config.ModelConfig)."""
-    cfg = dict(vocab_size=211, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
-               num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-               rope_theta=500000.0, rope_scaling=None, max_position_embeddings=4096,
-               tie_word_embeddings=False, attention_bias=False, torch_dtype="bfloat16",
-               bos_token_id=1, eos_token_id=2)
+    cfg = {"vocab_size": 211, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 3,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
+               "rope_theta": 500000.0, "rope_scaling": None, "max_position_embeddings": 4096,
+               "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
+               "bos_token_id": 1, "eos_token_id": 2}
     cfg.update(over)
     return SimpleNamespace(**cfg)
 
@@ -65,7 +65,7 @@ def decoder_float64(cfg, t, ids):
     for l in range(cfg.num_hidden_layers):
         p = f"model.layers.{l}."
         hn = norm(x, g(p + "input_layernorm.weight"))
-        proj = lambda name: hn @ g(p + f"self_attn.{name}_proj.weight").T + (
+        proj = lambda name, hn=hn, p=p: hn @ g(p + f"self_attn.{name}_proj.weight").T + (
             g(p + f"self_attn.{name}_proj.bias") if cfg.attention_bias else 0)
         q = rope(proj("q").reshape(n, nh, d))
         k = rope(proj("k").reshape(n, nkv, d))
@@ -113,8 +113,8 @@ def prompts(cfg, lengths, seed=1):
     return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("over", [{}, dict(attention_bias=True, tie_word_embeddings=True,
-                                           num_attention_heads=6, num_key_value_heads=6)])
+@pytest.mark.parametrize("over", [{}, {"attention_bias": True, "tie_word_embeddings": True,
+                                           "num_attention_heads": 6, "num_key_value_heads": 6}])
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
 def test_numpy_decoder_matches_float64(over, chunk):
     """Batched, chunked prefill through the paged cache = an independent float64 decoder per sequence."""
@@ -179,7 +179,8 @@ def gpu_case(name):
     """(config, float32 HF tensors): the smollm2-135m preset with random weights, or a
     llama3-style GQA 4:1 decoder (llama3 RoPE scaling, untied head) of moderate size."""
     if name == "smollm2-135m":
-        from cuinfer.convert import load_preset, random_tensors as preset_tensors
+        from cuinfer.convert import load_preset
+        from cuinfer.convert import random_tensors as preset_tensors
 
         cfg = load_preset(name)
         return cfg, preset_tensors(cfg, "float32", seed=0)

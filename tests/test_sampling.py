@@ -1,7 +1,8 @@
 """Sampling: each filter against a direct formula, seeds, and the device path against the host path."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cuinfer import runtime
 from cuinfer.sampling import SamplingParams, apply_repetition_penalty, draw_uniform, sample, sample_rows
@@ -75,8 +76,8 @@ def test_seeded_uniforms_are_reproducible_and_differ_by_step():
     assert 0 <= draw_uniform(123, 7) < 1
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1),
-                                dict(top_k=-1), dict(max_new_tokens=0), dict(repetition_penalty=0)])
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"min_p": 1},
+                                {"top_k": -1}, {"max_new_tokens": 0}, {"repetition_penalty": 0}])
 def test_bad_params(kw):
     with pytest.raises(runtime.CuinferError, match=next(iter(kw))):
         SamplingParams(**kw)
