@@ -36,7 +36,7 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 THREADS = 128
-MIN_PARTITION, MAX_PARTITION = 256, 1024  # tokens per split (multiples of 32)
+MIN_PARTITION, MAX_PARTITION = 32, 1024  # tokens per split (multiples of 32)
 LOG2E = 1.4426950408889634
 
 
@@ -80,7 +80,8 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     """(n_splits, partition). The split count aims at one full wave of resident CTAs (a second,
     partial wave is a tail): no split when (sequence, KV head) pairs alone fill half the slots
     (a merge costs more than the missing occupancy), else slots // pairs splits; partitions of
-    256..1024 tokens, a multiple of 32. H100, graph replay, d=128, G=4, against partitions of
+    32..1024 tokens, a multiple of 32 (short contexts at small batches split finely too: llama3-8b
+    at batch 1 and context 512 launched 16 CTAs with 256-token partitions, 25 us a layer). H100, graph replay, d=128, G=4, against partitions of
     256..2048 tokens and U=4/8 in the same run: it picks 16x4k 5x832 (85 % of copy, best),
     64x1k 1x1024 (80 %, best), 1x32k 79x416 (72 %; 64x512 70 %)."""
     work = max(1, num_seqs * n_kv_heads)
