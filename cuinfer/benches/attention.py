@@ -18,6 +18,7 @@ import functools
 import numpy as np
 
 from .. import bench, runtime
+from ..graph import capture
 from ..ops.flash_attention import flash_attention, launch_kernel
 from ..ops.paged_attention import decode_splits, launch_decode, padded_group, paged_attention, rows_in_flight
 from ..ops.write_kv import write_kv
@@ -43,18 +44,12 @@ def _sdpa(torch, b, s, d, causal, kv_len=None):
 
 
 def graph_ms(cp, fn, reps=REPS):
-    """Milliseconds per fn() replayed from one CUDA graph of `reps` calls on a non-blocking stream."""
-    stream = cp.cuda.Stream(non_blocking=True)
+    """Milliseconds per fn() replayed from one CUDA graph of `reps` calls (graph.capture: warm-up,
+    then capture on a non-blocking stream)."""
     cp.cuda.Device().synchronize()  # inputs made on the default stream are ready
-    with stream:
-        fn()  # compiled, nothing left to allocate
-        stream.begin_capture()
-        for _ in range(reps):
-            fn()
-        graph = stream.end_capture()
-        ms = bench.time_ms(lambda: graph.launch(stream), warmup=3, iters=20)
-    stream.synchronize()
-    return ms / reps
+    graph, _, _ = capture(lambda: [fn() for _ in range(reps)], cp.cuda.Stream(non_blocking=True),
+                          cp.cuda.MemoryPool())
+    return bench.time_ms(graph.launch, warmup=3, iters=20) / reps
 
 
 def torch_graph_ms(torch, fn, reps=REPS):

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import runtime
 from ..quant import GROUP_SIZES, Int4Weight, Int8Weight
-from .activation import silu_and_mul
+from .activation import act_and_mul_reference, silu_and_mul
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
@@ -110,12 +110,6 @@ def linear_reference(x, w, bias=None):
     return y if bias is None else y + np.asarray(bias, dtype=np.float32)
 
 
-def silu_and_mul_reference(y):
-    """float32 silu(gate) * up of y = [gate | up] along the last axis."""
-    gate, up = np.split(np.asarray(y, dtype=np.float32), 2, axis=-1)
-    return gate / (1 + np.exp(-gate)) * up
-
-
 def _check_weight(w, k, dev):
     """Validate the weight object against in_features k; returns N."""
     if isinstance(w, Int8Weight):
@@ -174,7 +168,7 @@ def linear(x, w, bias=None, out=None, activation=None):
     out = runtime.check_out(out, (m, n), x.dtype, x)
     if not dev:
         y = linear_reference(x, w, bias)
-        out[...] = (silu_and_mul_reference(y) if activation else y).astype(x.dtype)  # rounded once
+        out[...] = (act_and_mul_reference(y, "silu") if activation else y).astype(x.dtype)  # rounded once
         return out
     runtime.check("out", out, align=16)
     if m > GEMV_MAX_M[bits]:

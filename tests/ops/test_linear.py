@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuinfer import quant, runtime
+from cuinfer.ops.activation import act_and_mul_reference
 from cuinfer.ops.linear import (
     GEMV_MAX_M,
     Tile,
@@ -13,7 +14,6 @@ from cuinfer.ops.linear import (
     linear,
     linear_argmax,
     linear_reference,
-    silu_and_mul_reference,
     tile_config,
 )
 from tests.conftest import assert_close, poison
@@ -231,7 +231,7 @@ def test_gemv_every_tile_config(fmt, gs, config):
     assert_close(plain, ref)
     out = poison(cp, (m, n), np.float16)
     _gemv(cp.asarray(x), w_dev, None, out, tile, "silu_and_mul")
-    assert_close(out, silu_and_mul_reference(ref))
+    assert_close(out, act_and_mul_reference(ref, "silu"))
     ws = cp.full(argmax_workspace_size(2 * n), -1, cp.int32)
     nb = -(-2 * n // (16 * tile.rt))
     vals, idx = ws[:m * nb].view(cp.float32), ws[m * nb:2 * m * nb]
@@ -270,7 +270,7 @@ def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
     got = linear(cp.asarray(x), w_dev, bias_dev, out=out, activation="silu_and_mul")
     assert got is out
     # the fused epilogue rounds once; the reference's fp32 silu(gate) * up is rounded by assert_close's table
-    assert_close(out, silu_and_mul_reference(y))
+    assert_close(out, act_and_mul_reference(y, "silu"))
 
     got = linear_argmax(cp.asarray(x), w_dev, out=cp.full(m, -1, cp.int32),
                         workspace=cp.full(argmax_workspace_size(2 * n), -1, cp.int32))
