@@ -81,8 +81,9 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     partial wave is a tail): no split when (sequence, KV head) pairs alone fill half the slots
     (a merge costs more than the missing occupancy), else slots // pairs splits; partitions of
     32..1024 tokens, a multiple of 32 (short contexts at small batches split finely too: llama3-8b
-    at batch 1 and context 512 launched 16 CTAs with 256-token partitions, 25 us a layer). H100, graph replay, d=128, G=4, against partitions of
-    256..2048 tokens and U=4/8 in the same run: it picks 16x4k 5x832 (85 % of copy, best),
+    at batch 1 and context 512 launched 16 CTAs with 256-token partitions, 25 us a layer).
+    H100, graph replay, d=128, G=4, against partitions of 256..2048 tokens and U=4/8 in the same
+    run: it picks 16x4k 5x832 (85 % of copy, best),
     64x1k 1x1024 (80 %, best), 1x32k 79x416 (72 %; 64x512 70 %)."""
     work = max(1, num_seqs * n_kv_heads)
     ctx = max(1, max_context_len)
