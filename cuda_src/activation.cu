@@ -16,6 +16,8 @@ template <int ACT> __device__ __forceinline__ float activation(float x) {
 template <typename T, int VEC, int ACT>
 __global__ void __launch_bounds__(256)
 activation_kernel(const T* __restrict__ x, T* __restrict__ out, long long rows, int d) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int d_vec = d / VEC;
   if (i >= rows * d_vec) return;

@@ -88,6 +88,28 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
   return warp_reduce(x, op);
 }
 
+// ------------------------------------------------- programmatic dependent launch
+// runtime.launch launches every kernel with programmatic stream serialization (sm_90): a kernel
+// may start while the one before it in the stream is still running, once that one has called
+// pdl_trigger() in every block (or finished). Contract for every kernel of cuda_src/:
+//   * pdl_wait() in every thread before its first access to memory another kernel writes (the
+//     inputs it reads, the outputs it writes); only weights and other data no kernel of the step
+//     writes may be read before it. It returns when the previous kernel has finished and its
+//     writes are visible, so the order of the whole stream stays transitive.
+//   * pdl_trigger() after pdl_wait(): the next kernel may then be scheduled onto free SMs and run
+//     its own prologue (weight loads) while this one works.
+// Both are no-ops below sm_90 and when the kernel was launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // tanh-approximated GELU, as used by Gemma / GPT-2 ("gelu_pytorch_tanh"):

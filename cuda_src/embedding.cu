@@ -11,6 +11,8 @@ template <typename T, int VEC, typename IdT>
 __global__ void __launch_bounds__(256)
 embedding_kernel(const IdT* __restrict__ ids, const T* __restrict__ table, T* __restrict__ out,
                  long long vocab, int hidden) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   const long long id = ids[blockIdx.x];
   const bool valid = id >= 0 && id < vocab;
   const T* src = table + (valid ? id : 0) * hidden;

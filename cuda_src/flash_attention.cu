@@ -90,6 +90,8 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
     int n_kv_heads, float scale_log2, int causal) {
+  cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
+  cuinfer::pdl_trigger();
   using namespace cuinfer;
   using namespace cuinfer::fa;
   constexpr int MT = BM / (16 * WARPS);  // m16 tiles per warp

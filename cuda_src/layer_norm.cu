@@ -15,6 +15,8 @@ template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(512)
 layer_norm_kernel(const T* x, const T* __restrict__ weight, const T* __restrict__ bias, T* out,
                   int hidden, float eps) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   __shared__ float scratch[32];
   const int n_vec = hidden / VEC;
   const T* row = x + static_cast<long long>(blockIdx.x) * hidden;

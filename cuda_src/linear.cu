@@ -168,8 +168,21 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
 
-  // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1, rows g4 and g4 + 8
-  // of each row tile; row tile r is output row tile r % RT of weight half r / RT.
+  // Row tile r is output row tile r % RT of weight half r / RT; lane row h is g4 (h = 0) or g4 + 8.
+  auto out_row = [&](int r, int h) { return row0 + 16 * (r % RT) + 8 * h + g4; };
+  auto weight_row = [&](int r, int h) { return out_row(r, h) + (size_t)(r / RT) * N; };
+  auto in_range = [&](int r, int h, int q) {
+    return q < q_end && out_row(r, h) < N && (WBITS == 4 || (q * L::kQuadK + (c + 1) * L::kLaneK) <= K);
+  };
+  // This lane's 16 weight bytes of quad q in row (r, h).
+  auto weight_ptr = [&](int r, int h, int q) -> const uint4* {
+    const size_t row = weight_row(r, h);
+    if constexpr (WBITS == 16) return reinterpret_cast<const uint4*>(static_cast<const T*>(w) + row * K + q * 32 + 8 * c);
+    if constexpr (WBITS == 8) return reinterpret_cast<const uint4*>(static_cast<const i8*>(w) + row * K + q * 64 + 16 * c);
+    return reinterpret_cast<const uint4*>(static_cast<const u32*>(w) + row * (n_quads * 16) + q * 16 + 4 * c);
+  };
+
+  // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1.
   auto load = [&](uint4 (&a_raw)[U][RR][2], __half2 (&sz)[U][RR][2][GQ], int base) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -178,20 +191,10 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
       for (int r = 0; r < RR; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int orow = row0 + 16 * (r % RT) + 8 * h + g4;
-          const size_t row = orow + (size_t)(r / RT) * N;
-          const bool ok = q < q_end && orow < N && (WBITS == 4 || (q * L::kQuadK + (c + 1) * L::kLaneK) <= K);
-          a_raw[u][r][h] = make_uint4(0, 0, 0, 0);
-          if (ok) {
-            if constexpr (WBITS == 16) {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(w) + row * K + q * 32 + 8 * c));
-            } else if constexpr (WBITS == 8) {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const i8*>(w) + row * K + q * 64 + 16 * c));
-            } else {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const u32*>(w) + row * (n_quads * 16) + q * 16 + 4 * c));
-            }
-          }
+          const bool ok = in_range(r, h, q);
+          a_raw[u][r][h] = ok ? __ldcs(weight_ptr(r, h, q)) : make_uint4(0, 0, 0, 0);
           if constexpr (WBITS == 4) {
+            const size_t row = weight_row(r, h);
 #pragma unroll
             for (int gi = 0; gi < GQ; ++gi) {
               const int g = q * GQ + gi;
@@ -202,6 +205,23 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
         }
     }
   };
+
+  // Programmatic dependent launch: while the kernel before this one finishes, pull this warp's
+  // first two pipeline stages of weights into L2 (a prefetch, so a weight written by that kernel
+  // would still be read correctly after the wait), then wait for x.
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < RR; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int q = q_begin + (s * WARPS + warp) * U + u;
+          if (in_range(r, h, q)) asm volatile("prefetch.global.L2 [%0];" ::"l"(weight_ptr(r, h, q)));
+        }
+  pdl_wait();
+  pdl_trigger();
 
   // Software pipeline: the next U quads are in flight while this warp computes the current U.
   uint4 a_raw[U][RR][2], a_next[U][RR][2];
@@ -419,6 +439,8 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) LINEAR_CLUSTER(SPLIT) 
 __global__ void __launch_bounds__(1024) linear_argmax_reduce_kernel(const float* __restrict__ part_val,
                                                                     const int* __restrict__ part_idx,
                                                                     int* __restrict__ out, int nb) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   __shared__ float vals[32];
   __shared__ int idxs[32];
   const int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -443,6 +465,8 @@ __global__ void __launch_bounds__(256) linear_dequant_kernel(const void* __restr
                                                              const __half* __restrict__ scales,
                                                              const __half* __restrict__ zeros,
                                                              T* __restrict__ out, int N, int K) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   const size_t i = (size_t)blockIdx.x * 256 + threadIdx.x;
   if (i * 8 >= (size_t)N * K) return;
   const int row = static_cast<int>(i * 8 / K), k = static_cast<int>(i * 8 % K);

@@ -29,6 +29,8 @@ __global__ void __launch_bounds__(128, (G <= 4 && D <= 128) ? 5 : 1) paged_atten
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   constexpr int WARPS = 4;
   constexpr int CHUNKS = D / 8;
   constexpr int KL = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);  // lanes per row
@@ -219,6 +221,8 @@ __global__ void __launch_bounds__(128, (G <= 4 && D <= 128) ? 5 : 1) paged_atten
 template <typename T, int D>
 __global__ void __launch_bounds__(128) paged_attention_merge_kernel(
     const float* __restrict__ part_out, const float* __restrict__ part_ml, T* __restrict__ out, int n_splits) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   constexpr int CH = 8;
   extern __shared__ float weight[];  // [round_up(n_splits, CH)]
   __shared__ float scratch[32];

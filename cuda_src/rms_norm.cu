@@ -49,6 +49,8 @@ template <typename T, int VEC, int ITEMS, bool RESIDUAL>
 __global__ void __launch_bounds__(512)
 rms_norm_kernel(const T* x, const T* residual, const T* __restrict__ weight, T* out,
                 T* residual_out, int hidden, float eps) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   __shared__ float scratch[32];
   const int n_vec = hidden / VEC;
   const long long base = static_cast<long long>(blockIdx.x) * hidden;

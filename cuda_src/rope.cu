@@ -17,6 +17,8 @@ __global__ void __launch_bounds__(128)
 rope_kernel(const T* q, const T* k, const PosT* __restrict__ positions,
             const float* __restrict__ inv_freq, T* q_out, T* k_out, int n_heads, int n_kv,
             int head_dim) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   extern __shared__ float cos_sin[];  // cos_sin: [2, head_dim / 2]
   const int half = head_dim / 2;
   const long long t = blockIdx.x;

@@ -35,6 +35,8 @@ __device__ __forceinline__ void softmax_store(const Vec<T, VEC>& v, T* out, floa
 // x, out: [rows, n] row-major, n % VEC == 0, pointers aligned to VEC * sizeof(T); out may alias x.
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(512) softmax_kernel(const T* x, T* out, int n) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   __shared__ float scratch[32];
   const int n_vec = n / VEC;
   const long long base = static_cast<long long>(blockIdx.x) * n;

@@ -14,6 +14,8 @@ __global__ void __launch_bounds__(128) write_kv_kernel(
     const T* q, const T* __restrict__ k, const T* __restrict__ v, const int* __restrict__ positions,
     T* __restrict__ k_cache, T* __restrict__ v_cache, const int* __restrict__ slot_mapping,
     const float* __restrict__ inv_freq, T* out, int n_heads, int n_kv_heads, int head_dim) {
+  pdl_wait();  // every input of this kernel may come from the previous one
+  pdl_trigger();
   constexpr int N = 16 / sizeof(T);
   const int t = blockIdx.x, half = head_dim / 2;
   const float pos = static_cast<float>(positions[t]);

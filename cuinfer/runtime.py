@@ -16,10 +16,12 @@ never reach the GPU.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,14 +274,81 @@ def _atomic_write(path: Path, data: bytes):
 
 
 def launch(k, grid, block, args, smem: int = 0):
-    """Launch a RawKernel; raises dynamic shared memory above 48 KiB first when asked for."""
+    """Launch a RawKernel on the current stream; raises dynamic shared memory above 48 KiB first
+    when asked for. On sm_90 it launches through cuLaunchKernelEx with programmatic stream
+    serialization (programmatic dependent launch, see pdl_wait / pdl_trigger in common.cuh):
+    the kernel may start while the previous one finishes. CUINFER_PDL=0 turns that off."""
     if smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if min(grid) <= 0:
         return  # empty problem: nothing to launch
-    k(grid, block, args, shared_mem=smem)
+    if _pdl_driver() is None:
+        k(grid, block, args, shared_mem=smem)
+    else:
+        _launch_pdl(k, grid + (1,) * (3 - len(grid)), block + (1,) * (3 - len(block)), args, smem)
+
+
+# Driver API structs of cuda.h (CUDA 12 / 13) for cuLaunchKernelEx, which CuPy does not wrap.
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_uint64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("smem", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint32)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PARAM_FORMATS = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtype(np.float32): "f4x",
+                  np.dtype(np.int64): "q", np.dtype(np.uint64): "Q", np.dtype(np.float64): "d"}
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_driver():
+    """(libcuda, its cuLaunchKernelEx) when programmatic dependent launch applies: an sm_90+ device,
+    the driver entry point found and CUINFER_PDL not "0"; else None."""
+    if os.environ.get("CUINFER_PDL", "1") == "0" or int(device_arch()[3:]) < 90:
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    return lib, fn, attr
+
+
+def _launch_pdl(k, grid, block, args, smem):
+    """cuLaunchKernelEx of k on the current stream: every argument is a device array (its pointer)
+    or a numpy scalar, each in its own 8-byte slot of one parameter buffer."""
+    cp = require_cupy()
+    lib, fn, attr = _pdl_driver()
+    fmt, values = ["<"], []
+    for a in args:
+        if isinstance(a, cp.ndarray):
+            fmt.append("Q")
+            values.append(a.data.ptr)
+        elif isinstance(a, np.generic) and a.dtype in _PARAM_FORMATS:
+            fmt.append(_PARAM_FORMATS[a.dtype])
+            values.append(a.item())
+        else:
+            raise TypeError(f"kernel argument {a!r}: need a cupy array or a numpy scalar of "
+                            f"{', '.join(map(str, _PARAM_FORMATS))}")
+    buf = ctypes.create_string_buffer(struct.pack("".join(fmt), *values))
+    base = ctypes.addressof(buf)
+    params = (ctypes.c_void_p * len(values))(*range(base, base + 8 * len(values), 8))
+    config = _LaunchConfig(grid, block, smem, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    err = fn(ctypes.byref(config), k.kernel.ptr, params, None)
+    if err:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(name))
+        raise CuinferError(f"cuLaunchKernelEx of {k.name} failed: {name.value.decode() if name.value else err}")
 
 
 @functools.lru_cache(maxsize=None)
