@@ -89,23 +89,23 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
 }
 
 // ------------------------------------------------- programmatic dependent launch
-// runtime.launch launches every kernel with programmatic stream serialization (sm_90): a kernel
-// may start while the one before it in the stream is still running, once that one has called
-// pdl_trigger() in every block (or finished). Contract for every kernel of cuda_src/:
+// With CUINFER_PDL=1 (runtime.launch, sm_90) every kernel is compiled with -DCUINFER_PDL and
+// launched with programmatic stream serialization: it may start while the kernel before it in the
+// stream is still running, once that one has called pdl_trigger() in every block (or finished).
+// Contract for every kernel of cuda_src/:
 //   * pdl_wait() in every thread before its first access to memory another kernel writes (the
-//     inputs it reads, the outputs it writes); only weights and other data no kernel of the step
-//     writes may be read before it. It returns when the previous kernel has finished and its
-//     writes are visible, so the order of the whole stream stays transitive.
-//   * pdl_trigger() after pdl_wait(): the next kernel may then be scheduled onto free SMs and run
-//     its own prologue (weight loads) while this one works.
-// Both are no-ops below sm_90 and when the kernel was launched without the attribute.
+//     inputs it reads, the outputs it writes). It returns when the previous kernel has finished
+//     and its writes are visible, so the order of the whole stream stays transitive. Before it, a
+//     kernel may only prefetch (prefetch.global.L2: no data is read, so nothing can be stale).
+//   * pdl_trigger() after pdl_wait(): the next kernel may then be scheduled onto free SMs.
+// Without CUINFER_PDL both compile to nothing: the default build is the plain stream-ordered one.
 __device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
+#if defined(CUINFER_PDL) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void pdl_trigger() {
-#if __CUDA_ARCH__ >= 900
+#if defined(CUINFER_PDL) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

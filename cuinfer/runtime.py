@@ -195,9 +195,11 @@ def nvrtc_version() -> tuple:
     return tuple(_nvrtc().getVersion())
 
 
-def compile_options(arch: str) -> list:
+def compile_options(arch: str, pdl: bool = False) -> list:
+    """NVRTC options; pdl compiles the programmatic-dependent-launch waits and prefetches in
+    (CUINFER_PDL in common.cuh), for kernels that `launch` starts with the PDL attribute."""
     return ["-std=c++17", f"-arch={arch}", "-lineinfo", f"-I{source_dir()}",
-            f"-I{cuda_include_dir()}"]
+            f"-I{cuda_include_dir()}"] + (["-DCUINFER_PDL=1"] if pdl else [])
 
 
 def source_hash(family: str) -> str:
@@ -207,7 +209,7 @@ def source_hash(family: str) -> str:
     return h.hexdigest()[:16]
 
 
-def compile_family(family: str, exprs, arch: str) -> Compiled:
+def compile_family(family: str, exprs, arch: str, pdl: bool = False) -> Compiled:
     """Compile the instantiations `exprs` of cuda_src/<family>.cu for `arch` (e.g. "sm_90")."""
     nvrtc = _nvrtc()
     path = source_dir() / f"{family}.cu"
@@ -218,7 +220,7 @@ def compile_family(family: str, exprs, arch: str) -> Compiled:
         for e in exprs:
             nvrtc.addNameExpression(prog, e)
         try:
-            nvrtc.compileProgram(prog, compile_options(arch))
+            nvrtc.compileProgram(prog, compile_options(arch, pdl))
         except nvrtc.NVRTCError as err:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed on {family} for {arch} ({err}):\n{log}") from None
@@ -252,13 +254,14 @@ def kernel(family: str, expr: str):
     """The compiled `expr` of cuda_src/<family>.cu for the current device, as a cupy.RawKernel."""
     cp = require_cupy()
     arch = device_arch()
+    pdl = _pdl_driver() is not None
     key = hashlib.sha256(
-        f"{source_hash(family)}|{expr}|{arch}|{nvrtc_version()}|{compile_options(arch)}".encode()
+        f"{source_hash(family)}|{expr}|{arch}|{nvrtc_version()}|{compile_options(arch, pdl)}".encode()
     ).hexdigest()[:24]
     d = cache_dir()
     cubin_path, meta_path = d / f"{family}-{key}.cubin", d / f"{family}-{key}.json"
     if not (cubin_path.exists() and meta_path.exists()):
-        compiled = compile_family(family, [expr], arch)
+        compiled = compile_family(family, [expr], arch, pdl)
         d.mkdir(parents=True, exist_ok=True)
         _atomic_write(cubin_path, compiled.cubin)
         _atomic_write(meta_path, json.dumps(compiled.lowered).encode())
@@ -275,9 +278,10 @@ def _atomic_write(path: Path, data: bytes):
 
 def launch(k, grid, block, args, smem: int = 0):
     """Launch a RawKernel on the current stream; raises dynamic shared memory above 48 KiB first
-    when asked for. On sm_90 it launches through cuLaunchKernelEx with programmatic stream
-    serialization (programmatic dependent launch, see pdl_wait / pdl_trigger in common.cuh):
-    the kernel may start while the previous one finishes. CUINFER_PDL=0 turns that off."""
+    when asked for. With CUINFER_PDL=1 on sm_90 (opt-in: notes/decode.md has the measurements) it
+    launches through cuLaunchKernelEx with programmatic stream serialization, so a kernel may start
+    while the previous one finishes (the kernels are then compiled with their pdl_wait /
+    pdl_trigger calls, see common.cuh)."""
     if smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
@@ -308,9 +312,9 @@ _PARAM_FORMATS = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtyp
 
 @functools.lru_cache(maxsize=None)
 def _pdl_driver():
-    """(libcuda, its cuLaunchKernelEx) when programmatic dependent launch applies: an sm_90+ device,
-    the driver entry point found and CUINFER_PDL not "0"; else None."""
-    if os.environ.get("CUINFER_PDL", "1") == "0" or int(device_arch()[3:]) < 90:
+    """(libcuda, its cuLaunchKernelEx, the attribute) when programmatic dependent launch is on:
+    CUINFER_PDL=1, an sm_90+ device and the driver entry point found; else None."""
+    if os.environ.get("CUINFER_PDL", "0") != "1" or int(device_arch()[3:]) < 90:
         return None
     try:
         lib = ctypes.CDLL("libcuda.so.1")

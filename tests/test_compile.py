@@ -1,4 +1,5 @@
-"""Every registered instantiation compiles with NVRTC for sm_80 and sm_90, no GPU needed."""
+"""Every registered instantiation compiles with NVRTC for sm_80 and sm_90 (and sm_90 with the
+programmatic-dependent-launch build, CUINFER_PDL=1), no GPU needed."""
 import pytest
 
 from cuinfer import ops, runtime
@@ -6,12 +7,12 @@ from cuinfer import ops, runtime
 pytest.importorskip("cupy")
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch,pdl", [("sm_80", False), ("sm_90", False), ("sm_90", True)])
 @pytest.mark.parametrize("family", ops.FAMILIES)
-def test_family_compiles(family, arch):
+def test_family_compiles(family, arch, pdl):
     exprs = ops.family_module(family).INSTANTIATIONS
     assert exprs, f"{family} registers no instantiations"
-    compiled = runtime.compile_family(family, exprs, arch)
+    compiled = runtime.compile_family(family, exprs, arch, pdl)
     assert set(compiled.lowered) == set(exprs)
     assert len(compiled.cubin) > 0
 
