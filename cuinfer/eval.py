@@ -65,6 +65,18 @@ def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int
     return math.exp(nll / count), count
 
 
+def _read_ids(checkpoint, path):
+    """Token ids of a UTF-8 text file under the checkpoint's tokenizer."""
+    from .tokenizer import Tokenizer
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise runtime.CuinferError(f"{path}: {e.strerror}") from None
+    return Tokenizer.from_pretrained(checkpoint).encode(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m cuinfer.eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,28 +90,30 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="GPU dtype: float16 or bfloat16 (default from the checkpoint)")
     p.add_argument("--quant", nargs="+", default=["none"],
                    help="weight formats to compare: none, int8, int4 (g128, fit minmax), int4-g32, int4-g32-mse, "
-                        "... (cuinfer.quant.parse_spec; a group size not dividing in_features shrinks to one that does)")
+                        "int4-gptq, ... (cuinfer.quant.parse_spec; a group size not dividing in_features shrinks "
+                        "to one that does)")
+    p.add_argument("--calib", help="calibration text for the -gptq formats (another text than --text)")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (sequences of 512)")
     args = parser.parse_args(argv)
     try:
         from .checkpoint import load_checkpoint
+        from .gptq import gptq_model
         from .model import Model
         from .quant import parse_spec
-        from .tokenizer import Tokenizer
 
-        try:
-            with open(args.text, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise runtime.CuinferError(f"{args.text}: {e.strerror}") from None
-        ids = Tokenizer.from_pretrained(args.checkpoint).encode(text)[: args.max_tokens]
+        gptq = [q for q in args.quant if q != "none" and parse_spec(q)[2] == "gptq"]  # a bad value fails here
+        if gptq and not args.calib:
+            raise runtime.CuinferError(f"--quant {gptq[0]}: needs --calib FILE (calibration text)")
+        ids = _read_ids(args.checkpoint, args.text)[: args.max_tokens]
         config, tensors = load_checkpoint(args.checkpoint)
-        for quant in args.quant:
-            if quant != "none":
-                parse_spec(quant)  # a bad value fails before the model is loaded
+        calib_ids = _read_ids(args.checkpoint, args.calib)[: args.calib_tokens] if gptq else None
         base = None
         print(f"{len(ids)} tokens, window {args.window}, stride {args.stride}, device {args.device}")
         for quant in args.quant:
-            model = Model.from_tensors(config, tensors, args.device, args.dtype, None if quant == "none" else quant)
+            if quant in gptq:
+                model = gptq_model(config, tensors, calib_ids, parse_spec(quant)[1], args.device, args.dtype)
+            else:
+                model = Model.from_tensors(config, tensors, args.device, args.dtype, None if quant == "none" else quant)
             ppl, n = perplexity(model, ids, args.window, args.stride)
             base = base or ppl
             print(f"{quant:>16}: perplexity {ppl:.4f} over {n} tokens ({100 * (ppl / base - 1):+.2f}% vs {args.quant[0]})")

@@ -162,30 +162,41 @@ class Model:
 
     def hidden(self, token_ids, positions, slot_mapping, kv_cache, attend):
         """Final-normed hidden states [tokens, hidden]; attend(q, k_cache, v_cache) -> [tokens, n_heads, head_dim]."""
-        w, eps = self.weights, self.config.rms_norm_eps
-        tokens = token_ids.shape[0]
+        h, residual = embedding(token_ids, self.weights.embed), None  # h: [tokens, hidden]
+        for i in range(len(self.weights.layers)):
+            h, residual = self.layer(i, h, residual, positions, slot_mapping, kv_cache, attend)
+        x, _ = rms_norm(h, self.weights.norm, self.config.rms_norm_eps, residual=residual)
+        return x
+
+    def layer(self, i, h, residual, positions, slot_mapping, kv_cache, attend, observe=None):
+        """Decoder layer i: (h, residual) -> (h, residual), the residual add of h still pending
+        (None before the first layer: h is the embedding). observe(name, x), if given, sees the
+        input of each linear layer ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
+        lw, eps = self.weights.layers[i], self.config.rms_norm_eps
+        tokens = h.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
+        observe = observe or (lambda name, x: None)
 
         def split(qkv, start, stop, heads):  # [tokens, heads, d] contiguous: a view at one token, else a copy
             a = qkv.reshape(-1)[start:stop] if tokens == 1 else self.xp.ascontiguousarray(qkv[:, start:stop])
             return a.reshape(tokens, heads, d)
 
-        h = embedding(token_ids, w.embed)  # h: [tokens, hidden]
-        residual = None
-        for i, lw in enumerate(w.layers):
-            if residual is None:
-                x, residual = rms_norm(h, lw.input_norm, eps), h
-            else:
-                x, residual = rms_norm(h, lw.input_norm, eps, residual=residual)
-            qkv = project(x, lw.qkv, lw.qkv_bias)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
-            q = split(qkv, 0, nq, self.n_heads)  # q: [tokens, n_heads, head_dim]
-            k = split(qkv, nq, nq + nkv, self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
-            v = split(qkv, nq + nkv, nq + 2 * nkv, self.n_kv_heads)
-            k_cache, v_cache = kv_cache.layer(i)
-            q = write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, self.inv_freq, out=q)
-            a = attend(q, k_cache, v_cache)
-            h = project(a.reshape(tokens, nq), lw.o)
-            x, residual = rms_norm(h, lw.post_norm, eps, residual=residual)
-            h = project(swiglu(x, lw.gate_up), lw.down)
-        x, _ = rms_norm(h, w.norm, eps, residual=residual)
-        return x
+        if residual is None:
+            x, residual = rms_norm(h, lw.input_norm, eps), h
+        else:
+            x, residual = rms_norm(h, lw.input_norm, eps, residual=residual)
+        observe("qkv", x)
+        qkv = project(x, lw.qkv, lw.qkv_bias)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
+        q = split(qkv, 0, nq, self.n_heads)  # q: [tokens, n_heads, head_dim]
+        k = split(qkv, nq, nq + nkv, self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
+        v = split(qkv, nq + nkv, nq + 2 * nkv, self.n_kv_heads)
+        k_cache, v_cache = kv_cache.layer(i)
+        q = write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, self.inv_freq, out=q)
+        a = attend(q, k_cache, v_cache).reshape(tokens, nq)
+        observe("o", a)
+        h = project(a, lw.o)
+        x, residual = rms_norm(h, lw.post_norm, eps, residual=residual)
+        observe("gate_up", x)
+        act = swiglu(x, lw.gate_up)
+        observe("down", act)
+        return project(act, lw.down), residual

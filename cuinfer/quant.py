@@ -229,19 +229,21 @@ def _mse_grid(g, xp):
 
 def parse_spec(spec):
     """A --quant value -> (method, group_size, fit): "int8", "int4" (g128, fit "minmax"), "int4-g32",
-    "int4-g32-mse". The int4 group size shrinks, per matrix, to the largest of GROUP_SIZES
-    dividing in_features (group_for)."""
+    "int4-g32-mse", "int4-gptq" (calibrated: cuinfer.gptq, needs calibration tokens, so not at
+    load time). The int4 group size shrinks, per matrix, to the largest of GROUP_SIZES dividing
+    in_features (group_for)."""
     method, *rest = str(spec).split("-")
     group_size, fit = 128, "minmax"
     for part in rest:
-        if part in FITS:
+        if part in FITS + ("gptq",):
             fit = part
         elif part[:1] == "g" and part[1:].isdigit() and int(part[1:]) in GROUP_SIZES:
             group_size = int(part[1:])
         else:
-            raise runtime.CuinferError(f"quantization {spec!r}: unknown part {part!r} (need g32/g64/g128 or {FITS})")
+            raise runtime.CuinferError(f"quantization {spec!r}: unknown part {part!r} (need g32/g64/g128, "
+                                       f"{', '.join(FITS)} or gptq)")
     if method not in METHODS or (method == "int8" and rest):
-        raise runtime.CuinferError(f"quantization {spec!r}: need int8, or int4[-g32|-g64|-g128][-mse|-minmax]")
+        raise runtime.CuinferError(f"quantization {spec!r}: need int8, or int4[-g32|-g64|-g128][-mse|-minmax|-gptq]")
     return method, group_size, fit
 
 

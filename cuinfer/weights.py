@@ -70,15 +70,23 @@ def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
     (a cuinfer.quant.parse_spec string: "int8" per row, "int4" in groups of 128 with the
     "minmax" fit, "int4-g32-mse", ...; a matrix whose in_features the group does not divide takes the largest
     group size that does). On the GPU the weights are quantized there (the same bits as numpy).
-    The embedding / lm_head stays in `dtype`."""
+    Linear weights quantized already (Int8Weight / Int4Weight, e.g. from cuinfer.gptq) are moved
+    as they are. The embedding / lm_head stays in `dtype`."""
     put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))
 
+    from .quant import Int4Weight, Int8Weight
+
     def linear_weight(a):
+        if isinstance(a, (Int8Weight, Int4Weight)):  # quantized already (cuinfer.gptq)
+            return a if xp is np else a.to_device()
         if quant is None:
             return put(a)
         from .quant import GROUP_SIZES, group_for, parse_spec, quantize
 
         method, group_size, fit = parse_spec(quant)
+        if fit == "gptq":
+            raise runtime.CuinferError(f"--quant {quant}: GPTQ needs calibration text, so it is not a load-time "
+                                       "format: python -m cuinfer.eval perplexity CKPT --quant int4-gptq --calib FILE")
         k = a.shape[1]
         group = group_for(k, group_size) if method == "int4" else group_size
         if group is None:
