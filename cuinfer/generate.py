@@ -46,11 +46,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu when one is found")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="GPU: float16 or bfloat16 (default from the checkpoint); CPU: float32")
-    p.add_argument("--quant", choices=("int8", "int4"), help="quantize the linear weights at load")
+    p.add_argument("--quant", type=quant_spec, metavar="SPEC",
+                   help="quantize the linear weights at load: int8, int4 (group 128), int4-g32, int4-g64-mse, ... "
+                        "(the lm_head becomes int8)")
     p.add_argument("--no-graphs", action="store_true",
                    help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
     return p
+
+
+def quant_spec(value: str) -> str:
+    """argparse type of --quant: a cuinfer.quant.parse_spec string."""
+    from .quant import parse_spec
+
+    try:
+        parse_spec(value)
+    except runtime.CuinferError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def read_prompts(args) -> list:

@@ -37,6 +37,9 @@ from .ops.write_kv import write_kv
 from .weights import Weights, fuse, to_device
 
 
+LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
+
+
 def project(x, w, bias=None):
     """y = x @ w.T (+ bias) for x: [rows, in], w: [out, in] (float or quantized)."""
     if x.dtype in KERNEL_DTYPES:
@@ -127,12 +130,15 @@ class Model:
 
     @classmethod
     def from_tensors(cls, config, tensors, device="cpu", dtype=None, quant=None) -> Model:
-        """device "cpu": numpy float32; "gpu": CuPy in `dtype` (default from the checkpoint)."""
+        """device "cpu": numpy float32; "gpu": CuPy in `dtype` (default from the checkpoint).
+        quant (a quant.parse_spec string) quantizes the decoder's linear layers, and the lm_head
+        to LM_HEAD_QUANT."""
         fused = fuse(config, tensors)
+        head = LM_HEAD_QUANT if quant else None
         if device == "cpu":
-            return cls(config, to_device(fused, np, np.float32, quant))
+            return cls(config, to_device(fused, np, np.float32, quant, head))
         cp = runtime.require_cupy()
-        return cls(config, to_device(fused, cp, kernel_dtype(config, dtype), quant))
+        return cls(config, to_device(fused, cp, kernel_dtype(config, dtype), quant, head))
 
     def forward(self, batch: Batch, kv_cache, all_logits: bool = False):
         """float32 logits [num_seqs, vocab] of each sequence's last token ([tokens, vocab] if all_logits).

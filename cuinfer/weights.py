@@ -65,18 +65,20 @@ def fuse(config, tensors) -> Weights:
     return Weights(embed=embed, layers=layers, norm=_get(tensors, "model.norm.weight"), lm_head=lm_head)
 
 
-def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
+def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
     """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set
     (a cuinfer.quant.parse_spec string: "int8" per row, "int4" in groups of 128 with the
     "minmax" fit, "int4-g32-mse", ...; a matrix whose in_features the group does not divide takes the largest
     group size that does). On the GPU the weights are quantized there (the same bits as numpy).
     Linear weights quantized already (Int8Weight / Int4Weight, e.g. from cuinfer.gptq) are moved
-    as they are. The embedding / lm_head stays in `dtype`."""
+    as they are. lm_head_quant ("int8"; Model.from_tensors passes it with any `quant`) quantizes
+    the lm_head (its own copy when tied: the embedding gathers rows and stays in `dtype`); the
+    output layer keeps 8 bits under int4, as llama.cpp's 4-bit mixes keep it at 6."""
     put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))
 
     from .quant import Int4Weight, Int8Weight
 
-    def linear_weight(a):
+    def linear_weight(a, quant=quant):
         if isinstance(a, (Int8Weight, Int4Weight)):  # quantized already (cuinfer.gptq)
             return a if xp is np else a.to_device()
         if quant is None:
@@ -99,5 +101,8 @@ def to_device(w: Weights, xp, dtype, quant=None) -> Weights:
         fields = {k: (linear_weight if k in LINEAR_FIELDS else put)(v) for k, v in vars(lw).items()}
         layers.append(LayerWeights(**fields))
     embed = put(w.embed)
-    lm_head = embed if w.lm_head is w.embed else put(w.lm_head)
+    if lm_head_quant is not None:
+        lm_head = linear_weight(w.lm_head, lm_head_quant)
+    else:
+        lm_head = embed if w.lm_head is w.embed else put(w.lm_head)
     return Weights(embed=embed, layers=layers, norm=put(w.norm), lm_head=lm_head)

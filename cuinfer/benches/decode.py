@@ -26,7 +26,7 @@ from .. import bench, runtime
 from ..engine import Engine
 from ..graph import MIN_CONTEXT_BUCKET, bucket, capture, graph_batch_limit
 from ..kv_cache import CacheShape, KVCache
-from ..model import Batch, Model, kernel_dtype
+from ..model import LM_HEAD_QUANT, Batch, Model, kernel_dtype
 from ..ops.linear import linear, linear_argmax
 from ..ops.paged_attention import paged_attention, workspace_elems
 from ..quant import GROUP_SIZES, quantize
@@ -68,17 +68,16 @@ def random_weights(cp, config, dtype, seed=0) -> Weights:
 
 
 def quantized(w: Weights, method: str) -> Weights:
-    """The linear layers quantized on the GPU as weights.to_device does (int4: the largest group
-    dividing K); embedding, norms and lm_head stay in the float dtype. int4 takes the "minmax" fit:
-    the same format, bytes and kernels as the default "mse" fit, whose grid search would take
-    minutes at 8B."""
-    def q(a):
+    """The weights as Model.from_tensors quantizes them, made on the GPU: the linear layers in
+    `method` (int4: "minmax" fit, the largest group dividing K), the lm_head in LM_HEAD_QUANT
+    (its own copy when tied); embedding and norms stay in the float dtype."""
+    def q(a, method=method):
         group = max(g for g in GROUP_SIZES if a.shape[1] % g == 0)
         qw = quantize(a, method, group_size=group, fit="minmax")
         return qw if runtime.is_device_array(qw.qweight) else qw.to_device()
 
     layers = [dataclasses.replace(lw, **{f: q(getattr(lw, f)) for f in LINEAR_FIELDS}) for lw in w.layers]
-    return dataclasses.replace(w, layers=layers)
+    return dataclasses.replace(w, layers=layers, lm_head=q(w.lm_head, LM_HEAD_QUANT))
 
 
 def weight_bytes(w: Weights) -> int:
