@@ -3,6 +3,9 @@
     graphs = DecodeGraph(model, kv_cache)   # reserves one scratch KV block
     out = graphs.run(token_ids, positions, block_tables, greedy=True)
     # greedy: int32 tokens [n] on the device; else float32 logits [n, vocab] on the device
+    nxt = graphs.run(token_ids, positions2, block_tables, greedy=True, device_tokens=out)
+    pending = graphs.read_async(out)        # device -> pinned host copy + event, no wait
+    tokens = pending.wait()                 # waits on that event only: list of ints
 
 A decode step (one new token per sequence: Model.decode) has a fixed shape once the number of
 sequences is rounded up to a batch bucket (1, 2, 4, 8, ...) and the longest context up to a
@@ -24,7 +27,16 @@ capture. Both allocate from a private memory pool that only these graphs use: th
 addresses are baked into the graphs, so nothing else may be handed that memory, and graphs
 share it safely because their replays are serialized on one stream. Replays, the input copy
 before them and the output read after them all run on the current stream, ordered with the
-eager prefill steps around them without further synchronization. use_graphs=False runs the same
+eager prefill steps around them without further synchronization.
+
+Pipelined decode (the engine's async_decode): `device_tokens`, a device int32 array of n tokens
+(the previous step's output), replaces token_ids' values on the device: it is copied device to
+device into the token slots after the host-to-device copy of the other inputs, on the same stream,
+so the step reads tokens the host has not seen yet. The graph is unchanged (the copy is a stream op
+outside it). read_async copies a step's tokens into pinned host memory and records an event after
+the copy; the caller waits on that event only. A bucket's pinned input buffer is rewritten only
+after an event recorded behind its last host-to-device copy has completed: with a step in flight,
+that copy may not have run yet when the next step is packed. use_graphs=False runs the same
 step eagerly on the same buffers (same kernels, same order: the same tokens), as do buckets past
 graph_batch_limit (fp16 weights above 16 rows go through cuBLAS, which cannot be captured).
 """
@@ -107,6 +119,7 @@ class _Step:
     workspace: object  # float32 paged_attention split partials, or None (no split)
     out: object = None  # static output, written by the graph
     graph: object = None
+    copied: object = None  # event after the last copy out of `host` (None before the first)
     capture_bytes: int = 0  # device memory the capture itself took from the pool (0 after a warm-up)
 
 
@@ -119,22 +132,40 @@ class DecodeGraph:
         self.stream = self.cp.cuda.Stream(non_blocking=True)  # capture cannot run on the legacy stream
         self.steps = {}
         self.graph_limit = {g: graph_batch_limit(model.weights, g) for g in (True, False)}
+        self.readback = TokenReadback(self.cp)
 
-    def run(self, token_ids, positions, block_tables, greedy: bool):
+    def run(self, token_ids, positions, block_tables, greedy: bool, device_tokens=None):
         """One decode step for n sequences (token at `positions`, whose K/V go to the blocks in
-        `block_tables`); returns the device int32 argmax tokens [n] (greedy) or float32 logits [n, vocab]."""
+        `block_tables`); returns the device int32 argmax tokens [n] (greedy) or float32 logits [n, vocab].
+        device_tokens: a device int32 array [n], rows in the same order, whose values replace
+        token_ids' on the device (token_ids' values are then ignored)."""
         n = len(token_ids)
         bs = self.kv_cache.block_size
         b, width = bucket(n), bucket(max(positions) + 1, MIN_CONTEXT_BUCKET) // bs
         step = self.steps.get((b, width, greedy)) or self._new_step(b, width, greedy)
+        if step.copied is not None:
+            step.copied.synchronize()  # the last copy out of step.host has run: it may be rewritten
         pack_inputs(step.host, token_ids, positions, block_tables, bs, self.scratch, b, width)
         step.device.set(step.host)  # pinned: asynchronous on the current stream
+        stream = self.cp.cuda.get_current_stream()
+        if step.copied is None:
+            step.copied = self.cp.cuda.Event(disable_timing=True)
+        step.copied.record(stream)
+        if device_tokens is not None:  # after the inputs' copy, before the step: all on `stream`
+            if len(device_tokens) != n:
+                raise ValueError(f"device_tokens: {len(device_tokens)} tokens for {n} rows")
+            copy_async(self.cp, step.inputs.token_ids, device_tokens, n, self.cp.cuda.runtime.memcpyDeviceToDevice,
+                       stream)
         if not self.use_graphs or b > self.graph_limit[greedy]:
             return self._decode(step, greedy)[:n]
         if step.graph is None:
             self._capture(step, greedy)
         step.graph.launch()
         return step.out[:n]
+
+    def read_async(self, tokens) -> PendingTokens:
+        """Start copying a step's int32 tokens (run's greedy output) to the host; see TokenReadback."""
+        return self.readback.start(tokens)
 
     def _new_step(self, b: int, width: int, greedy: bool) -> _Step:
         cp, m = self.cp, self.model
@@ -155,3 +186,62 @@ class DecodeGraph:
         self.cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
         step.graph, step.out, step.capture_bytes = capture(lambda: self._decode(step, greedy),
                                                            self.stream, self.pool)
+
+
+def copy_async(cp, dst, src, n: int, kind: int, stream):
+    """cudaMemcpyAsync of n int32 elements src -> dst on `stream` (kind: cp.cuda.runtime.memcpy*);
+    device arrays must be C-contiguous int32 with at least n elements, host ones numpy (pinned for
+    the copy to be asynchronous)."""
+    ptrs = []
+    for a in (dst, src):
+        if a.dtype != np.int32 or a.ndim != 1 or a.shape[0] < n or not a.flags.c_contiguous:
+            raise ValueError(f"copy_async: need C-contiguous int32 [>= {n}], got {a.dtype} {a.shape}")
+        ptrs.append(a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr)
+    cp.cuda.runtime.memcpyAsync(ptrs[0], ptrs[1], 4 * n, kind, stream.ptr)
+
+
+class PendingTokens:
+    """A step's tokens on their way to the host: wait() blocks on the copy's event only, then
+    returns them as a list of ints (the same list on every call)."""
+
+    def __init__(self, readback, slot: int, generation: int, host, event, device):
+        self._readback, self._slot, self._generation = readback, slot, generation
+        self._host, self._event = host, event
+        self._device = device  # keeps the source alive until the copy is waited for
+        self._tokens = None
+
+    def wait(self) -> list:
+        if self._tokens is None:
+            if self._readback.generation[self._slot] != self._generation:
+                raise RuntimeError("read_async: the tokens were not waited for before their buffer was "
+                                   "reused (wait for a step's tokens before starting the second read after it)")
+            self._event.synchronize()
+            self._tokens, self._device = self._host.tolist(), None
+        return self._tokens
+
+
+class TokenReadback:
+    """Asynchronous device -> host copies of int32 token arrays, on the current stream, into a
+    ring of two pinned buffers, each with an event recorded after its copy. Two slots let one
+    step's copy be in flight while the host reads the previous one; a slot is reused by the
+    second start() after it, by which time its tokens must have been waited for (wait() checks)."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.host = [np.empty(0, np.int32), np.empty(0, np.int32)]
+        self.events = [cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)]
+        self.generation = [0, 0]
+        self.turn = 0
+
+    def start(self, tokens) -> PendingTokens:
+        cp, i, n = self.cp, self.turn, len(tokens)
+        self.turn ^= 1
+        if len(self.host[i]) < n:
+            size = bucket(n, 64)
+            self.host[i] = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+        self.generation[i] += 1
+        stream = cp.cuda.get_current_stream()
+        host = self.host[i][:n]
+        copy_async(cp, host, tokens, n, cp.cuda.runtime.memcpyDeviceToHost, stream)
+        self.events[i].record(stream)
+        return PendingTokens(self, i, self.generation[i], host, self.events[i], tokens)

@@ -102,6 +102,29 @@ class Scheduler:
             budget -= n
         return list(plan.items())
 
+    def reserve_decodes(self, seqs: list) -> bool:
+        """When the next schedule() would return exactly `seqs`, in this order, one decode token
+        each (every running sequence decodes, the budget holds them all, their next slots fit in
+        the free blocks, so nothing is preempted, and no waiting sequence would be admitted):
+        reserve those slots as schedule() would and return True. Else change nothing and return
+        False. The engine's pipelined decode asks this before the previous step's tokens are
+        known: none of that depends on token values."""
+        if self.running != seqs or any(s.remaining != 1 for s in seqs) or len(seqs) > self.max_batch_tokens:
+            return False
+        need = sum(max(0, blocks_for(s.num_computed + 1, self.block_size) - len(s.block_table)) for s in seqs)
+        free = self.allocator.num_free - need
+        if free < 0:
+            return False  # schedule() would preempt
+        budget = self.max_batch_tokens - len(seqs)
+        if self.waiting and budget > 0 and len(seqs) < self.max_num_seqs:
+            first = self.waiting[0]
+            n = min(first.remaining, budget)
+            if blocks_for(first.num_computed + n, self.block_size) - len(first.block_table) <= free:
+                return False  # schedule() would admit it
+        for s in seqs:
+            self._reserve(s, s.num_computed + 1)
+        return True
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a running sequence and free its blocks."""
         seq.finish_reason = reason

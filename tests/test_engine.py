@@ -1,11 +1,13 @@
 """Engine: continuous batching gives each request what it gets alone (preemption included), streams,
-stops, seeds; GPU batched-vs-alone on the same weights."""
+stops, seeds; pipelined decode (through NumpyDecoder, a numpy stand-in for DecodeGraph) equals the
+synchronous engine; GPU batched-vs-alone on the same weights."""
 import numpy as np
 import pytest
 from test_model import random_tensors, tiny_config
 
 from cuinfer import runtime
-from cuinfer.engine import Engine, PromptTooLongError
+from cuinfer.engine import PENDING, Engine, PromptTooLongError
+from cuinfer.graph import MIN_CONTEXT_BUCKET, bucket, input_views, pack_inputs
 from cuinfer.kv_cache import CacheShape, KVCache
 from cuinfer.model import Model
 from cuinfer.sampling import SamplingParams
@@ -27,11 +29,13 @@ def small_config():
                        num_attention_heads=4, num_key_value_heads=1, head_dim=16)
 
 
-def make_engine(model, kv_tokens, block_size=16, max_batch_tokens=512, tokenizer=None, eos=()):
+def make_engine(model, kv_tokens, block_size=16, max_batch_tokens=512, tokenizer=None, eos=(), decoder=None, **kw):
+    """decoder: a class taking (model, kv_cache), e.g. NumpyDecoder; kw: Engine's other arguments."""
     cfg = model.config
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size)
     cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
-    return Engine(model, cache, tokenizer, eos, max_batch_tokens=max_batch_tokens)
+    return Engine(model, cache, tokenizer, eos, max_batch_tokens=max_batch_tokens,
+                  decoder=decoder(model, cache) if decoder else None, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +131,223 @@ def test_user_errors(cpu_model):
         eng.generate([[]], SamplingParams())
     out = eng.generate([[1] * 500], SamplingParams(max_new_tokens=100))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 12  # the context (512) is full
+
+
+# ------------------------------------------------- pipelined decode, on the CPU
+
+class DeviceTokens:
+    """A greedy step's tokens "on the device": the host may read them only through get() (the
+    synchronous path) or NumpyDecoder.read_async(...).wait()."""
+
+    def __init__(self, values, step):
+        self._values, self.step = values, step
+
+    def __len__(self):
+        return len(self._values)
+
+    def get(self):
+        return self._values.copy()
+
+
+class NumpyDecoder:
+    """DecodeGraph's interface (run, read_async) on the numpy backend, so that the engine's
+    pipelined decode runs on the CPU: run() computes the step at once, but its greedy tokens reach
+    the host only through read_async(...).wait(); token ids given without device_tokens must be
+    real ones. log: ("run", step, rows, pipelined) and ("wait", step) in call order."""
+
+    def __init__(self, model, kv_cache):
+        self.model, self.kv_cache = model, kv_cache
+        self.scratch = kv_cache.allocator.allocate(1)[0]
+        self.log = []
+        self.rows = 0  # rows of greedy steps computed
+
+    def run(self, token_ids, positions, block_tables, greedy, device_tokens=None):
+        bs, n = self.kv_cache.block_size, len(token_ids)
+        b, width = bucket(n), bucket(max(positions) + 1, MIN_CONTEXT_BUCKET) // bs
+        buf = np.zeros(b * (4 + width), dtype=np.int32)
+        if device_tokens is None:
+            assert min(token_ids) >= 0, f"a placeholder reached the decoder: {token_ids}"
+        pack_inputs(buf, token_ids, positions, block_tables, bs, self.scratch, b, width)
+        inputs = input_views(buf, b, width)
+        if device_tokens is not None:
+            assert len(device_tokens) == n
+            inputs.token_ids[:n] = device_tokens._values
+        out = self.model.decode(inputs, self.kv_cache, width * bs, greedy=greedy)[:n]
+        if not greedy:
+            return out
+        step = sum(1 for e in self.log if e[0] == "run")
+        self.log.append(("run", step, n, device_tokens is not None))
+        self.rows += n
+        return DeviceTokens(out, step)
+
+    def read_async(self, tokens):
+        log = self.log
+
+        class Pending:
+            def wait(self):
+                log.append(("wait", tokens.step))
+                return tokens._values.tolist()
+
+        return Pending()
+
+
+def run_requests(eng, requests):
+    """Add (prompt, params) requests and step the engine until done, checking after each step that
+    PENDING is only ever the last token of a running sequence. (outputs, events, decode stats)."""
+    seqs = [eng.add_request(p, params, i) for i, (p, params) in enumerate(requests)]
+    events = []
+    while eng.scheduler.has_work():
+        events += [(r.index, new, done) for r, new, done in eng.step()]
+        for s in seqs:
+            assert PENDING not in s.output_ids[:-1]
+            assert s.finish_reason is None or PENDING not in s.output_ids
+    assert eng._inflight is None
+    outs = [(s.output_ids, eng._requests[s.seq_id].text, s.finish_reason) for s in seqs]
+    st = eng.stats
+    return outs, events, (st.generated_tokens, st.decode_tokens, st.prefill_tokens, st.preemptions)
+
+
+def pipelined_and_not(model, requests, **kw):
+    """run_requests on the same engine set-up with and without pipelining: the pipelined engine,
+    and the two results (which the tests want equal)."""
+    results = []
+    for async_decode in (True, False):
+        eng = make_engine(model, decoder=NumpyDecoder, async_decode=async_decode, **kw)
+        results.append(run_requests(eng, requests))
+        assert eng.kv_cache.allocator.num_free == eng.kv_cache.num_blocks - 1  # all but the scratch block
+        if async_decode:
+            pipelined = eng
+        else:
+            assert eng.stats.pipelined_steps == 0
+    return pipelined, results[0], results[1]
+
+
+def stop_requests(model):
+    """Greedy requests of different lengths and max_new_tokens, stopped by the end token, a stop id
+    and a stop string each picked mid-way from an unstopped run, one ignoring the end token; the eos
+    token for the engine."""
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(4)
+    ids = [rng.integers(0, vocab, n).tolist() for n in (3, 17, 40, 5, 60, 9, 33)]
+    news = [30, 7, 25, 40, 12, 33, 20]
+    plain = make_engine(model, 4096, tokenizer=CharTokenizer(), decoder=NumpyDecoder, async_decode=False)
+    free = [o.token_ids for o in plain.generate(ids, SamplingParams(max_new_tokens=40))]
+    text = plain.outputs[2].text
+    eos = free[0][6]
+    reqs = [SamplingParams(max_new_tokens=n) for n in news]
+    reqs[1] = SamplingParams(max_new_tokens=news[1], ignore_eos=True)
+    reqs[3] = SamplingParams(max_new_tokens=news[3], stop_token_ids=(free[3][11],))
+    reqs[2] = SamplingParams(max_new_tokens=news[2], stop=(text[9:11],))
+    return list(zip(ids, reqs)), eos
+
+
+def test_pipelined_decode_equals_synchronous_with_stops(cpu_model):
+    """End token, stop id, stop string, max_new_tokens, different lengths: the same tokens, texts,
+    finish reasons, streamed events (in order) and token counts as without pipelining; the steps
+    really were pipelined and the extra tokens computed after a data-dependent stop were dropped."""
+    requests, eos = stop_requests(cpu_model)
+    eng, got, want = pipelined_and_not(cpu_model, requests, kv_tokens=4096, tokenizer=CharTokenizer(), eos=(eos,))
+    assert got == want
+    reasons = [r for _, _, r in got[0]]
+    assert reasons.count("stop") >= 3 and "length" in reasons, reasons
+    assert eng.stats.pipelined_steps > 10
+    wasted = eng.decoder.rows - eng.stats.decode_tokens
+    assert 1 <= wasted <= reasons.count("stop")  # only data-dependent stops waste, one token at most
+
+
+def test_pipelined_decode_wastes_nothing_on_known_stops(cpu_model):
+    """max_new_tokens and the context length are known in advance: no row is computed that is not
+    emitted. The context limit (kv_tokens 256: 240 tokens without the scratch block) ends one."""
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(0, 97, n).tolist() for n in (3, 17, 225, 8)]
+    requests = [(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ids, (9, 4, 40, 1))]
+    eng, got, want = pipelined_and_not(cpu_model, requests, kv_tokens=256)
+    assert got == want
+    assert len(got[0][2][0]) == 240 - 225 and [len(o) for o, _, _ in got[0]] == [9, 4, 15, 1]
+    assert eng.stats.pipelined_steps > 0 and eng.stats.preemptions == 0
+    assert eng.decoder.rows == eng.stats.decode_tokens
+
+
+def test_pipelined_decode_launches_before_reading():
+    """One sequence, 6 new tokens (the first from the prefill): each decode step after the first is
+    launched before the previous step's tokens are waited for, and no step runs past the last."""
+    cfg = small_config()
+    model = Model.from_tensors(cfg, random_tensors(cfg, seed=3), "cpu")
+    eng = make_engine(model, 1024, decoder=NumpyDecoder)
+    out = eng.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+    assert eng.decoder.log == [("run", 0, 1, False), ("run", 1, 1, True), ("wait", 0), ("run", 2, 1, True),
+                               ("wait", 1), ("run", 3, 1, True), ("wait", 2), ("run", 4, 1, True), ("wait", 3),
+                               ("wait", 4)]
+    assert eng.stats.pipelined_steps == 4 and eng.stats.decode_tokens == 5
+
+
+def test_pipelined_decode_drops_the_extra_token_after_an_end_token(cpu_model):
+    """A lone sequence stopped by an end token mid-way: the step pipelined after it ran (one extra
+    row), its token is neither appended nor emitted, and it is not left in flight."""
+    plain = make_engine(cpu_model, 1024, decoder=NumpyDecoder, async_decode=False)
+    free = plain.generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=12))[0].token_ids
+    eos = free[7]
+    first = free.index(eos)
+    assert first > 2
+    eng = make_engine(cpu_model, 1024, decoder=NumpyDecoder, eos=(eos,))
+    seq = eng.add_request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=12))
+    while seq.finish_reason is None:
+        eng.step()
+    assert eng._inflight is None and not eng.scheduler.has_work()
+    assert seq.output_ids == free[:first + 1] and seq.finish_reason == "stop"
+    assert eng.decoder.log[-3:] == [("run", first, 1, True), ("wait", first - 1), ("wait", first)]
+    assert eng.decoder.rows == eng.stats.decode_tokens + 1 == first + 1
+    assert eng.kv_cache.allocator.num_free == eng.kv_cache.num_blocks - 1
+
+
+def test_pipelined_decode_with_a_queue_and_preemption(cpu_model):
+    """More requests than max_num_seqs (a queue), a cache small enough to preempt, stops on data
+    and not: the same results as without pipelining."""
+    rng = np.random.default_rng(6)
+    ids = [rng.integers(0, 97, int(n)).tolist() for n in rng.integers(5, 120, 12)]
+    requests = [(p, SamplingParams(max_new_tokens=int(n), ignore_eos=bool(i % 2)))
+                for i, (p, n) in enumerate(zip(ids, rng.integers(5, 60, 12)))]
+    first = make_engine(cpu_model, 4096, decoder=NumpyDecoder).generate([p for p, _ in requests],
+                                                                       SamplingParams(max_new_tokens=60))
+    eos = first[0].token_ids[3]
+    for kv_tokens, max_num_seqs in ((4096, 3), (640, 256)):
+        eng, got, want = pipelined_and_not(cpu_model, requests, kv_tokens=kv_tokens, eos=(eos,),
+                                           max_num_seqs=max_num_seqs)
+        assert got == want
+        assert eng.stats.pipelined_steps > 0
+        if kv_tokens == 640:
+            assert eng.stats.preemptions > 0
+        assert any(r == "stop" for _, _, r in got[0]), "the end token was meant to stop some"
+
+
+def test_pipelined_decode_with_sampling_and_penalties(cpu_model):
+    """Sampled and repetition-penalised sequences never pipeline (their steps read logits), greedy
+    ones do once they run alone: the same tokens as without pipelining."""
+    ids = [[5, 6, 7], [8, 9, 10, 11], [12] * 20]
+    requests = [(ids[0], SamplingParams(max_new_tokens=8, temperature=0.9, seed=3)),
+                (ids[1], SamplingParams(max_new_tokens=12, repetition_penalty=1.3)),
+                (ids[2], SamplingParams(max_new_tokens=30))]
+    eng, got, want = pipelined_and_not(cpu_model, requests, kv_tokens=2048)
+    assert got == want
+    assert eng.stats.pipelined_steps > 0
+
+
+def test_pipelined_stream_equals_synchronous(cpu_model):
+    """stream() through the pipelined engine: the same pieces, outputs and stats counts, and nothing
+    left in flight between calls."""
+    prompts = ["hello", "abcabcabc", "zz"]
+    params = SamplingParams(max_new_tokens=20, stop=("q",))
+    runs = []
+    for async_decode in (True, False):
+        eng = make_engine(cpu_model, 2048, tokenizer=CharTokenizer(), decoder=NumpyDecoder, async_decode=async_decode)
+        eos = eng.generate(prompts, params)[1].token_ids[5]
+        eng.eos_token_ids = frozenset([eos])
+        pieces = list(eng.stream(prompts, params))
+        assert eng._inflight is None
+        runs.append((pieces, [(o.token_ids, o.text, o.finish_reason) for o in eng.outputs],
+                     eng.stats.decode_tokens, eng.stats.generated_tokens))
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.gpu

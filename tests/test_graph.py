@@ -1,6 +1,7 @@
 """Decode steps: static-buffer packing and Model.decode on numpy; CUDA-graph replay on the GPU
 (tokens equal to the eager step, logits against the float32 NumPy backend, padding rows write
-only the scratch block, the capture allocates nothing)."""
+only the scratch block, the capture allocates nothing; pipelined decode equals the synchronous
+engine; the token read-back)."""
 import numpy as np
 import pytest
 from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts, random_tensors, tiny_config
@@ -26,6 +27,19 @@ def test_pack_inputs_pads_into_the_scratch_block():
     np.testing.assert_array_equal(v.slot_mapping, [4 * 16, 2 * 16 + 1, 7 * 16 + 8, scratch * 16])
     np.testing.assert_array_equal(v.context_lens, [1, 18, 41, 1])
     np.testing.assert_array_equal(v.block_tables, [[4, 0, 0], [9, 2, 0], [5, 6, 7], [scratch, 0, 0]])
+
+
+def test_copy_async_checks_its_arrays():
+    """The read-back and the token copy refuse what a raw cudaMemcpyAsync would misread (checked
+    before any CUDA call: runs without a GPU)."""
+    from cuinfer.graph import copy_async
+
+    ok = np.zeros(8, np.int32)
+    for bad in (np.zeros(8, np.int64), np.zeros(3, np.int32), np.zeros(16, np.int32)[::2], np.zeros((2, 4), np.int32)):
+        with pytest.raises(ValueError, match="C-contiguous int32"):
+            copy_async(None, ok, bad, 4, 0, None)
+        with pytest.raises(ValueError, match="C-contiguous int32"):
+            copy_async(None, bad, ok, 4, 0, None)
 
 
 def test_graph_batch_limit_follows_the_gemv_limits():
@@ -71,7 +85,7 @@ def test_numpy_decode_equals_forward_and_padding_touches_only_scratch():
 
 # ------------------------------------------------------------------------------ GPU
 
-def gpu_engine(model, use_graphs, kv_tokens=8192):
+def gpu_engine(model, use_graphs, kv_tokens=8192, eos=(), async_decode=True):
     from cuinfer.kv_cache import CacheShape, KVCache
 
     cfg = model.config
@@ -79,7 +93,7 @@ def gpu_engine(model, use_graphs, kv_tokens=8192):
     cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
     cache.k.fill(np.nan)  # a read of a slot nothing wrote poisons the logits
     cache.v.fill(np.nan)
-    return Engine(model, cache, use_graphs=use_graphs)
+    return Engine(model, cache, eos_token_ids=eos, use_graphs=use_graphs, async_decode=async_decode)
 
 
 def run_requests(eng, ids, lengths, **params):
@@ -148,3 +162,135 @@ def test_gpu_graph_logits_match_numpy(dtype, cp):
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err <= GPU_LOGIT_REL_L2[dtype], err
     assert bool(cp.isnan(gpu_cache.k[:, 61:]).all())  # padding rows wrote only the scratch block
+
+
+# ------------------------------------------------------------ pipelined decode (GPU)
+
+def count_rows(eng):
+    """Count the rows of the greedy decode steps eng.decoder runs: a one-element list, updated."""
+    rows, run = [0], eng.decoder.run
+
+    def counting(token_ids, positions, block_tables, greedy, device_tokens=None):
+        rows[0] += len(token_ids) if greedy else 0
+        return run(token_ids, positions, block_tables, greedy, device_tokens=device_tokens)
+
+    eng.decoder.run = counting
+    return rows
+
+
+def run_params(eng, ids, params):
+    """Every prompt with its own SamplingParams, continuously batched: [(output ids, finish reason)]."""
+    seqs = [eng.add_request(p, sp) for p, sp in zip(ids, params)]
+    while eng.scheduler.has_work():
+        eng.step()
+    assert eng._inflight is None
+    return [(s.output_ids, s.finish_reason) for s in seqs]
+
+
+def mid_way_stops(outputs, lo=3):
+    """(eos, {row: stop id}): the token whose first occurrence falls mid-way (index >= lo, not the
+    last) in the most outputs, and for each of the first two rows it does not stop, a token of that
+    row first emitted mid-way."""
+    def firsts(out):
+        seen = {}
+        for i, t in enumerate(out):
+            seen.setdefault(t, i)
+        return seen
+
+    counts = {}
+    for out in outputs:
+        for t, i in firsts(out).items():
+            if lo <= i < len(out) - 1:
+                counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=lambda t: (counts[t], -t))
+    stop_ids = {}
+    for r, out in enumerate(outputs):
+        if len(stop_ids) < 2 and eos not in out and len(out) > 2 * lo:
+            f = firsts(out)
+            t = next((t for t in out[len(out) // 2:] if f[t] >= lo), None)
+            if t is not None:
+                stop_ids[r] = t
+    return eos, stop_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_graphs", [True, False])
+def test_gpu_pipelined_decode_equals_synchronous(use_graphs):
+    """fp16, greedy, prompts of different lengths and max_new_tokens (contexts cross the 512-token
+    bucket), some stopped mid-way by an end token or a stop id found in a first run: pipelined decode
+    gives exactly the tokens and finish reasons of the synchronous engine (async_decode=False), its
+    steps really were pipelined, and stopping on data wasted at least one extra row."""
+    cfg, t = gpu_case("llama3-gqa")
+    model = Model.from_tensors(cfg, t, "gpu", np.float16)
+    ids = prompts(cfg, [3, 17, 200, 250, 31, 5, 90], seed=11)
+    lengths = [40, 300, 70, 280, 12, 64, 150]
+    free = run_requests(gpu_engine(model, use_graphs, async_decode=False), ids, lengths)
+    eos, stop_ids = mid_way_stops(free)
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=(stop_ids[r],) if r in stop_ids else ())
+              for r, n in enumerate(lengths)]
+    runs = {}
+    for async_decode in (True, False):
+        eng = gpu_engine(model, use_graphs, eos=(eos,), async_decode=async_decode)
+        rows = count_rows(eng)
+        runs[async_decode] = run_params(eng, ids, params)
+        if async_decode:
+            assert eng.stats.pipelined_steps > 10
+            assert rows[0] > eng.stats.decode_tokens, "no extra row after a stop on data"
+            assert eng.kv_cache.allocator.num_free == eng.kv_cache.num_blocks - 1
+    assert runs[True] == runs[False]
+    reasons = [r for _, r in runs[True]]
+    assert reasons.count("stop") >= 2 and "length" in reasons, reasons
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stop", ["length", "eos"])
+def test_gpu_pipelined_batch_finishing_at_different_steps(stop):
+    """Eight sequences finishing one after another (max_new_tokens 1..34, or an end token each
+    reaches at its own step): the batch bucket shrinks 8 -> 4 -> 2 -> 1 under pipelining, the tokens
+    equal the synchronous engine's; stopping on lengths only computes no row that is not emitted."""
+    cfg, t = gpu_case("llama3-gqa")
+    model = Model.from_tensors(cfg, t, "gpu", np.float16)
+    ids = prompts(cfg, [5, 9, 30, 2, 61, 17, 8, 40], seed=3)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34]
+    eos = ()
+    if stop == "eos":
+        lengths = [40] * 8
+        free = run_requests(gpu_engine(model, True, async_decode=False), ids, lengths)
+        eos = (mid_way_stops(free, lo=1)[0],)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=not eos) for n in lengths]
+    runs = {}
+    for async_decode in (True, False):
+        eng = gpu_engine(model, True, eos=eos, async_decode=async_decode)
+        rows = count_rows(eng)
+        runs[async_decode] = run_params(eng, ids, params)
+        if async_decode:
+            assert eng.stats.pipelined_steps > 0
+            if stop == "length":
+                assert rows[0] == eng.stats.decode_tokens
+                assert {b for b, _, _ in eng.decoder.steps} >= {1, 2, 4, 8}
+    assert runs[True] == runs[False]
+    if stop == "length":
+        assert [len(o) for o, _ in runs[True]] == lengths
+    else:
+        assert sum(r == "stop" for _, r in runs[True]) >= 2
+
+
+@pytest.mark.gpu
+def test_gpu_token_readback(cp):
+    """read_async: the tokens, through the ring of two pinned buffers; waiting on a read whose
+    buffer was reused fails instead of returning another step's tokens."""
+    from cuinfer.graph import TokenReadback
+
+    rb = TokenReadback(cp)
+    a, b, c = (cp.arange(k, k + 100, dtype=cp.int32) for k in (0, 1000, 2000))
+    pa, pb = rb.start(a), rb.start(b)
+    assert pa.wait() == list(range(100))
+    pc = rb.start(c)
+    assert pb.wait() == list(range(1000, 1100)) and pc.wait() == list(range(2000, 2100))
+    pd = rb.start(a[:3])
+    rb.start(b[:5])
+    rb.start(c[:7])  # pd's buffer again
+    with pytest.raises(RuntimeError, match="reused"):
+        pd.wait()
+    with pytest.raises(ValueError, match="int32"):
+        rb.start(cp.zeros(4, dtype=cp.int64))

@@ -1,4 +1,5 @@
-"""Scheduler: budgets, chunked prefill, admission by free blocks, preemption of the newest."""
+"""Scheduler: budgets, chunked prefill, admission by free blocks, preemption of the newest;
+reserve_decodes agrees with schedule()."""
 import sys
 
 import pytest
@@ -94,3 +95,79 @@ def test_every_sequence_finishes_and_blocks_are_returned(prompt_lens, num_blocks
         assert steps < 10000
     assert all(len(s.output_ids) == max_new for s in seqs)
     assert sched.allocator.num_free == num_blocks
+
+
+def test_reserve_decodes_reserves_the_next_slot_only_in_the_steady_state():
+    sched = Scheduler(BlockAllocator(6), block_size=4, max_batch_tokens=8)
+    a, b = Sequence(0, [1] * 3), Sequence(1, [1] * 4)
+    sched.add(a)
+    sched.add(b)
+    simulate_step(sched, sched.schedule())  # a: 4 tokens in 1 block, b: 5 tokens in 1 block (+1 for the next)
+    assert not sched.reserve_decodes([b, a])  # not the running order
+    assert not sched.reserve_decodes([a])  # not every running sequence
+    free = sched.allocator.num_free
+    assert sched.reserve_decodes([a, b])
+    assert [len(a.block_table), len(b.block_table)] == [1, 2] and sched.allocator.num_free == free - 1
+    assert sched.schedule() == [(a, 1), (b, 1)] and sched.allocator.num_free == free - 1  # nothing more to take
+    # a waiting sequence that fits would be admitted: not the steady state, nothing reserved
+    simulate_step(sched, [(a, 1), (b, 1)])
+    c = Sequence(2, [1] * 4)
+    sched.add(c)
+    free = sched.allocator.num_free
+    assert not sched.reserve_decodes([a, b]) and sched.allocator.num_free == free
+    # one that cannot fit (or no budget left for it) is not admitted: steady again
+    sched.max_batch_tokens = 2
+    assert sched.reserve_decodes([a, b])
+
+
+def test_reserve_decodes_refuses_what_would_preempt_or_exceed_the_budget():
+    sched = Scheduler(BlockAllocator(2), block_size=4, max_batch_tokens=8)
+    a, b = Sequence(0, [1] * 4), Sequence(1, [1] * 4)
+    sched.add(a)
+    sched.add(b)
+    simulate_step(sched, sched.schedule())  # 5 tokens each: the next slot needs a new block each, none free
+    assert not sched.reserve_decodes([a, b]) and sched.allocator.num_free == 0
+    sched.max_batch_tokens = 1
+    assert not sched.reserve_decodes([a, b])
+    x = Sequence(2, [1] * 2)  # still in prefill: remaining 2
+    s2 = Scheduler(BlockAllocator(4), block_size=4, max_batch_tokens=1)
+    s2.add(x)
+    s2.schedule()
+    x.num_computed += 1
+    assert x.remaining == 1 and s2.reserve_decodes([x])  # its last prompt token: one token, as schedule() gives
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(4, 30), st.sampled_from([4, 16]),
+       st.integers(1, 64), st.integers(1, 6), st.integers(0, 30), st.integers(0, 3))
+def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budget, max_seqs, steps, late):
+    """Wherever reserve_decodes says yes, schedule() on the same state returns exactly the running
+    sequences with one token each, preempting nothing and admitting nothing, and reserves the same
+    blocks; wherever it says no, schedule() does something else and reserve_decodes changed nothing."""
+    import copy
+
+    sched = Scheduler(BlockAllocator(num_blocks), block_size=bs, max_batch_tokens=budget, max_num_seqs=max_seqs)
+    seqs = [Sequence(i, [1] * n) for i, n in enumerate(prompt_lens) if blocks_for(n + 40, bs) <= num_blocks]
+    for s in seqs[:len(seqs) - late]:
+        sched.add(s)
+    for k in range(steps):
+        if k == steps // 2:
+            for s in seqs[len(seqs) - late:]:
+                sched.add(s)
+        if not sched.has_work():
+            break
+        simulate_step(sched, sched.schedule())
+    said = copy.deepcopy(sched)
+    yes = said.reserve_decodes(list(said.running))
+    ref = copy.deepcopy(sched)
+    plan = ref.schedule()
+    steady = (all(s.remaining == 1 for s in sched.running)  # decodes, not 1-token prefill chunks
+              and [(s.seq_id, n) for s, n in plan] == [(s.seq_id, 1) for s in sched.running]
+              and ref.num_preemptions == sched.num_preemptions and len(ref.waiting) == len(sched.waiting))
+    assert yes == steady
+    if yes:
+        assert [s.block_table for s in said.running] == [s.block_table for s, _ in plan]
+        assert said.allocator.num_free == ref.allocator.num_free
+    else:
+        assert [s.block_table for s in said.running] == [s.block_table for s in sched.running]
+        assert said.allocator.num_free == sched.allocator.num_free
