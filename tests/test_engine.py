@@ -273,7 +273,7 @@ def test_pipelined_decode_launches_before_reading():
     launched before the previous step's tokens are waited for, and no step runs past the last."""
     cfg = small_config()
     model = Model.from_tensors(cfg, random_tensors(cfg, seed=3), "cpu")
-    eng = make_engine(model, 1024, decoder=NumpyDecoder)
+    eng = make_engine(model, 1024, decoder=NumpyDecoder, async_decode=True)
     out = eng.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
     assert eng.decoder.log == [("run", 0, 1, False), ("run", 1, 1, True), ("wait", 0), ("run", 2, 1, True),
@@ -290,7 +290,7 @@ def test_pipelined_decode_drops_the_extra_token_after_an_end_token(cpu_model):
     eos = free[7]
     first = free.index(eos)
     assert first > 2
-    eng = make_engine(cpu_model, 1024, decoder=NumpyDecoder, eos=(eos,))
+    eng = make_engine(cpu_model, 1024, decoder=NumpyDecoder, eos=(eos,), async_decode=True)
     seq = eng.add_request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=12))
     while seq.finish_reason is None:
         eng.step()
