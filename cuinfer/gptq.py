@@ -5,14 +5,17 @@
 Round-to-nearest (`quant.quantize`) minimizes each weight's own error; GPTQ minimizes the error
 of the layer's output on real inputs X: quantizing column k of W leaves an error e (per output
 row) that the columns not yet quantized absorb, w[:, j] -= e * Hinv[k, j] / Hinv[k, k] with
-H = X^T X (+ 1% damping), in the order of K, in blocks of 128 columns (the "lazy batch" update).
-Each group's (scale, zero) is fitted, with the "minmax" rule, to its columns as they stand when
-its first column comes up, so the stored grid is the one the error feedback used. The result is
-an ordinary Int4Weight: same format, bytes and kernels as round-to-nearest.
+H = X^T X (+ 10% damping), in blocks of 128 columns (the "lazy batch" update). Columns go in
+order of decreasing H[k, k] (act_order: the most active inputs first, while the most columns
+are left to absorb their error); each group's (scale, zero) is then fitted up front with the
+"minmax" rule, and without act_order as its first column comes up. The result is an ordinary
+Int4Weight: same format, bytes and kernels as round-to-nearest.
 
 gptq_weights walks the decoder layer by layer: the calibration tokens run through the layers
 already quantized, the next layer's linear inputs (qkv, o, gate_up, down) give its four H, its
-weights are quantized, and the layer is run again with them to feed the next one.
+weights are quantized, and the layer is run again with them to feed the next one. (Quantizing
+the four one after another, each on the inputs the quantized ones before it leave, measured no
+better on the default model: notes/linear.md.)
 """
 from __future__ import annotations
 
@@ -24,12 +27,15 @@ from . import runtime
 from .quant import GROUP_SIZES, Int4Weight, _fp16_round_up, group_for, pack_int4
 from .weights import LINEAR_FIELDS
 
-DAMP = 0.01  # of the mean diagonal of H, added to its diagonal
+DAMP = 0.1  # of the mean diagonal of H, added to its diagonal (chosen on held-out text: notes/linear.md)
 BLOCK = 128  # columns per lazy-batch block (a multiple of every group size)
 
 
-def gptq(w, hessian, group_size: int = 128, damp: float = DAMP) -> Int4Weight:
-    """Int4Weight of w [N, K] (float) for inputs whose X^T X is `hessian` [K, K]."""
+def gptq(w, hessian, group_size: int = 128, damp: float = DAMP, act_order: bool = True) -> Int4Weight:
+    """Int4Weight of w [N, K] (float) for inputs whose X^T X is `hessian` [K, K]. act_order: take the
+    columns in order of decreasing H[k, k] (the most active inputs first, while the most columns
+    are left to absorb their error), with each group's grid fitted up front on the original
+    weights, since its columns are then spread over the whole pass."""
     W = np.array(w, dtype=np.float64)
     n, k = W.shape
     if group_size not in GROUP_SIZES or k % group_size:
@@ -41,25 +47,27 @@ def gptq(w, hessian, group_size: int = 128, damp: float = DAMP) -> Int4Weight:
     H[dead, dead] = 1
     W[:, dead] = 0
     H[np.diag_indices(k)] += damp * np.mean(np.diag(H))
+    scales = np.zeros((n, k // group_size), dtype=np.float16)
+    zeros = np.zeros_like(scales)
+    order = np.arange(k)
+    if act_order:
+        for g in range(k // group_size):
+            scales[:, g], zeros[:, g] = _grid(W[:, g * group_size:(g + 1) * group_size])
+        order = np.argsort(-np.diag(H), kind="stable")
+        W, H = W[:, order], H[order][:, order]
     U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U, row j holds what column j passes on
 
     q = np.zeros((n, k), dtype=np.uint8)
-    scales = np.zeros((n, k // group_size), dtype=np.float16)
-    zeros = np.zeros_like(scales)
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
         Wb, Ub = W[:, b0:b1], U[b0:b1, b0:b1]  # Wb: a view, updated in place
         err = np.zeros((n, b1 - b0))
         for i in range(b1 - b0):
-            col = b0 + i
-            if col % group_size == 0:  # fit the group on its columns as the feedback left them
-                g = Wb[:, i:i + group_size]
-                lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
-                s = _fp16_round_up((hi - lo).astype(np.float32) / 15)
-                s[s == 0] = 1
-                z = np.clip(np.rint(-lo / s.astype(np.float64)), 0, 15).astype(np.float16)
-                scales[:, col // group_size], zeros[:, col // group_size] = s, z
-                s64, z64 = s.astype(np.float64), z.astype(np.float64)
+            col = order[b0 + i]  # the weight column this one is
+            g = col // group_size
+            if not act_order and col % group_size == 0:  # fit the group on its columns as the feedback left them
+                scales[:, g], zeros[:, g] = _grid(Wb[:, i:i + group_size])
+            s64, z64 = scales[:, g].astype(np.float64), zeros[:, g].astype(np.float64)
             qc = np.clip(np.rint(Wb[:, i] / s64 + z64), 0, 15)
             q[:, col] = qc
             e = (Wb[:, i] - (qc - z64) * s64) / Ub[i, i]
@@ -67,6 +75,14 @@ def gptq(w, hessian, group_size: int = 128, damp: float = DAMP) -> Int4Weight:
             err[:, i] = e
         W[:, b1:] -= err @ U[b0:b1, b1:]
     return Int4Weight(pack_int4(q), scales, zeros, group_size, (n, k))
+
+
+def _grid(g):
+    """fp16 (scale, zero) [N] of quant.quantize's "minmax" fit for the group columns g [N, size]."""
+    lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
+    s = _fp16_round_up((hi - lo).astype(np.float32) / 15)
+    s[s == 0] = 1
+    return s, np.clip(np.rint(-lo / s.astype(np.float64)), 0, 15).astype(np.float16)
 
 
 def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, block_size: int = 16,
@@ -105,11 +121,10 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
     for i, lw in enumerate(weights.layers):
         inputs = {}
         model.layer(i, h, residual, batch.positions, batch.slot_mapping, cache, attend, inputs.__setitem__)
-        hessians = {name: x.astype(np.float64).T @ x.astype(np.float64) for name, x in inputs.items()}
         quantized = {}
         for name in LINEAR_FIELDS:
-            w = getattr(lw, name)
-            quantized[name] = gptq(w, hessians[name], group_for(w.shape[1], group_size))
+            x, w = inputs[name].astype(np.float64), getattr(lw, name)
+            quantized[name] = gptq(w, x.T @ x, group_for(w.shape[1], group_size))
         weights.layers[i] = dataclasses.replace(lw, **quantized)
         h, residual = model.layer(i, h, residual, batch.positions, batch.slot_mapping, cache, attend)
         if progress is not None:
@@ -119,11 +134,10 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
 
 def gptq_model(config, tensors, calib_ids, group_size: int = 128, device: str = "cpu", dtype=None, progress=None):
     """A Model whose decoder linear layers are GPTQ int4 (calibrated on the float32 CPU model, then
-    moved to `device` like any quantized weight)."""
-    from .model import Model, kernel_dtype
+    moved to `device` like any quantized weight), its lm_head int8 as Model.from_tensors does."""
+    from .model import LM_HEAD_QUANT, Model, kernel_dtype
     from .weights import to_device
 
     weights = gptq_weights(Model.from_tensors(config, tensors, "cpu"), calib_ids, group_size, progress=progress)
-    if device == "cpu":
-        return Model(config, weights)
-    return Model(config, to_device(weights, runtime.require_cupy(), kernel_dtype(config, dtype)))
+    xp, dt = (np, np.float32) if device == "cpu" else (runtime.require_cupy(), kernel_dtype(config, dtype))
+    return Model(config, to_device(weights, xp, dt, lm_head_quant=LM_HEAD_QUANT))

@@ -19,21 +19,22 @@ def correlated_inputs(rng, tokens, k, rank=48):
 def test_identity_hessian_is_round_to_nearest(group_size):
     """With H = I (no damping) no column passes error on: GPTQ is quantize(..., "minmax"), bit for bit."""
     w = np.random.default_rng(group_size).standard_normal((96, 384)).astype(np.float32)
-    got, want = gptq(w, np.eye(384), group_size, damp=0.0), quant.quantize(w, "int4", group_size, "minmax")
+    got, want = gptq(w, np.eye(384), group_size, damp=0.0, act_order=False), quant.quantize(w, "int4", group_size, "minmax")
     for f in ("qweight", "scales", "zeros"):
         np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
     assert got.group_size == group_size and got.shape == (96, 384)
 
 
+@pytest.mark.parametrize("act_order", [True, False])
 @pytest.mark.parametrize("group_size,k", [(128, 512), (64, 576), (32, 160)])
-def test_output_error_below_round_to_nearest(group_size, k):
+def test_output_error_below_round_to_nearest(group_size, k, act_order):
     """On correlated inputs the layer output error ||X (W - Wq)^T|| falls well below rounding's (the
     quantity GPTQ minimizes), and the stored grid is the one the feedback used: every weight stays
     within its group's int4 range."""
     rng = np.random.default_rng(k)
     w = rng.standard_normal((200, k)).astype(np.float32)
     x = correlated_inputs(rng, 4 * k, k)
-    g, r = gptq(w, x.T @ x, group_size), quant.quantize(w, "int4", group_size, "minmax")
+    g, r = gptq(w, x.T @ x, group_size, act_order=act_order), quant.quantize(w, "int4", group_size, "minmax")
     err = {name: np.linalg.norm(x @ (q.dequantize() - w).T) for name, q in (("gptq", g), ("rtn", r))}
     assert err["gptq"] < 0.5 * err["rtn"], err
     q = quant.unpack_int4(g.qweight, k)
