@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 
 from . import runtime
-from .quant import GROUP_SIZES, Int4Weight, _fp16_round_up, group_for, pack_int4
+from .quant import GROUP_SIZES, Int4Weight, group_for, minmax_grid, pack_int4
 from .weights import LINEAR_FIELDS
 
 DAMP = 0.1  # of the mean diagonal of H, added to its diagonal (chosen on held-out text: notes/linear.md)
@@ -52,7 +52,7 @@ def gptq(w, hessian, group_size: int = 128, damp: float = DAMP, act_order: bool 
     order = np.arange(k)
     if act_order:
         for g in range(k // group_size):
-            scales[:, g], zeros[:, g] = _grid(W[:, g * group_size:(g + 1) * group_size])
+            scales[:, g], zeros[:, g] = minmax_grid(W[:, g * group_size:(g + 1) * group_size])
         order = np.argsort(-np.diag(H), kind="stable")
         W, H = W[:, order], H[order][:, order]
     U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U, row j holds what column j passes on
@@ -66,7 +66,7 @@ def gptq(w, hessian, group_size: int = 128, damp: float = DAMP, act_order: bool 
             col = order[b0 + i]  # the weight column this one is
             g = col // group_size
             if not act_order and col % group_size == 0:  # fit the group on its columns as the feedback left them
-                scales[:, g], zeros[:, g] = _grid(Wb[:, i:i + group_size])
+                scales[:, g], zeros[:, g] = minmax_grid(Wb[:, i:i + group_size])
             s64, z64 = scales[:, g].astype(np.float64), zeros[:, g].astype(np.float64)
             qc = np.clip(np.rint(Wb[:, i] / s64 + z64), 0, 15)
             q[:, col] = qc
@@ -75,14 +75,6 @@ def gptq(w, hessian, group_size: int = 128, damp: float = DAMP, act_order: bool 
             err[:, i] = e
         W[:, b1:] -= err @ U[b0:b1, b1:]
     return Int4Weight(pack_int4(q), scales, zeros, group_size, (n, k))
-
-
-def _grid(g):
-    """fp16 (scale, zero) [N] of quant.quantize's "minmax" fit for the group columns g [N, size]."""
-    lo, hi = np.minimum(g.min(axis=1), 0), np.maximum(g.max(axis=1), 0)
-    s = _fp16_round_up((hi - lo).astype(np.float32) / 15)
-    s[s == 0] = 1
-    return s, np.clip(np.rint(-lo / s.astype(np.float64)), 0, 15).astype(np.float16)
 
 
 def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, block_size: int = 16,

@@ -174,14 +174,13 @@ class Model:
         x, _ = rms_norm(h, self.weights.norm, self.config.rms_norm_eps, residual=residual)
         return x
 
-    def layer(self, i, h, residual, positions, slot_mapping, kv_cache, attend, observe=None):
+    def layer(self, i, h, residual, positions, slot_mapping, kv_cache, attend, observe=lambda name, x: None):
         """Decoder layer i: (h, residual) -> (h, residual), the residual add of h still pending
         (None before the first layer: h is the embedding). observe(name, x), if given, sees the
         input of each linear layer ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
         lw, eps = self.weights.layers[i], self.config.rms_norm_eps
         tokens = h.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
-        observe = observe or (lambda name, x: None)
 
         def split(qkv, start, stop, heads):  # [tokens, heads, d] contiguous: a view at one token, else a copy
             a = qkv.reshape(-1)[start:stop] if tokens == 1 else self.xp.ascontiguousarray(qkv[:, start:stop])

@@ -186,15 +186,22 @@ def quantize(w, method, group_size=128, fit="minmax"):
         raise ValueError(f"w: got in_features {k}, need a multiple of group_size {group_size}")
     g = w.reshape(n, k // group_size, group_size)  # g: [N, groups, group_size]
     if fit == "minmax":
-        lo, hi = xp.minimum(g.min(axis=2), 0), xp.maximum(g.max(axis=2), 0)
-        s = _fp16_round_up((hi - lo) / 15)
-        s[s == 0] = 1
-        z = xp.clip(xp.rint(-lo / s.astype(xp.float32)), 0, 15).astype(xp.float16)
+        s, z = minmax_grid(g, xp)
     else:
         s, z = _mse_grid(g, xp)
     s32, z32 = s.astype(xp.float32), z.astype(xp.float32)
     q = xp.clip(xp.rint(g / s32[..., None] + z32[..., None]), 0, 15).astype(xp.uint8)
     return Int4Weight(pack_int4(q.reshape(n, k)), s, z, group_size, (n, k))
+
+
+def minmax_grid(g, xp=np):
+    """fp16 (scale, zero) of the "minmax" fit over the last axis of g (float32 groups of weights):
+    [min(w, 0), max(w, 0)] onto 0..15 with the scale rounded up to fp16 and an integer zero."""
+    g = g.astype(xp.float32, copy=False)
+    lo, hi = xp.minimum(g.min(axis=-1), 0), xp.maximum(g.max(axis=-1), 0)
+    s = _fp16_round_up((hi - lo) / 15)
+    s[s == 0] = 1
+    return s, xp.clip(xp.rint(-lo / s.astype(xp.float32)), 0, 15).astype(xp.float16)
 
 
 def _mse_grid(g, xp):

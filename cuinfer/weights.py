@@ -76,15 +76,13 @@ def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
     output layer keeps 8 bits under int4, as llama.cpp's 4-bit mixes keep it at 6."""
     put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))
 
-    from .quant import Int4Weight, Int8Weight
+    from .quant import GROUP_SIZES, Int4Weight, Int8Weight, group_for, parse_spec, quantize
 
     def linear_weight(a, quant=quant):
         if isinstance(a, (Int8Weight, Int4Weight)):  # quantized already (cuinfer.gptq)
             return a if xp is np else a.to_device()
         if quant is None:
             return put(a)
-        from .quant import GROUP_SIZES, group_for, parse_spec, quantize
-
         method, group_size, fit = parse_spec(quant)
         if fit == "gptq":
             raise runtime.CuinferError(f"--quant {quant}: GPTQ needs calibration text, so it is not a load-time "
