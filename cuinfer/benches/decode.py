@@ -46,8 +46,8 @@ def add_arguments(parser):
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers generate")
-    parser.add_argument("--async-decode", action="store_true",
-                        help="pipelined greedy decode (Engine async_decode: step n+1 launched before n's tokens are read)")
+    parser.add_argument("--sync-decode", action="store_true",
+                        help="read each step's tokens before the next is launched (Engine async_decode=False)")
 
 
 # ----------------------------------------------------------------------------- weights
@@ -95,7 +95,7 @@ def make_engine(cp, model, batch, args, use_graphs=True):
     per_seq = -(-(args.prompt_len + args.new_tokens + 1) // shape.block_size) * shape.block_size
     cache = KVCache.allocate(shape, model.dtype, cp, batch * per_seq + PREFILL_TOKENS + shape.block_size)
     return Engine(model, cache, max_batch_tokens=max(512, batch * args.prompt_len),
-                  max_num_seqs=max(256, batch), use_graphs=use_graphs, async_decode=args.async_decode and use_graphs)
+                  max_num_seqs=max(256, batch), use_graphs=use_graphs, async_decode=not args.sync_decode and use_graphs)
 
 
 def decode_run(engine, prompts, new_tokens):
