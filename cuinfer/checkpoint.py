@@ -4,8 +4,12 @@ A directory holds config.json, model.safetensors (or shards listed in
 model.safetensors.index.json), and the tokenizer files (tokenizer.json,
 tokenizer_config.json, generation_config.json). Tensor names are the Hugging Face names;
 `expected_tensors(config)` derives every name and shape from the config, and loading
-checks the files against it: a missing, unexpected or mis-shaped tensor or a truncated file
-is one CuinferError naming the tensor and the file.
+checks the files against it: a missing, unexpected, mis-shaped or mis-typed tensor or a
+truncated file is one CuinferError naming the tensor and the file.
+
+A quantized checkpoint (config.quantization, written by cuinfer.quantize) stores each quantized
+weight as the arrays of its Int8Weight / Int4Weight (quant.saved_parts); load_checkpoint returns
+the weight objects under the `.weight` names, and save_checkpoint takes them the same way.
 
 safetensors files are read here directly (8-byte header length, JSON header, raw data)
 through np.memmap, so a tensor already in the run dtype is a read-only view of the page
@@ -25,11 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig, dtype_name, load_config, numpy_dtype
+from . import quant
+from .config import DTYPES, ModelConfig, dtype_name, load_config, numpy_dtype
 from .runtime import CuinferError, bfloat16
 
-# safetensors dtype tag <-> numpy dtype (the float types a checkpoint may hold)
-ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": bfloat16}
+# safetensors dtype tag <-> numpy dtype (the float types a checkpoint may hold, and the quantized arrays')
+ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": bfloat16,
+             "I8": np.dtype(np.int8), "U32": np.dtype(np.uint32)}
 ST_TAGS = {v: k for k, v in ST_DTYPES.items()}
 
 # The name table: Hugging Face name -> shape, per layer {i}. Bias rows exist only when
@@ -58,8 +64,10 @@ SHARD_BYTES = 5 * 2**30
 PROGRESS_BYTES = 2**30  # show a progress bar when a checkpoint holds more than this
 
 
-def expected_tensors(config: ModelConfig) -> dict:
-    """Every tensor name of a checkpoint for `config`, in file order -> its shape."""
+def weight_shapes(config: ModelConfig) -> dict:
+    """Every weight the model takes, Hugging Face name -> shape, in file order. lm_head.weight is
+    there when the embeddings are not tied, or when the checkpoint is quantized (its int8 lm_head
+    is a tensor of its own)."""
     out = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
     for i in range(config.num_hidden_layers):
         for name, shape in LAYER_TENSORS.items():
@@ -67,9 +75,22 @@ def expected_tensors(config: ModelConfig) -> dict:
                 continue
             out[name.format(i=i)] = shape(config)
     out["model.norm.weight"] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings or config.quantization:
         out["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     return out
+
+
+def expected_tensors(config: ModelConfig) -> dict:
+    """Every tensor name of a checkpoint for `config`, in file order -> its shape."""
+    return {n: s for parts in _layout(config, config.dtype).values() for n, (s, _) in parts.items()}
+
+
+def _layout(config: ModelConfig, dtype) -> dict:
+    """weight name -> {stored name: (shape, dtype)}: a float weight under its own name in `dtype`, a
+    quantized one as its arrays in theirs (quant.saved_parts)."""
+    q = config.quantization
+    return {name: quant.saved_parts(q, name, shape) if q and quant.is_quantized(name, q) else
+            {name: (shape, np.dtype(dtype))} for name, shape in weight_shapes(config).items()}
 
 
 # ------------------------------------------------------------------ safetensors files
@@ -119,28 +140,44 @@ def read_safetensors(file: Path, names=None) -> dict:
     return out
 
 
-def write_safetensors(file: Path, names, tensors: Mapping, shapes: dict, dtype, progress=None):
-    """Write tensors[name] (converted to dtype) for each name, one at a time."""
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape)) * dtype.itemsize
+
+
+def write_safetensors(file: Path, layout: dict, tensors: Mapping, progress=None):
+    """Write tensors[name] for each name of layout (weight name -> {stored name: (shape, dtype)}),
+    one weight at a time: a float array converted to its dtype, a quantized weight's arrays as they are."""
     header, offset = {}, 0
-    nbytes = {n: int(np.prod(shapes[n])) * dtype.itemsize for n in names}
-    for n in names:
-        header[n] = {"dtype": ST_TAGS[dtype], "shape": list(shapes[n]),
-                     "data_offsets": [offset, offset + nbytes[n]]}
-        offset += nbytes[n]
+    for parts in layout.values():
+        for n, (shape, dtype) in parts.items():
+            end = offset + _nbytes(shape, dtype)
+            header[n] = {"dtype": ST_TAGS[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
-        for n in names:
-            a = np.ascontiguousarray(np.asarray(tensors[n]), dtype=dtype)
-            if a.shape != tuple(shapes[n]):
-                raise CuinferError(f"tensor {n}: got shape {a.shape}, need {tuple(shapes[n])}")
-            f.write(a.tobytes() if a.nbytes else b"")
-            if progress is not None:
-                progress.update(a.nbytes)
+        for name, parts in layout.items():
+            w = tensors[name]
+            quantized = isinstance(w, quant.QUANTIZED)
+            arrays = quant.weight_arrays(name, w) if quantized else {name: w}
+            if set(arrays) != set(parts):
+                raise CuinferError(f"tensor {name}: got {type(w).__name__}, this config stores it as "
+                                   f"{', '.join(parts)}")
+            for n, (shape, dtype) in parts.items():
+                a = np.asarray(arrays[n])
+                if quantized and a.dtype != dtype:
+                    raise CuinferError(f"tensor {n}: got dtype {a.dtype}, need {dtype}")
+                a = np.ascontiguousarray(a, dtype=dtype)
+                if a.shape != tuple(shape):
+                    raise CuinferError(f"tensor {n}: got shape {a.shape}, need {tuple(shape)}")
+                f.write(a.tobytes() if a.nbytes else b"")
+                if progress is not None:
+                    progress.update(a.nbytes)
 
 
-def _progress(total: int, desc: str):
+def progress_bar(total: int, desc: str):
+    """A tqdm bar over `total` bytes, shown only past PROGRESS_BYTES."""
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < PROGRESS_BYTES)
@@ -165,17 +202,19 @@ def checkpoint_files(path: Path) -> dict:
 
 
 def load_checkpoint(path, dtype=None) -> tuple[ModelConfig, dict]:
-    """(config, name -> array) from a checkpoint directory.
+    """(config, name -> array) from a checkpoint directory, the names of weight_shapes(config).
 
-    dtype: the run dtype ("float32", "float16", "bfloat16" or a numpy dtype); default the
-    checkpoint's torch_dtype. Tensors stored in that dtype come back as read-only memmaps.
+    dtype: the run dtype of the float tensors ("float32", "float16", "bfloat16" or a numpy dtype);
+    default the checkpoint's torch_dtype. Tensors stored in that dtype come back as read-only
+    memmaps. A quantized weight comes back as its Int8Weight / Int4Weight over memmaps of its arrays.
     """
     path = Path(path)
     if not path.is_dir():
         raise CuinferError(f"{path}: no such checkpoint directory")
     config = load_config(path)
     dtype = numpy_dtype(dtype or config.torch_dtype)
-    expected = expected_tensors(config)
+    layout = _layout(config, dtype)
+    expected = {n: shape_dtype for parts in layout.values() for n, shape_dtype in parts.items()}
     files = checkpoint_files(path)
     for name in list(files):
         if name.endswith(DERIVED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
@@ -199,16 +238,24 @@ def load_checkpoint(path, dtype=None) -> tuple[ModelConfig, dict]:
         absent = [n for n in names if n not in header]
         if absent:
             raise CuinferError(f"{file}: tensor {absent[0]} is listed in the index but not in the file")
-    total = sum(int(np.prod(s)) * dtype.itemsize for s in expected.values())
-    with _progress(total, f"loading {path.name}") as bar:
+    floats = set(DTYPES.values())
+    with progress_bar(sum(_nbytes(*sd) for sd in expected.values()), f"loading {path.name}") as bar:
         for file, names in by_file.items():
             for name, a in read_safetensors(file, names).items():
-                if a.shape != expected[name]:
+                shape, want = expected[name]
+                if a.shape != shape:
                     raise CuinferError(f"{file}: tensor {name} has shape {a.shape}, "
-                                       f"{config.architecture} config needs {expected[name]}")
-                tensors[name] = a if a.dtype == dtype else np.array(a, dtype=dtype)
+                                       f"{config.architecture} config needs {shape}")
+                if a.dtype != want and not {a.dtype, want} <= floats:
+                    need = " or ".join(ST_TAGS[d] for d in DTYPES.values()) if want in floats else ST_TAGS[want]
+                    raise CuinferError(f"{file}: tensor {name} has dtype {ST_TAGS[a.dtype]}, "
+                                       f"{config.architecture} config needs {need}")
+                tensors[name] = a if a.dtype == want else np.array(a, dtype=want)
                 bar.update(tensors[name].nbytes)
-    return config, {n: tensors[n] for n in expected}
+    shapes = weight_shapes(config)
+    return config, {name: tensors[name] if name in parts else  # a float weight, else a quantized one's arrays
+                    quant.weight_from_arrays(config.quantization, name, shapes[name], tensors)
+                    for name, parts in layout.items()}
 
 
 # ------------------------------------------------------------------ save
@@ -218,17 +265,20 @@ def save_checkpoint(path, config: ModelConfig, tensors: Mapping, tokenizer_files
                     dtype=None, shard_bytes=SHARD_BYTES, overwrite=False) -> Path:
     """Write a checkpoint directory; returns its path.
 
-    tensors: name -> array (a Mapping, read one name at a time), exactly expected_tensors(config).
-    dtype: stored dtype (default config.torch_dtype; config.json records it).
+    tensors: name -> array (a Mapping, read once per name, one at a time), exactly the names of
+    weight_shapes(config); with config.quantization the quantized ones are Int8Weight /
+    Int4Weight in its format (as load_checkpoint returns them), stored as their arrays.
+    dtype: stored dtype of the float tensors (default config.torch_dtype; config.json records it).
     Writes into a temporary sibling directory and renames it into place, so a failure
     leaves nothing that looks like a checkpoint.
     """
     path = Path(path)
     dtype = numpy_dtype(dtype or config.torch_dtype)
     config = config.replace(torch_dtype=dtype_name(dtype))
-    expected = expected_tensors(config)
-    missing = [n for n in expected if n not in tensors]
-    unexpected = [n for n in tensors if n not in expected]
+    layout = _layout(config, dtype)
+    given = set(tensors)  # the names only: a Mapping may build a tensor when it is looked up
+    missing = [n for n in layout if n not in given]
+    unexpected = [n for n in tensors if n not in layout]
     if missing or unexpected:
         what = f"missing tensor {missing[0]}" if missing else f"unexpected tensor {unexpected[0]}"
         raise CuinferError(f"save_checkpoint: {what} for this {config.architecture} config")
@@ -241,7 +291,7 @@ def save_checkpoint(path, config: ModelConfig, tensors: Mapping, tokenizer_files
     except OSError as e:
         raise CuinferError(f"{path}: cannot write here: {e.strerror}") from None
     try:
-        _write_dir(tmp, config, tensors, expected, dtype, shard_bytes, tokenizer_files_from)
+        _write_dir(tmp, config, tensors, layout, shard_bytes, tokenizer_files_from)
         if path.exists():  # overwrite: move the old one aside first, so a path always exists
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / path.name)
@@ -258,25 +308,25 @@ def save_checkpoint(path, config: ModelConfig, tensors: Mapping, tokenizer_files
     return path
 
 
-def _write_dir(tmp: Path, config, tensors, expected, dtype, shard_bytes, tokenizer_files_from):
-    # split names into shards of at most shard_bytes (a larger tensor gets its own shard)
+def _write_dir(tmp: Path, config, tensors, layout, shard_bytes, tokenizer_files_from):
+    # split weights into shards of at most shard_bytes (a larger weight gets its own shard)
     shards, size = [[]], 0
-    for name, shape in expected.items():
-        n = int(np.prod(shape)) * dtype.itemsize
+    sizes = {name: sum(_nbytes(*sd) for sd in parts.values()) for name, parts in layout.items()}
+    for name, n in sizes.items():
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += n
-    total = sum(int(np.prod(s)) * dtype.itemsize for s in expected.values())
+    total = sum(sizes.values())
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    with _progress(total, f"writing {tmp.name}") as bar:
+    with progress_bar(total, f"writing {tmp.name}") as bar:
         for file, names in zip(files, shards):
-            write_safetensors(tmp / file, names, tensors, expected, dtype, bar)
+            write_safetensors(tmp / file, {n: layout[n] for n in names}, tensors, bar)
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
-                 "weight_map": {n: f for f, names in zip(files, shards) for n in names}}
+                 "weight_map": {part: f for f, names in zip(files, shards) for n in names for part in layout[n]}}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     if tokenizer_files_from is not None:

@@ -10,6 +10,9 @@ Notes on fields that are read but not honoured:
   shorter than max_position_embeddings is active.
 - Transformers 5 writes `dtype` for `torch_dtype` and `rope_parameters` for
   rope_theta/rope_scaling; both spellings are read.
+
+A checkpoint saved by cuinfer.quantize carries a `quantization` entry (cuinfer.quant.quantization_config),
+validated here; Hugging Face's own `quantization_config` (AWQ, GPTQ, bitsandbytes exports) is refused.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .quant import BITS, FITS, GROUP_SIZES, LINEAR_MODULES
 from .runtime import CuinferError, bfloat16
 
 # Hugging Face architecture name -> model_type written back by to_dict()
@@ -75,6 +79,9 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: tuple = ()
+    # None (float weights) or the entry cuinfer.quantize writes: {"method": "int8" | "int4", "bits",
+    # "group_size" (int4), "fit" (int4), "modules": quant.LINEAR_MODULES, "lm_head": "int8"}
+    quantization: dict | None = field(default=None, hash=False)
 
     @property
     def model_type(self) -> str:
@@ -133,6 +140,9 @@ class ModelConfig:
             warnings.warn(f"sliding_window={window} is ignored: cuinfer attends to the whole "
                           f"context, so outputs past {window} tokens differ from the original")
         bos = d.get("bos_token_id")
+        if d.get("quantization_config"):
+            raise CuinferError("config: a Hugging Face quantization_config is not supported: cuinfer loads float "
+                               "checkpoints and its own quantized ones (python -m cuinfer.quantize)")
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -152,13 +162,14 @@ class ModelConfig:
             torch_dtype=dtype,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
+            quantization=_quantization(d.get("quantization")),
         )
 
     def to_dict(self) -> dict:
         """A Hugging Face config.json dict; ModelConfig.from_dict(c.to_dict()) == c."""
         d = {"architectures": [self.architecture], "model_type": self.model_type}
         for f in dataclasses.fields(self):
-            if f.name != "architecture":
+            if f.name != "architecture" and not (f.name == "quantization" and self.quantization is None):
                 d[f.name] = getattr(self, f.name)
         d["eos_token_id"] = list(self.eos_token_id)
         d["hidden_act"] = "silu"
@@ -182,6 +193,28 @@ def _rope_scaling(rs: dict | None) -> dict | None:
         raise CuinferError(f"rope_scaling llama3: missing {', '.join(missing)}")
     return {"rope_type": "llama3", **{k: float(rs[k]) for k in LLAMA3_ROPE_KEYS[:3]},
             "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
+
+
+def _quantization(q: dict | None) -> dict | None:
+    """The validated `quantization` entry (None for float weights)."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise CuinferError(f"config: quantization must be an object, got {q!r}")
+    method = q.get("method")
+    if method not in BITS:
+        raise CuinferError(f"config: quantization method {method!r} is not supported: need one of {', '.join(BITS)}")
+    int4 = method == "int4"
+    allowed = {"bits": (BITS[method],), "group_size": GROUP_SIZES if int4 else (None,),
+               "fit": FITS + ("gptq",) if int4 else (None,), "modules": (list(LINEAR_MODULES),), "lm_head": ("int8",)}
+    for key, values in allowed.items():
+        if q.get(key) not in values:
+            raise CuinferError(f"config: quantization {key} {json.dumps(q.get(key))} for {method}: need "
+                               + " or ".join(map(json.dumps, values)))
+    unknown = sorted(set(q) - set(allowed) - {"method"})
+    if unknown:
+        raise CuinferError(f"config: quantization has unknown key {unknown[0]!r}")
+    return {"method": method, **{k: q.get(k) for k in allowed}}
 
 
 def load_config(path) -> ModelConfig:

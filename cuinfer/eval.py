@@ -65,7 +65,7 @@ def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int
     return math.exp(nll / count), count
 
 
-def _read_ids(checkpoint, path):
+def read_ids(checkpoint, path):
     """Token ids of a UTF-8 text file under the checkpoint's tokenizer."""
     from .tokenizer import Tokenizer
 
@@ -91,7 +91,7 @@ def main(argv=None):
     p.add_argument("--quant", nargs="+", default=["none"],
                    help="weight formats to compare: none, int8, int4 (g128, fit minmax), int4-g32, int4-g32-mse, "
                         "int4-gptq, ... (cuinfer.quant.parse_spec; a group size not dividing in_features shrinks "
-                        "to one that does)")
+                        "to one that does); a checkpoint saved quantized (python -m cuinfer.quantize) runs as none")
     p.add_argument("--calib", help="calibration text for the -gptq formats (another text than --text)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (sequences of 512)")
     args = parser.parse_args(argv)
@@ -104,9 +104,9 @@ def main(argv=None):
         gptq = [q for q in args.quant if q != "none" and parse_spec(q)[2] == "gptq"]  # a bad value fails here
         if gptq and not args.calib:
             raise runtime.CuinferError(f"--quant {gptq[0]}: needs --calib FILE (calibration text)")
-        ids = _read_ids(args.checkpoint, args.text)[: args.max_tokens]
+        ids = read_ids(args.checkpoint, args.text)[: args.max_tokens]
         config, tensors = load_checkpoint(args.checkpoint)
-        calib_ids = _read_ids(args.checkpoint, args.calib)[: args.calib_tokens] if gptq else None
+        calib_ids = read_ids(args.checkpoint, args.calib)[: args.calib_tokens] if gptq else None
         base = None
         print(f"{len(ids)} tokens, window {args.window}, stride {args.stride}, device {args.device}")
         for quant in args.quant:

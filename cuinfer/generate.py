@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU: float16 or bfloat16 (default from the checkpoint); CPU: float32")
     p.add_argument("--quant", type=quant_spec, metavar="SPEC",
                    help="quantize the linear weights at load: int8, int4 (group 128), int4-g32, int4-g64-mse, ... "
-                        "(the lm_head becomes int8)")
+                        "(the lm_head becomes int8); a checkpoint saved quantized (python -m cuinfer.quantize) "
+                        "loads without it")
     p.add_argument("--no-graphs", action="store_true",
                    help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")

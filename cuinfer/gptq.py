@@ -9,7 +9,8 @@ H = X^T X (+ 10% damping), in blocks of 128 columns (the "lazy batch" update). C
 order of decreasing H[k, k] (act_order: the most active inputs first, while the most columns
 are left to absorb their error); each group's (scale, zero) is then fitted up front with the
 "minmax" rule, and without act_order as its first column comes up. The result is an ordinary
-Int4Weight: same format, bytes and kernels as round-to-nearest.
+Int4Weight: same format, bytes and kernels as round-to-nearest; `python -m cuinfer.quantize SRC DST
+--quant int4-gptq --calib FILE` saves them as a checkpoint.
 
 gptq_weights walks the decoder layer by layer: the calibration tokens run through the layers
 already quantized, the next layer's linear inputs (qkv, o, gate_up, down) give its four H, its
@@ -24,7 +25,7 @@ import dataclasses
 import numpy as np
 
 from . import runtime
-from .quant import GROUP_SIZES, Int4Weight, group_for, minmax_grid, pack_int4
+from .quant import GROUP_SIZES, QUANTIZED, Int4Weight, group_for, minmax_grid, pack_int4
 from .weights import LINEAR_FIELDS
 
 DAMP = 0.1  # of the mean diagonal of H, added to its diagonal (chosen on held-out text: notes/linear.md)
@@ -91,6 +92,8 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
 
     if model.xp is not np or model.weights.embed.dtype != np.float32:
         raise runtime.CuinferError("GPTQ runs on the float32 CPU model: Model.from_tensors(config, tensors, 'cpu')")
+    if isinstance(model.weights.layers[0].qkv, QUANTIZED):
+        raise runtime.CuinferError("GPTQ quantizes float weights: this checkpoint is quantized already")
     ids = np.asarray(calib_ids, dtype=np.int32)
     n_seqs = len(ids) // seq_len
     if n_seqs == 0:

@@ -30,14 +30,19 @@ Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_si
     `quantize` makes; a fractional zero from GGUF Q4_1 is rounded there once) and applies the
     scale in fp32: `dequantize(compute_dtype)` mirrors that rounding.
 
-Saved form (safetensors, AWQ-like names): for a weight `<prefix>.weight` the tensors
-`<prefix>.qweight`, `<prefix>.scales` and, for int4, `<prefix>.zeros`; config.json gets
-`"quantization": {"method": "int4", "group_size": 128}` (`quantization_config`).
+Saved form (python -m cuinfer.quantize; safetensors, AWQ-like names): a quantized weight
+`<prefix>.weight` is stored as the arrays of its object, in the layout above, so loading is a copy:
+`<prefix>.qweight` (I8 / U32), `<prefix>.scales` (F16) and, for int4, `<prefix>.zeros` (F16)
+(`saved_parts`). config.json gets a `quantization` entry (`quantization_config`), e.g.
+`{"method": "int4", "bits": 4, "group_size": 128, "fit": "gptq", "modules": [the LINEAR_MODULES],
+"lm_head": "int8"}`: every decoder linear layer in `method`, the lm_head in int8 (its own tensor
+even when the embeddings are tied), the rest in the checkpoint's float dtype.
 GGUF Q4_0 / Q4_1 blocks import as int4 group 32 without a float round trip; Q8_0 (int8
 with a scale per 32) is re-quantized per channel (error <= scale / 2 on top of Q8_0's).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,6 +147,9 @@ class Int4Weight:
     @property
     def nbytes(self):
         return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+
+QUANTIZED = (Int8Weight, Int4Weight)
 
 
 # ------------------------------------------------------------------------ quantizers
@@ -254,6 +262,20 @@ def parse_spec(spec):
     return method, group_size, fit
 
 
+def quantize_spec(w, spec):
+    """quantize(w, ...) [N, K] as --quant SPEC does at load: the int4 group shrinks to group_for(K, ...).
+    GPTQ is refused: it needs calibration text (cuinfer.gptq, python -m cuinfer.quantize --calib)."""
+    method, group_size, fit = parse_spec(spec)
+    if fit == "gptq":
+        raise runtime.CuinferError(f"--quant {spec}: GPTQ needs calibration text, so it is not a load-time format: "
+                                   "python -m cuinfer.quantize SRC DST --quant int4-gptq --calib FILE saves it")
+    k = w.shape[1]
+    group = group_for(k, group_size) if method == "int4" else group_size
+    if group is None:
+        raise runtime.CuinferError(f"--quant {spec}: in_features {k} is not a multiple of any group size {GROUP_SIZES}")
+    return quantize(w, method, group, fit)
+
+
 def group_for(k, group_size):
     """The int4 group size used for in_features k: group_size if it divides k, else the largest
     smaller one of GROUP_SIZES that does (576 at g128 -> 64); None if none does."""
@@ -261,60 +283,82 @@ def group_for(k, group_size):
 
 
 # ------------------------------------------------------------------------ checkpoints
-def is_quantizable(name, w):
-    """Linear weights of the decoder: 2-D `.weight` tensors other than the token embedding."""
-    return name.endswith(".weight") and np.ndim(w) == 2 and "embed_tokens" not in name
+BITS = {"int8": 8, "int4": 4}
+# the decoder's linear layers (Hugging Face modules of each layer) a quantized checkpoint stores quantized,
+# as --quant quantizes them at load (weights.LINEAR_FIELDS fuses them); lm_head.weight is quantized too
+LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_ARRAYS = {Int8Weight: ("qweight", "scales"), Int4Weight: ("qweight", "scales", "zeros")}
 
 
-def quantize_state_dict(tensors, method, group_size=128, predicate=is_quantizable, fit="minmax"):
-    """Quantize a {name: array} dict; returns ({name: array} for safetensors, config entry).
-
-    `<prefix>.weight` becomes `<prefix>.qweight` / `.scales` (/ `.zeros`); the rest is kept."""
-    out = {}
-    for name, w in tensors.items():
-        if not predicate(name, w):
-            out[name] = w
-            continue
-        out.update(quantized_tensors_to_safetensors(name[: -len(".weight")], quantize(w, method, group_size, fit)))
-    return out, quantization_config(method, group_size, fit)
+def quantization_config(spec, lm_head):
+    """The `quantization` entry of config.json for a parse_spec string; lm_head: the lm_head's method."""
+    method, group_size, fit = parse_spec(spec)
+    int4 = method == "int4"
+    return {"method": method, "bits": BITS[method], "group_size": group_size if int4 else None,
+            "fit": fit if int4 else None, "modules": list(LINEAR_MODULES), "lm_head": lm_head}
 
 
-def quantization_config(method, group_size=128, fit="minmax"):
-    """The `quantization` entry of config.json (the int4 fit is recorded, not needed to load)."""
-    return {"method": method, "group_size": group_size, "fit": fit} if method == "int4" else {"method": method}
+def is_quantized(name, entry):
+    """Whether the Hugging Face weight `name` is stored quantized under `entry` (config.json's quantization)."""
+    return name == "lm_head.weight" or name.endswith(tuple(f".{m}.weight" for m in entry["modules"]))
 
 
-def quantized_tensors_to_safetensors(prefix, weight):
-    """{name: numpy array} for one weight object, under `prefix` (e.g. 'model.layers.0.mlp.up_proj')."""
-    out = {f"{prefix}.qweight": _asnumpy(weight.qweight), f"{prefix}.scales": _asnumpy(weight.scales)}
-    if isinstance(weight, Int4Weight):
-        out[f"{prefix}.zeros"] = _asnumpy(weight.zeros)
-    return out
+def saved_parts(entry, name, shape):
+    """{stored name: (shape, dtype)} of the quantized weight `name` [N, K] (`<prefix>.weight`): the arrays
+    of its Int8Weight / Int4Weight in their in-memory layout, `<prefix>.qweight` (int8 [N, K] / uint32
+    [N, ceil(K / 128) * 16]), `.scales` (fp16 [N] / [N, K / group]) and, for int4, `.zeros` (as scales).
+    The int4 group of a matrix is group_for(K, entry's group_size)."""
+    prefix, (n, k) = name[: -len(".weight")], shape
+    f16 = np.dtype(np.float16)
+    if (entry["lm_head"] if name == "lm_head.weight" else entry["method"]) == "int8":
+        return {f"{prefix}.qweight": ((n, k), np.dtype(np.int8)), f"{prefix}.scales": ((n,), f16)}
+    groups = (n, k // _group(entry, name, k))
+    return {f"{prefix}.qweight": ((n, -(-k // QUAD_K) * 16), np.dtype(np.uint32)),
+            f"{prefix}.scales": (groups, f16), f"{prefix}.zeros": (groups, f16)}
 
 
-def weights_from_safetensors(tensors, config):
-    """Inverse of quantize_state_dict: `<prefix>.weight` -> Int8Weight / Int4Weight, rest unchanged.
+def _group(entry, name, k):
+    group = group_for(k, entry["group_size"])
+    if group is None:
+        raise runtime.CuinferError(f"{name}: in_features {k} is not a multiple of any int4 group size {GROUP_SIZES}")
+    return group
 
-    config: the `quantization` entry of config.json (None or {} for an unquantized checkpoint)."""
-    if not config:
-        return dict(tensors)
-    method = config.get("method")
-    if method not in METHODS:
-        raise runtime.CuinferError(f"config.json quantization method {method!r} is not supported: need one of {METHODS}")
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith((".scales", ".zeros")):
-            continue
-        if not name.endswith(".qweight"):
-            out[name] = t
-            continue
-        prefix = name[: -len(".qweight")]
-        s = tensors[f"{prefix}.scales"]
-        if method == "int8":
-            out[f"{prefix}.weight"] = Int8Weight(t, s, tuple(t.shape))
-        else:
-            gs = int(config.get("group_size", 128))
-            out[f"{prefix}.weight"] = Int4Weight(t, s, tensors[f"{prefix}.zeros"], gs, (t.shape[0], s.shape[1] * gs))
+
+def weight_arrays(name, weight):
+    """{stored name: numpy array} of the quantized `<prefix>.weight` `name`, as saved_parts names them."""
+    prefix = name[: -len(".weight")]
+    return {f"{prefix}.{f}": _asnumpy(getattr(weight, f)) for f in _ARRAYS[type(weight)]}
+
+
+def weight_from_arrays(entry, name, shape, arrays):
+    """Inverse of weight_arrays: the Int8Weight / Int4Weight [N, K] = `shape` of `name` from arrays
+    ({stored name: array}, as loaded: no copy)."""
+    parts = [arrays[n] for n in saved_parts(entry, name, shape)]
+    if len(parts) == 2:
+        return Int8Weight(*parts, tuple(shape))
+    return Int4Weight(*parts, _group(entry, name, shape[1]), tuple(shape))
+
+
+def concat_rows(weights):
+    """The quantized weight with the rows of `weights` in order (np.concatenate on axis 0 of each array:
+    every row has its own scales and zeros). They must share the format, in_features and group size."""
+    first = weights[0]
+    formats = {(type(w).__name__, w.shape[1], getattr(w, "group_size", None)) for w in weights}
+    if len(formats) > 1:
+        raise runtime.CuinferError(f"cannot stack the rows of weights of different formats "
+                                   f"(format, in_features, group size): {sorted(formats, key=str)}")
+    arrays = {f: np.concatenate([_asnumpy(getattr(w, f)) for w in weights]) for f in _ARRAYS[type(first)]}
+    return dataclasses.replace(first, **arrays, shape=(sum(w.shape[0] for w in weights), first.shape[1]))
+
+
+def split_rows(weight, sizes):
+    """Inverse of concat_rows: the weights of `sizes` consecutive rows each (views)."""
+    out, start = [], 0
+    for n in sizes:
+        arrays = {f: getattr(weight, f)[start:start + n] for f in _ARRAYS[type(weight)]}
+        out.append(dataclasses.replace(weight, **arrays, shape=(n, weight.shape[1])))
+        start += n
     return out
 
 

@@ -3,7 +3,9 @@
 Per layer: q/k/v projections become one [q + k + v, hidden] matrix (and one bias for
 Qwen2-style attention_bias), gate/up become one [2 * intermediate, hidden] matrix,
 so each is a single linear call. Linear weights stay in the HF layout [out, in]
-(y = x @ w.T) and may be quantized (cuinfer.quant); norms and the embedding stay float.
+(y = x @ w.T) and may be quantized (cuinfer.quant): quantized at load by to_device, or
+quantized already in the checkpoint (every row carries its own scales, so quantized q/k/v
+and gate/up stack row-wise as they are); norms and the embedding stay float.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import runtime
+from .quant import QUANTIZED, concat_rows, quantize_spec, split_rows
 
 
 @dataclass
@@ -36,6 +39,23 @@ class Weights:
 LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")
 
 
+def fused_modules(config) -> dict:
+    """Each linear field -> [(Hugging Face module, rows)] whose weights it stacks, in order."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    return {"qkv": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+            "o": [("self_attn.o_proj", config.hidden_size)],
+            "gate_up": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)],
+            "down": [("mlp.down_proj", config.hidden_size)]}
+
+
+def _stack(parts):
+    """The rows of `parts` (float arrays, or quantized weights of one format) in one matrix."""
+    if len(parts) == 1:
+        return parts[0]
+    return concat_rows(parts) if any(isinstance(p, QUANTIZED) for p in parts) else np.concatenate(parts, axis=0)
+
+
 def _get(tensors, name):
     if name not in tensors:
         raise runtime.CuinferError(f"checkpoint: tensor {name!r} is missing")
@@ -43,26 +63,34 @@ def _get(tensors, name):
 
 
 def fuse(config, tensors) -> Weights:
-    """Hugging Face names -> fused numpy weights, kept in the checkpoint's dtype (to_device casts)."""
+    """Hugging Face names -> fused numpy weights, kept in the checkpoint's dtype (to_device casts);
+    quantized ones (Int8Weight / Int4Weight, from a quantized checkpoint) stack as quantized."""
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        get = lambda name: _get(tensors, p + name)
+        get = lambda name, p=p: _get(tensors, p + name)
         bias = None
         if config.attention_bias:
             bias = np.concatenate([get(f"self_attn.{n}_proj.bias") for n in "qkv"])
-        layers.append(LayerWeights(
-            input_norm=get("input_layernorm.weight"),
-            qkv=np.concatenate([get(f"self_attn.{n}_proj.weight") for n in "qkv"], axis=0),
-            qkv_bias=bias,
-            o=get("self_attn.o_proj.weight"),
-            post_norm=get("post_attention_layernorm.weight"),
-            gate_up=np.concatenate([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], axis=0),
-            down=get("mlp.down_proj.weight")))
+        linear = {field: _stack([get(f"{m}.weight") for m, _ in modules])
+                  for field, modules in fused_modules(config).items()}
+        layers.append(LayerWeights(input_norm=get("input_layernorm.weight"), qkv_bias=bias,
+                                   post_norm=get("post_attention_layernorm.weight"), **linear))
     embed = _get(tensors, "model.embed_tokens.weight")
-    tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
-    lm_head = embed if tied else tensors["lm_head.weight"]
+    lm_head = tensors.get("lm_head.weight")
+    if lm_head is None or (config.tie_word_embeddings and not isinstance(lm_head, QUANTIZED)):
+        lm_head = embed  # tied (a quantized checkpoint keeps its int8 lm_head as a tensor of its own)
     return Weights(embed=embed, layers=layers, norm=_get(tensors, "model.norm.weight"), lm_head=lm_head)
+
+
+def linear_tensors(config, w: Weights) -> dict:
+    """Inverse of fuse for quantized decoder linear layers: Hugging Face name -> its rows of the fused weight."""
+    out = {}
+    for i, lw in enumerate(w.layers):
+        for field, modules in fused_modules(config).items():
+            parts = split_rows(getattr(lw, field), [rows for _, rows in modules])
+            out.update({f"model.layers.{i}.{m}.weight": part for (m, _), part in zip(modules, parts)})
+    return out
 
 
 def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
@@ -73,26 +101,19 @@ def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
     Linear weights quantized already (Int8Weight / Int4Weight, e.g. from cuinfer.gptq) are moved
     as they are. lm_head_quant ("int8"; Model.from_tensors passes it with any `quant`) quantizes
     the lm_head (its own copy when tied: the embedding gathers rows and stays in `dtype`); the
-    output layer keeps 8 bits under int4, as llama.cpp's 4-bit mixes keep it at 6."""
+    output layer keeps 8 bits under int4, as llama.cpp's 4-bit mixes keep it at 6.
+    A `quant` for weights quantized already (a checkpoint saved by cuinfer.quantize) is an error."""
     put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))
 
-    from .quant import GROUP_SIZES, Int4Weight, Int8Weight, group_for, parse_spec, quantize
-
     def linear_weight(a, quant=quant):
-        if isinstance(a, (Int8Weight, Int4Weight)):  # quantized already (cuinfer.gptq)
+        if isinstance(a, QUANTIZED):  # quantized already (cuinfer.gptq, a quantized checkpoint)
+            if quant is not None:
+                raise runtime.CuinferError(f"--quant {quant}: the weights are quantized already (a checkpoint "
+                                           "saved by cuinfer.quantize): load it without --quant")
             return a if xp is np else a.to_device()
         if quant is None:
             return put(a)
-        method, group_size, fit = parse_spec(quant)
-        if fit == "gptq":
-            raise runtime.CuinferError(f"--quant {quant}: GPTQ needs calibration text, so it is not a load-time "
-                                       "format: python -m cuinfer.eval perplexity CKPT --quant int4-gptq --calib FILE")
-        k = a.shape[1]
-        group = group_for(k, group_size) if method == "int4" else group_size
-        if group is None:
-            raise runtime.CuinferError(f"--quant {quant}: in_features {k} is not a multiple of any "
-                                       f"group size {GROUP_SIZES}")
-        return quantize(xp.asarray(np.asarray(a, dtype=np.float32)), method, group, fit)
+        return quantize_spec(xp.asarray(np.asarray(a, dtype=np.float32)), quant)
 
     layers = []
     for lw in w.layers:
@@ -102,5 +123,5 @@ def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
     if lm_head_quant is not None:
         lm_head = linear_weight(w.lm_head, lm_head_quant)
     else:
-        lm_head = embed if w.lm_head is w.embed else put(w.lm_head)
+        lm_head = embed if w.lm_head is w.embed else linear_weight(w.lm_head, None)
     return Weights(embed=embed, layers=layers, norm=put(w.norm), lm_head=lm_head)

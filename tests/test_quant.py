@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuinfer import quant
+from cuinfer import quant, runtime
 
 
 def unit_grid_weight(rng, n, k, group_size):
@@ -140,25 +140,28 @@ def test_quantize_rejects_bad_arguments():
         quant.quantize(np.zeros((2, 96), np.float32), "int3")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_state_dict_safetensors_round_trip(tmp_path, method):
+@pytest.mark.parametrize("spec", ["int8", "int4-g32"])
+def test_weight_arrays_safetensors_round_trip(tmp_path, spec):
+    """A quantized weight saved as its arrays (saved_parts' names, shapes and dtypes) and read back
+    through safetensors is the same weight bit for bit; its rows split and stack back as they were."""
     from safetensors.numpy import load_file, save_file
 
-    rng = np.random.default_rng(2)
-    tensors = {"model.embed_tokens.weight": rng.standard_normal((10, 64)).astype(np.float16),
-               "model.layers.0.mlp.up_proj.weight": rng.standard_normal((96, 64)).astype(np.float16),
-               "model.norm.weight": np.ones(64, np.float16)}
-    saved, config = quant.quantize_state_dict(tensors, method, 32)
-    assert config == ({"method": "int4", "group_size": 32, "fit": "minmax"} if method == "int4" else {"method": "int8"})
-    assert "model.layers.0.mlp.up_proj.qweight" in saved and "model.layers.0.mlp.up_proj.weight" not in saved
-    save_file(saved, str(tmp_path / "model.safetensors"))
-    loaded = quant.weights_from_safetensors(load_file(str(tmp_path / "model.safetensors")), config)
-    assert set(loaded) == set(tensors)
-    w = loaded["model.layers.0.mlp.up_proj.weight"]
-    assert w.shape == (96, 64)
-    direct = quant.quantize(tensors["model.layers.0.mlp.up_proj.weight"], method, 32)
-    np.testing.assert_array_equal(w.dequantize(), direct.dequantize())
-    np.testing.assert_array_equal(loaded["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    entry = quant.quantization_config(spec, "int8")
+    name = "model.layers.0.mlp.up_proj.weight"
+    w = quant.quantize_spec(np.random.default_rng(2).standard_normal((96, 128)).astype(np.float32), spec)
+    arrays = quant.weight_arrays(name, w)
+    assert {n: (a.shape, a.dtype) for n, a in arrays.items()} == quant.saved_parts(entry, name, w.shape)
+    save_file(arrays, str(tmp_path / "model.safetensors"))
+    back = quant.weight_from_arrays(entry, name, w.shape, load_file(str(tmp_path / "model.safetensors")))
+    stacked = quant.concat_rows(quant.split_rows(back, [32, 1, 63]))
+    for got in (back, stacked):
+        assert type(got) is type(w) and got.shape == w.shape
+        assert getattr(got, "group_size", None) == getattr(w, "group_size", None)
+        for n, a in quant.weight_arrays(name, got).items():
+            np.testing.assert_array_equal(a, arrays[n])
+    other = quant.quantize_spec(np.ones((8, 128), np.float32), "int4-g32" if spec == "int8" else "int4-g64")
+    with pytest.raises(runtime.CuinferError, match="different formats"):
+        quant.concat_rows([w, other])
 
 
 def _gguf_blocks(tmp_path, w, qtype):
