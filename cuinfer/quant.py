@@ -35,8 +35,9 @@ Saved form (python -m cuinfer.quantize; safetensors, AWQ-like names): a quantize
 `<prefix>.qweight` (I8 / U32), `<prefix>.scales` (F16) and, for int4, `<prefix>.zeros` (F16)
 (`saved_parts`). config.json gets a `quantization` entry (`quantization_config`), e.g.
 `{"method": "int4", "bits": 4, "group_size": 128, "fit": "gptq", "modules": [the LINEAR_MODULES],
-"lm_head": "int8"}`: every decoder linear layer in `method`, the lm_head in int8 (its own tensor
-even when the embeddings are tied), the rest in the checkpoint's float dtype.
+"lm_head": "int8"}`: every decoder linear layer in `method` (int4: each matrix in the group
+group_for picks, as at load), the lm_head in int8 (its own tensor even when the embeddings are
+tied), the rest in the checkpoint's float dtype.
 GGUF Q4_0 / Q4_1 blocks import as int4 group 32 without a float round trip; Q8_0 (int8
 with a scale per 32) is re-quantized per channel (error <= scale / 2 on top of Q8_0's).
 """
@@ -51,7 +52,8 @@ from . import runtime
 
 GROUP_SIZES = (32, 64, 128)
 QUAD_K = 128  # k per packed quad (16 uint32 per row)
-METHODS = ("int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+METHODS = tuple(BITS)
 
 
 def _xp(a):
@@ -283,7 +285,6 @@ def group_for(k, group_size):
 
 
 # ------------------------------------------------------------------------ checkpoints
-BITS = {"int8": 8, "int4": 4}
 # the decoder's linear layers (Hugging Face modules of each layer) a quantized checkpoint stores quantized,
 # as --quant quantizes them at load (weights.LINEAR_FIELDS fuses them); lm_head.weight is quantized too
 LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
