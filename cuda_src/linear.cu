@@ -226,7 +226,6 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
       }
 #endif
   pdl_wait();
-  pdl_trigger();
 
   // Software pipeline: the next U quads are in flight while this warp computes the current U.
   uint4 a_raw[U][RR][2], a_next[U][RR][2];
@@ -343,6 +342,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
         }
   }
 
+  pdl_trigger();  // the next kernel may start on SMs this grid frees: its main loop is done
   // Sum the warps' fragments into partial[0] (value v of lane l at [v][l]), then the cluster's blocks.
 #pragma unroll
   for (int r = 0; r < RR; ++r)
