@@ -271,10 +271,7 @@ def quantize_spec(w, spec):
     if fit == "gptq":
         raise runtime.CuinferError(f"--quant {spec}: GPTQ needs calibration text, so it is not a load-time format: "
                                    "python -m cuinfer.quantize SRC DST --quant int4-gptq --calib FILE saves it")
-    k = w.shape[1]
-    group = group_for(k, group_size) if method == "int4" else group_size
-    if group is None:
-        raise runtime.CuinferError(f"--quant {spec}: in_features {k} is not a multiple of any group size {GROUP_SIZES}")
+    group = int4_group(w.shape[1], group_size, f"--quant {spec}") if method == "int4" else group_size
     return quantize(w, method, group, fit)
 
 
@@ -282,6 +279,14 @@ def group_for(k, group_size):
     """The int4 group size used for in_features k: group_size if it divides k, else the largest
     smaller one of GROUP_SIZES that does (576 at g128 -> 64); None if none does."""
     return max((g for g in GROUP_SIZES if g <= group_size and k % g == 0), default=None)
+
+
+def int4_group(k, group_size, what):
+    """group_for(k, group_size), or an error naming `what` (the spec or the weight) when no group fits."""
+    group = group_for(k, group_size)
+    if group is None:
+        raise runtime.CuinferError(f"{what}: in_features {k} is not a multiple of any int4 group size {GROUP_SIZES}")
+    return group
 
 
 # ------------------------------------------------------------------------ checkpoints
@@ -314,16 +319,11 @@ def saved_parts(entry, name, shape):
     f16 = np.dtype(np.float16)
     if (entry["lm_head"] if name == "lm_head.weight" else entry["method"]) == "int8":
         return {f"{prefix}.qweight": ((n, k), np.dtype(np.int8)), f"{prefix}.scales": ((n,), f16)}
-    groups = (n, k // _group(entry, name, k))
+    groups = (n, k // int4_group(k, entry["group_size"], name))
     return {f"{prefix}.qweight": ((n, -(-k // QUAD_K) * 16), np.dtype(np.uint32)),
             f"{prefix}.scales": (groups, f16), f"{prefix}.zeros": (groups, f16)}
 
 
-def _group(entry, name, k):
-    group = group_for(k, entry["group_size"])
-    if group is None:
-        raise runtime.CuinferError(f"{name}: in_features {k} is not a multiple of any int4 group size {GROUP_SIZES}")
-    return group
 
 
 def weight_arrays(name, weight):
@@ -338,7 +338,7 @@ def weight_from_arrays(entry, name, shape, arrays):
     parts = [arrays[n] for n in saved_parts(entry, name, shape)]
     if len(parts) == 2:
         return Int8Weight(*parts, tuple(shape))
-    return Int4Weight(*parts, _group(entry, name, shape[1]), tuple(shape))
+    return Int4Weight(*parts, int4_group(shape[1], entry["group_size"], name), tuple(shape))
 
 
 def concat_rows(weights):

@@ -280,8 +280,8 @@ def launch(k, grid, block, args, smem: int = 0):
     """Launch a RawKernel on the current stream; first raises the dynamic shared memory limit when
     static + dynamic go above the default 48 KiB. With CUINFER_PDL=1 on sm_90 (opt-in:
     notes/decode.md has the measurements) it launches through cuLaunchKernelEx with programmatic
-    stream serialization, so a kernel may start while the previous one finishes (the kernels are then compiled with their pdl_wait /
-    pdl_trigger calls, see common.cuh)."""
+    stream serialization, so a kernel may start while the previous one finishes (the kernels are
+    then compiled with their pdl_wait / pdl_trigger calls, see common.cuh)."""
     if smem and smem + k.shared_size_bytes > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))

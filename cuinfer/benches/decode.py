@@ -29,7 +29,7 @@ from ..kv_cache import CacheShape, KVCache
 from ..model import LM_HEAD_QUANT, Batch, Model, kernel_dtype
 from ..ops.linear import linear, linear_argmax
 from ..ops.paged_attention import paged_attention, workspace_elems
-from ..quant import GROUP_SIZES, quantize
+from ..quant import quantize_spec
 from ..sampling import SamplingParams
 from ..weights import LINEAR_FIELDS, LayerWeights, Weights
 
@@ -71,11 +71,10 @@ def random_weights(cp, config, dtype, seed=0) -> Weights:
 
 def quantized(w: Weights, method: str) -> Weights:
     """The weights as Model.from_tensors quantizes them, made on the GPU: the linear layers in
-    `method` (int4: "minmax" fit, the largest group dividing K), the lm_head in LM_HEAD_QUANT
-    (its own copy when tied); embedding and norms stay in the float dtype."""
+    `method` (quant.quantize_spec: int4 g128 minmax, a smaller group where 128 does not divide K),
+    the lm_head in LM_HEAD_QUANT (its own copy when tied); embedding and norms stay in the float dtype."""
     def q(a, method=method):
-        group = max(g for g in GROUP_SIZES if a.shape[1] % g == 0)
-        qw = quantize(a, method, group_size=group, fit="minmax")
+        qw = quantize_spec(a, method)
         return qw if runtime.is_device_array(qw.qweight) else qw.to_device()
 
     layers = [dataclasses.replace(lw, **{f: q(getattr(lw, f)) for f in LINEAR_FIELDS}) for lw in w.layers]
