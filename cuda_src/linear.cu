@@ -19,8 +19,11 @@
 //          128 k and every mma step lies inside one scale group (32 | GS).
 // int8 scales multiply the finished dot product; int4 steps of one group accumulate into a
 // fresh fragment that is scaled into the fp32 sum when the group ends. The epilogue (EPI_*)
-// stores y, or silu(gate) * up of a stacked [gate; up] weight, or per-block argmax partials;
-// small grids split K over the blocks of a cluster (sm_90) that meet in distributed shared memory.
+// stores y (optionally plus a residual), or silu(gate) * up of a stacked [gate; up] weight, or
+// per-block argmax partials; small grids split K over the blocks of a cluster (sm_90) that meet
+// in distributed shared memory. With NORM the x rows are the residual stream and every block
+// first writes their RMSNorm (as rms_norm.cu rounds it) to shared memory, read by the main loop:
+// the decoder's norm costs no launch of its own.
 #include "common.cuh"
 
 using namespace cuinfer;
@@ -104,10 +107,12 @@ __device__ __forceinline__ void argmax_warp(float& best, int& idx) {
 
 }  // namespace
 
-// Epilogues of linear_kernel: EPI_STORE out[m, n] = y (+ bias); EPI_SILU_AND_MUL out[m, n] =
-// silu(y[m, n]) * y[m, n + N] for the stacked weight [gate; up] ([2N, K]), both sums in fp32,
-// rounded once; EPI_ARGMAX: per block and row m of x the (max, lowest index) of T(y) over the
-// block's rows, into part_val / part_idx [M, gridDim.x] (linear_argmax_reduce_kernel finishes).
+// Epilogues of linear_kernel: EPI_STORE out[m, n] = y (+ bias), with a residual
+// round(round(y) + residual[m, n]) (the decoder's residual add, rounded as the unfused pair);
+// EPI_SILU_AND_MUL out[m, n] = silu(y[m, n]) * y[m, n + N] for the stacked weight [gate; up]
+// ([2N, K]), both sums in fp32, rounded once; EPI_ARGMAX: per block and row m of x the (max,
+// lowest index) of T(y) over the block's rows, into part_val / part_idx [M, gridDim.x]
+// (linear_argmax_reduce_kernel finishes).
 #define EPI_STORE 0
 #define EPI_SILU_AND_MUL 1
 #define EPI_ARGMAX 2
@@ -137,14 +142,48 @@ __device__ __forceinline__ float load_cluster(const float* p, unsigned rank) {
 #define LINEAR_CLUSTER(n)
 #endif
 
+// Row stride (elements) of the normalized x in shared memory: rows 64 bytes apart modulo 128, so
+// the two rows of x one 8-lane phase of a 16-byte load reads fall in different banks.
+__host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64 + 32; }
+
+// xs[m, :] = round(w * round(s * rsqrt(mean(s^2) + eps))) for the M rows of s (the residual
+// stream), as rms_norm.cu computes it; ends with a barrier. K % 8 == 0.
+template <typename T, int THREADS>
+__device__ __forceinline__ void norm_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
+                                          int M, int K) {
+  __shared__ float scratch[32];
+  const int ks = norm_stride(K);
+  for (int m = 0; m < M; ++m) {
+    float sum_sq = 0.0f;
+#pragma unroll 2  // more in flight costs registers the main loop needs (ptxas -v)
+    for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+      const Vec<T, 8> v = Vec<T, 8>::load(s + (size_t)m * K + i);
+      v.store(xs + m * ks + i);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
+    }
+    const float inv_rms = 1.0f / sqrtf(block_reduce(sum_sq, scratch) / K + eps);
+#pragma unroll 2
+    for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {  // this thread's own elements
+      const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(w + i);
+      Vec<T, 8> o;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o.v[e] = from_float<T>(to_float(g.v[e]) * to_float(from_float<T>(to_float(v.v[e]) * inv_rms)));
+      o.store(xs + m * ks + i);
+    }
+  }
+  __syncthreads();
+}
+
 // One block: 16 RT output rows (RR = 2 RT weight rows with the SiLU epilogue: the gate tiles,
 // then the up tiles N rows further), the quads [rank, rank + 1) * ceil(quads / SPLIT) of K.
 // Warp w takes quad steps q_begin + (i * WARPS + w) * U + u, loading the next U quads (and
 // their int4 scales / zeros) while it computes these; the warps meet in shared memory.
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI>
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool NORM>
 __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
                                             const __half* __restrict__ scales, const __half* __restrict__ zeros,
-                                            const T* __restrict__ bias, T* __restrict__ out,
+                                            const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
+                                            const T* __restrict__ residual, T* __restrict__ out,
                                             float* __restrict__ part_val, int* __restrict__ part_idx, int M, int N,
                                             int K) {
   using L = Layout<WBITS>;
@@ -231,6 +270,16 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   uint4 a_raw[U][RR][2], a_next[U][RR][2];
   __half2 sz[U][RR][2][GQ], sz_next[U][RR][2][GQ];
   load(a_raw, sz, q_begin + warp * U);
+
+  // 16 bytes of x row m from column k: the global rows, or with NORM their RMSNorm in shared
+  // memory, written while the first weights are on their way.
+  extern __shared__ uint4 norm_smem[];
+  T* xs = reinterpret_cast<T*>(norm_smem);
+  if constexpr (NORM) norm_rows<T, 32 * WARPS>(x, norm_w, eps, xs, M, K);
+  auto x16 = [&](int m, int k) {
+    if constexpr (NORM) return *reinterpret_cast<const uint4*>(xs + m * norm_stride(K) + k);
+    return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+  };
   for (int base = q_begin + warp * U; base < q_end; base += WARPS * U) {
     if (base + WARPS * U < q_end) load(a_next, sz_next, base + WARPS * U);
 #pragma unroll
@@ -247,8 +296,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             const int m = 8 * n + g4;
-            b[n] = (k_ok && m < M) ? *reinterpret_cast<const uint4*>(x + (size_t)m * K + kq + c * L::kLaneK + 8 * xl)
-                                   : make_uint4(0, 0, 0, 0);
+            b[n] = (k_ok && m < M) ? x16(m, kq + c * L::kLaneK + 8 * xl) : make_uint4(0, 0, 0, 0);
           }
 #pragma unroll
           for (int s = 0; s < 2; ++s) {  // the two k16 steps of these 8 x values
@@ -301,8 +349,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
               const int m = 8 * n + g4;
-              b[n] = m < M ? *reinterpret_cast<const uint4*>(x + (size_t)m * K + kq + 32 * j + 8 * c)
-                           : make_uint4(0, 0, 0, 0);
+              b[n] = m < M ? x16(m, kq + 32 * j + 8 * c) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int r = 0; r < RR; ++r) {
@@ -395,6 +442,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
       if (bias != nullptr) up += to_float(bias[row + N]);
       y = silu(y) * up;
     }
+    if constexpr (EPI == EPI_STORE) {
+      if (residual != nullptr) y = to_float(from_float<T>(y)) + to_float(residual[(size_t)m * N + row]);
+    }
     if constexpr (EPI == EPI_ARGMAX) {
       logit[m][row - row0] = to_float(from_float<T>(y));  // the logits rounded to T, as linear() stores them
     } else {
@@ -416,26 +466,30 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 
 #define LINEAR_ARGS                                                                                          \
   const T *__restrict__ x, const void *__restrict__ w, const __half *__restrict__ scales,                    \
-      const __half *__restrict__ zeros, const T *__restrict__ bias, T *__restrict__ out,                     \
-      float *__restrict__ part_val, int *__restrict__ part_idx, int M, int N, int K
-#define LINEAR_PASS x, w, scales, zeros, bias, out, part_val, part_idx, M, N, K
+      const __half *__restrict__ zeros, const T *__restrict__ bias, const T *__restrict__ norm_w, float eps, \
+      const T *__restrict__ residual, T *__restrict__ out, float *__restrict__ part_val,                     \
+      int *__restrict__ part_idx, int M, int N, int K
+#define LINEAR_PASS x, w, scales, zeros, bias, norm_w, eps, residual, out, part_val, part_idx, M, N, K
 
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
-// smem: static, 4 * WARPS * RR * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX)
+// smem: static, 4 * WARPS * RR * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
+// NORM: 2 * M * norm_stride(K) bytes (the normalized x)
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for EPI_SILU_AND_MUL) or null, all T;
 // w: see the formats above ([2N, K] for EPI_SILU_AND_MUL); scales: fp16 [rows] (WBITS 8) or
 // [rows, K / GS] (WBITS 4); zeros: fp16 [rows, K / GS] (WBITS 4); part_val / part_idx:
-// [M, gridDim.x] for EPI_ARGMAX, else null. Every weight byte is read once (streamed).
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI>
+// [M, gridDim.x] for EPI_ARGMAX, else null. NORM: norm_w [K] in T and eps, x is normalized
+// (K % 8 == 0); else norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing
+// out. Every weight byte is read once (streamed).
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI, bool NORM>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(LINEAR_ARGS) {
-  linear_body<T, WBITS, GS, NT, RT, U, WARPS, 1, EPI>(LINEAR_PASS);
+  linear_body<T, WBITS, GS, NT, RT, U, WARPS, 1, EPI, NORM>(LINEAR_PASS);
 }
 
 // grid: (ceil(N / (16 RT)), SPLIT), clusters of (1, SPLIT, 1) · otherwise as linear_kernel:
 // the blocks of a cluster split K, the cluster's block 0 writes the epilogue. sm_90 and newer.
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI>
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool NORM>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) LINEAR_CLUSTER(SPLIT) linear_split_kernel(LINEAR_ARGS) {
-  linear_body<T, WBITS, GS, NT, RT, U, WARPS, SPLIT, EPI>(LINEAR_PASS);
+  linear_body<T, WBITS, GS, NT, RT, U, WARPS, SPLIT, EPI, NORM>(LINEAR_PASS);
 }
 
 // grid: (M) · block: 1024 · smem: static 256 bytes

@@ -112,16 +112,16 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
 
     weights = dataclasses.replace(model.weights, layers=list(model.weights.layers))
     model = type(model)(cfg, weights)  # the caller's model keeps its float weights
-    h, residual = embedding(batch.token_ids, weights.embed), None
+    s = embedding(batch.token_ids, weights.embed)
     for i, lw in enumerate(weights.layers):
         inputs = {}
-        model.layer(i, h, residual, batch.positions, batch.slot_mapping, cache, attend, inputs.__setitem__)
+        model.layer(i, s, batch.positions, batch.slot_mapping, cache, attend, inputs.__setitem__)
         quantized = {}
         for name in LINEAR_FIELDS:
             x, w = inputs[name].astype(np.float64), getattr(lw, name)
             quantized[name] = gptq(w, x.T @ x, group_for(w.shape[1], group_size))
         weights.layers[i] = dataclasses.replace(lw, **quantized)
-        h, residual = model.layer(i, h, residual, batch.positions, batch.slot_mapping, cache, attend)
+        s = model.layer(i, s, batch.positions, batch.slot_mapping, cache, attend)
         if progress is not None:
             progress(i)
     return weights

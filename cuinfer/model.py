@@ -5,16 +5,18 @@ reference (the CPU backend, float32), CuPy weights launch the kernels (fp16/bf16
 
 A step takes a flat batch of tokens from any number of sequences: a prompt chunk
 (prefill) and a single token (decode) are the same thing, a sequence's q_len new
-tokens at positions context_len - q_len .. context_len - 1. Per layer:
+tokens at positions context_len - q_len .. context_len - 1. Per layer, on the residual stream s
+(the embedding before the first layer):
 
-    x, residual = rms_norm(h, residual)           fused add + norm
-    qkv = x @ w_qkv.T (+ b)                       one projection for q, k, v
+    qkv = rms_norm(s) @ w_qkv.T (+ b)             one projection for q, k, v; the norm in the GEMV
     q = write_kv(q, k, v, ...)                    RoPE on q and k, k/v into the paged cache
     a = attention(q, cache, ...)                  causal GQA over the cache
-    h = a @ w_o.T;  x, residual = rms_norm(h, residual)
-    h = swiglu(x, w_gate_up) @ w_down.T           silu(gate) * up (fused in the GEMV where it exists)
+    s = a @ w_o.T + s                             the residual add in the GEMV's epilogue
+    s = swiglu(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
 
-then the final norm and the lm_head on the last token of each sequence (or every token).
+then the lm_head of the final norm (fused the same way) on the last token of each sequence (or
+every token). On the GPU the norms and residual adds launch nothing of their own at decode sizes
+(ops.linear's norm= and residual=).
 `forward` attends with flash_attention_paged (any mix of prefill chunks and decodes);
 `decode` (one token per sequence, the step cuinfer.graph captures) with the split-K
 paged_attention over static inputs, and can end in the argmax (greedy) instead of logits.
@@ -36,30 +38,32 @@ from .ops.rope import rope_inv_freq
 from .ops.write_kv import write_kv
 from .weights import Weights, fuse, to_device
 
-
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
 
 
-def project(x, w, bias=None):
-    """y = x @ w.T (+ bias) for x: [rows, in], w: [out, in] (float or quantized)."""
+def project(x, w, bias=None, norm=None, residual=None):
+    """y = x @ w.T (+ bias) (+ residual) for x: [rows, in], w: [out, in] (float or quantized), with
+    x replaced by rms_norm(x, *norm) when norm = (weight, eps) is given."""
     if x.dtype in KERNEL_DTYPES:
-        return linear(x, w, bias)
-    return linear_reference(x, w, bias)  # float32 (CPU backend): ops.linear takes fp16/bf16 only
+        return linear(x, w, bias, norm=norm, residual=residual)
+    y = linear_reference(x if norm is None else rms_norm(x, *norm), w, bias)  # float32 (CPU backend)
+    return y if residual is None else y + residual
 
 
-def swiglu(x, w_gate_up):
-    """silu(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight
-    (GPU: the GEMV's fused epilogue; float32 CPU backend: the product, then ops.silu_and_mul)."""
+def swiglu(x, w_gate_up, norm=None):
+    """silu(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight, x
+    normed as in project (GPU: the GEMV's fused epilogue; float32 CPU: the product, then ops.silu_and_mul)."""
     if x.dtype in KERNEL_DTYPES:
-        return linear(x, w_gate_up, activation="silu_and_mul")
-    return silu_and_mul(project(x, w_gate_up))
+        return linear(x, w_gate_up, activation="silu_and_mul", norm=norm)
+    return silu_and_mul(project(x, w_gate_up, norm=norm))
 
 
-def greedy_tokens(x, w_head):
-    """int32 [rows]: argmax of x @ w_head.T (the lm_head; GPU: one fused GEMV + reduction)."""
+def greedy_tokens(x, w_head, norm=None):
+    """int32 [rows]: argmax of x @ w_head.T, x normed as in project (the lm_head; GPU: one fused
+    GEMV + reduction)."""
     if x.dtype in KERNEL_DTYPES:
-        return linear_argmax(x, w_head)
-    return np.argmax(project(x, w_head), axis=-1).astype(np.int32)
+        return linear_argmax(x, w_head, norm=norm)
+    return np.argmax(project(x, w_head, norm=norm), axis=-1).astype(np.int32)
 
 
 @dataclass
@@ -147,10 +151,10 @@ class Model:
             return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
 
-        x = self.hidden(batch.token_ids, batch.positions, batch.slot_mapping, kv_cache, attend)
+        s = self.hidden(batch.token_ids, batch.positions, batch.slot_mapping, kv_cache, attend)
         if not all_logits:
-            x = x[batch.cu_seqlens_q[1:] - 1]  # x: [num_seqs, hidden]
-        return project(x, self.weights.lm_head).astype(np.float32)
+            s = s[batch.cu_seqlens_q[1:] - 1]  # s: [num_seqs, hidden]
+        return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
 
     def decode(self, inputs: DecodeInputs, kv_cache, max_context_len: int, workspace=None, greedy=False):
         """One new token per sequence (the step DecodeGraph captures): paged_attention (split-K)
@@ -161,47 +165,48 @@ class Model:
                                    out=self.xp.empty_like(q), max_context_len=max_context_len,
                                    workspace=workspace)
 
-        x = self.hidden(inputs.token_ids, inputs.positions, inputs.slot_mapping, kv_cache, attend)
+        s = self.hidden(inputs.token_ids, inputs.positions, inputs.slot_mapping, kv_cache, attend)
         if greedy:
-            return greedy_tokens(x, self.weights.lm_head)
-        return project(x, self.weights.lm_head).astype(np.float32)
+            return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm)
+        return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
+
+    @property
+    def final_norm(self):
+        return self.weights.norm, self.config.rms_norm_eps
 
     def hidden(self, token_ids, positions, slot_mapping, kv_cache, attend):
-        """Final-normed hidden states [tokens, hidden]; attend(q, k_cache, v_cache) -> [tokens, n_heads, head_dim]."""
-        h, residual = embedding(token_ids, self.weights.embed), None  # h: [tokens, hidden]
+        """The residual stream after the last layer [tokens, hidden] (not normed: the lm_head call
+        applies final_norm); attend(q, k_cache, v_cache) -> [tokens, n_heads, head_dim]."""
+        s = embedding(token_ids, self.weights.embed)  # s: [tokens, hidden]
         for i in range(len(self.weights.layers)):
-            h, residual = self.layer(i, h, residual, positions, slot_mapping, kv_cache, attend)
-        x, _ = rms_norm(h, self.weights.norm, self.config.rms_norm_eps, residual=residual)
-        return x
+            s = self.layer(i, s, positions, slot_mapping, kv_cache, attend)
+        return s
 
-    def layer(self, i, h, residual, positions, slot_mapping, kv_cache, attend, observe=lambda name, x: None):
-        """Decoder layer i: (h, residual) -> (h, residual), the residual add of h still pending
-        (None before the first layer: h is the embedding). observe(name, x), if given, sees the
-        input of each linear layer ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
+    def layer(self, i, s, positions, slot_mapping, kv_cache, attend, observe=None):
+        """Decoder layer i on the residual stream s: returns the next s. observe(name, x), if given,
+        sees the input of each linear layer ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
         lw, eps = self.weights.layers[i], self.config.rms_norm_eps
-        tokens = h.shape[0]
+        in_norm, post_norm = (lw.input_norm, eps), (lw.post_norm, eps)
+        tokens = s.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
 
         def split(qkv, start, stop, heads):  # [tokens, heads, d] contiguous: a view at one token, else a copy
             a = qkv.reshape(-1)[start:stop] if tokens == 1 else self.xp.ascontiguousarray(qkv[:, start:stop])
             return a.reshape(tokens, heads, d)
 
-        if residual is None:
-            x, residual = rms_norm(h, lw.input_norm, eps), h
-        else:
-            x, residual = rms_norm(h, lw.input_norm, eps, residual=residual)
-        observe("qkv", x)
-        qkv = project(x, lw.qkv, lw.qkv_bias)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
+        if observe:
+            observe("qkv", rms_norm(s, *in_norm))
+        qkv = project(s, lw.qkv, lw.qkv_bias, norm=in_norm)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
         q = split(qkv, 0, nq, self.n_heads)  # q: [tokens, n_heads, head_dim]
         k = split(qkv, nq, nq + nkv, self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
         v = split(qkv, nq + nkv, nq + 2 * nkv, self.n_kv_heads)
         k_cache, v_cache = kv_cache.layer(i)
         q = write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, self.inv_freq, out=q)
         a = attend(q, k_cache, v_cache).reshape(tokens, nq)
-        observe("o", a)
-        h = project(a, lw.o)
-        x, residual = rms_norm(h, lw.post_norm, eps, residual=residual)
-        observe("gate_up", x)
-        act = swiglu(x, lw.gate_up)
-        observe("down", act)
-        return project(act, lw.down), residual
+        s = project(a, lw.o, residual=s)
+        act = swiglu(s, lw.gate_up, norm=post_norm)
+        if observe:
+            observe("o", a)
+            observe("gate_up", rms_norm(s, *post_norm))
+            observe("down", act)
+        return project(act, lw.down, residual=s)

@@ -1,25 +1,32 @@
 """Linear layer y = x @ W.T (+ bias) with fp16 / bf16, INT8 or INT4 weights, and its fused epilogues.
 
-linear(x, w, bias=None, out=None, activation=None) -> [M, N] in x's dtype
+linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None) -> [M, N] in x's dtype
     x: [M, K] fp16 / bf16; w: [N, K] array of x's dtype, or cuinfer.quant.Int8Weight /
     Int4Weight (Hugging Face layout, out_features first); bias: [N] in x's dtype.
     activation="silu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I]) and the
     result is silu(x @ gate.T) * (x @ up.T), [M, I] (ops.silu_and_mul of the plain result).
-linear_argmax(x, w, out=None, workspace=None) -> int32 [M]
+    norm=(weight [K], eps): x is the residual stream and the product is taken with
+    ops.rms_norm(x, weight, eps) instead (the decoder's pre-norm, fused: see below).
+    residual: [M, N] (not with activation, not aliasing out): the result is round(round(y) +
+    residual), the decoder's residual add rounded as the separate add would round it.
+linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
     argmax over N of the logits x @ W.T rounded to x's dtype (ties: the lowest index), for
-    greedy decoding. workspace: int32 [argmax_workspace_size(N)] of partial maxima; None
-    allocates one, so a CUDA graph capture must pass one allocated before it.
+    greedy decoding; norm as in linear. workspace: int32 [argmax_workspace_size(N)] of partial
+    maxima; None allocates one, so a CUDA graph capture must pass one allocated before it.
 
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
 cupy arrays: the decode GEMV of cuda_src/linear.cu (tensor cores, weights dequantized in
 registers, every weight byte read once, epilogue fused) for M <= 16, and for quantized weights up
 to M = 64 in chunks of 16 rows (each chunk reads the weight again: still fewer bytes than the
-dequantized fp16 copy). Beyond that (prefill) the weight is dequantized to a scratch [N, K]
+dequantized fp16 copy). With norm, every GEMV block first normalizes the rows of x into shared
+memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes; otherwise, and
+on the prefill path, ops.rms_norm runs first. Beyond that (prefill) the weight is dequantized to a scratch [N, K]
 array (allocated: not for capture) and multiplied by cuBLAS gemmEx in fp32 with the bias
 pre-filled in `out` (beta = 1) and fp32 split-K reductions, so y is rounded once as in the
 GEMV (cupy.matmul under stream capture is refused by CuPy, gemmEx too); the SiLU epilogue then
-runs unfused (ops.silu_and_mul on an [M, 2I] intermediate). Everything except that prefill
-path allocates nothing when `out` (and for argmax `workspace`) is given: CUDA-graph safe.
+runs unfused (ops.silu_and_mul on an [M, 2I] intermediate) and the residual is added after.
+Everything except that prefill path and the unfused norm allocates nothing when `out` (and for
+argmax `workspace`) is given: CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import numpy as np
 from .. import runtime
 from ..quant import GROUP_SIZES, Int4Weight, Int8Weight
 from .activation import act_and_mul_reference, silu_and_mul
+from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
@@ -37,6 +45,7 @@ GEMV_MAX_M = {16: 16, 8: 64, 4: 64}  # by weight bits: above, the prefill path
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2}  # EPI_* of linear.cu
 QUAD_K = {16: 32, 8: 64, 4: 128}  # k per quad step of one lane quad
 NULL = np.uint64(0)  # a null pointer kernel argument
+NORM_SMEM = 32 * 1024  # bytes of normalized x rows a GEMV block may stage in shared memory
 
 
 class Tile(NamedTuple):
@@ -77,12 +86,23 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     return Tile(nt, rt, u, warps, split)
 
 
-def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store") -> str:
+def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", norm=False) -> str:
     nt, rt, u, warps, split = tile
     head = f"{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {warps}"
+    tail = f"{EPILOGUES[epilogue]}, {'true' if norm else 'false'}"
     if split == 1:
-        return f"linear_kernel<{head}, {EPILOGUES[epilogue]}>"
-    return f"linear_split_kernel<{head}, {split}, {EPILOGUES[epilogue]}>"
+        return f"linear_kernel<{head}, {tail}>"
+    return f"linear_split_kernel<{head}, {split}, {tail}>"
+
+
+def norm_stride(k: int) -> int:
+    """Elements per row of the normalized x in shared memory (norm_stride of linear.cu)."""
+    return -(-k // 64) * 64 + 32
+
+
+def norm_fits(m: int, k: int, dtype) -> bool:
+    """Whether the GEMV normalizes x itself: the rows of one launch (<= GEMV_ROWS) fit NORM_SMEM."""
+    return min(m, GEMV_ROWS) * norm_stride(k) * np.dtype(dtype).itemsize <= NORM_SMEM
 
 
 def dequant_instantiation(dtype, bits: int, group_size: int) -> str:
@@ -97,8 +117,8 @@ def _formats():
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, tile_config(b, m, n, 4096, epi), epi) for dt in KERNEL_DTYPES for b, g in _formats()
-     for m in (1, 16) for n in (1024, 1 << 20) for epi in EPILOGUES}
+    {instantiation(dt, b, g, tile_config(b, m, n, 4096, epi), epi, norm) for dt in KERNEL_DTYPES
+     for b, g in _formats() for m in (1, 16) for n in (1024, 1 << 20) for epi in EPILOGUES for norm in {False, m == 1}}
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16}
     | {"linear_argmax_reduce_kernel"})
 
@@ -154,32 +174,58 @@ def _check_inputs(x, w, dev):
     return m, k, n, bits
 
 
-def linear(x, w, bias=None, out=None, activation=None):
-    """x @ W.T (+ bias), or its SiLU-and-mul of the two halves; see the module docstring."""
+def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None):
+    """x @ W.T (+ bias), or its SiLU-and-mul of the two halves, of x or its RMSNorm, plus a
+    residual; see the module docstring."""
     if activation not in (None, "silu_and_mul"):
         raise ValueError(f"activation: got {activation!r}, need None or 'silu_and_mul'")
-    dev = runtime.on_device(x, bias, out)
+    dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm))
     m, k, n_w, bits = _check_inputs(x, w, dev)
     if activation and n_w % 2:
         raise ValueError(f"w: got {n_w} rows, need an even number ([gate; up]) for activation='silu_and_mul'")
     n = n_w // 2 if activation else n_w
     if bias is not None:
         runtime.check("bias", bias, dtype=x.dtype, shape=(n_w,))
+    _check_norm(norm, x)
+    if residual is not None:
+        if activation:
+            raise ValueError("residual: only without activation (the store epilogue)")
+        runtime.check("residual", residual, dtype=x.dtype, shape=(m, n))
     out = runtime.check_out(out, (m, n), x.dtype, x)
     if not dev:
-        y = linear_reference(x, w, bias)
-        out[...] = (act_and_mul_reference(y, "silu") if activation else y).astype(x.dtype)  # rounded once
+        y = linear_reference(x if norm is None else rms_norm_reference(x, *norm), w, bias)
+        y = (act_and_mul_reference(y, "silu") if activation else y).astype(x.dtype)  # rounded once
+        out[...] = y if residual is None else (y.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
         return out
     runtime.check("out", out, align=16)
+    if norm is not None and (m > GEMV_MAX_M[bits] or not norm_fits(m, k, x.dtype)):
+        x, norm = rms_norm(x, *norm), None
     if m > GEMV_MAX_M[bits]:
-        if not activation:
-            return _prefill(x, w, bias, out)
-        return silu_and_mul(_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)
+        if activation:
+            return silu_and_mul(_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)
+        _prefill(x, w, bias, out)
+        if residual is not None:
+            out += residual  # T(T(y) + residual): one rounding of the exact sum
+        return out
     epilogue = activation or "store"
     for m0 in range(0, m, GEMV_ROWS):
-        mc = min(GEMV_ROWS, m - m0)
-        _gemv(x[m0:m0 + mc], w, bias, out[m0:m0 + mc], _tile(bits, mc, n, k, epilogue), epilogue)
+        rows = slice(m0, min(m, m0 + GEMV_ROWS))
+        _gemv(x[rows], w, bias, out[rows], _tile(bits, rows.stop - m0, n, k, epilogue), epilogue,
+              norm=norm, residual=None if residual is None else residual[rows])
     return out
+
+
+def _norm_weight(norm):
+    if norm is None:
+        return None
+    if not (isinstance(norm, tuple) and len(norm) == 2):
+        raise ValueError("norm: need a (weight, eps) pair or None")
+    return norm[0]
+
+
+def _check_norm(norm, x):
+    if norm is not None:
+        runtime.check("norm weight", norm[0], dtype=x.dtype, shape=(x.shape[1],))
 
 
 def argmax_workspace_size(n: int) -> int:
@@ -187,15 +233,19 @@ def argmax_workspace_size(n: int) -> int:
     return 2 * GEMV_ROWS * -(-n // 16)
 
 
-def linear_argmax(x, w, out=None, workspace=None):
-    """int32 [M]: argmax over N of x @ W.T rounded to x's dtype, ties to the lowest index."""
-    dev = runtime.on_device(x, out, workspace)
+def linear_argmax(x, w, out=None, workspace=None, norm=None):
+    """int32 [M]: argmax over N of x (or its RMSNorm) @ W.T rounded to x's dtype, ties to the lowest index."""
+    dev = runtime.on_device(x, out, workspace, _norm_weight(norm))
     m, k, n, bits = _check_inputs(x, w, dev)
+    _check_norm(norm, x)
     out = runtime.check_out(out, (m,), np.int32, x)
     if not dev:
-        logits = linear_reference(x, w).astype(x.dtype).astype(np.float32)  # rounded as linear() stores them
+        xn = x if norm is None else rms_norm_reference(x, *norm)
+        logits = linear_reference(xn, w).astype(x.dtype).astype(np.float32)  # rounded as linear() stores them
         out[...] = np.argmax(logits, axis=1)
         return out
+    if norm is not None and not norm_fits(m, k, x.dtype):
+        x, norm = rms_norm(x, *norm), None
     cp = runtime.require_cupy()
     if workspace is None:
         workspace = cp.empty(argmax_workspace_size(n), np.int32)
@@ -209,7 +259,7 @@ def linear_argmax(x, w, out=None, workspace=None):
         tile = _tile(bits, mc, n, k, "argmax")
         nb = -(-n // (16 * tile.rt))
         vals, idx = workspace[:mc * nb].view(np.float32), workspace[mc * nb:2 * mc * nb]
-        _gemv(x[m0:m0 + mc], w, None, None, tile, "argmax", (vals, idx))
+        _gemv(x[m0:m0 + mc], w, None, None, tile, "argmax", (vals, idx), norm=norm)
         runtime.launch(reduce, (mc,), (1024,), (vals, idx, out[m0:m0 + mc], np.int32(nb)))
     return out
 
@@ -219,17 +269,22 @@ def _tile(bits, m, n, k, epilogue):
     return tile_config(bits, m, n, k, epilogue, info["sm_count"], int(info["arch"][3:]) >= 90)
 
 
-def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL)):
-    """Launch linear_kernel / linear_split_kernel with `tile` on checked arguments (M <= 8 tile.nt)."""
+def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None, residual=None):
+    """Launch linear_kernel / linear_split_kernel with `tile` on checked arguments (M <= 8 tile.nt);
+    norm: (weight, eps) to normalize x in the kernel (norm_fits), residual: added by EPI_STORE."""
     (m, k), bits = x.shape, weight_bits(w)
     n = w.shape[0] // (2 if epilogue == "silu_and_mul" else 1)
-    kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue))
+    kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue,
+                                                  norm is not None))
     qweight = w if bits == 16 else w.qweight
     scales = w.scales if bits < 16 else NULL
     zeros = w.zeros if bits == 4 else NULL
-    args = (x, qweight, scales, zeros, NULL if bias is None else bias, NULL if out is None else out, *parts,
+    norm_w, eps = norm if norm is not None else (NULL, 0.0)
+    args = (x, qweight, scales, zeros, NULL if bias is None else bias, norm_w, np.float32(eps),
+            NULL if residual is None else residual, NULL if out is None else out, *parts,
             np.int32(m), np.int32(n), np.int32(k))
-    runtime.launch(kern, (-(-n // (16 * tile.rt)), tile.split), (32 * tile.warps,), args)
+    smem = 0 if norm is None else m * norm_stride(k) * x.dtype.itemsize
+    runtime.launch(kern, (-(-n // (16 * tile.rt)), tile.split), (32 * tile.warps,), args, smem)
     return out
 
 

@@ -14,8 +14,10 @@ from cuinfer.ops.linear import (
     linear,
     linear_argmax,
     linear_reference,
+    norm_fits,
     tile_config,
 )
+from cuinfer.ops.rms_norm import rms_norm_reference
 from tests.conftest import assert_close, poison
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
@@ -139,6 +141,37 @@ def test_fused_argument_checks():
     with pytest.raises(ValueError, match="out: got dtype int64"):
         linear_argmax(x, np.zeros((8, 64), np.float16), out=np.zeros(2, np.int64))
     assert argmax_workspace_size(17) == 2 * 16 * 2
+
+
+def test_norm_and_residual_references():
+    """norm= takes the product with the RMSNorm of x, residual= adds to the rounded product and
+    rounds again: the NumPy path against the two steps written out."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 64)).astype(np.float16)
+    g = rng.uniform(0.5, 1.5, 64).astype(np.float16)
+    r = rng.standard_normal((3, 10)).astype(np.float16)
+    for fmt in ("float", "int8", "int4"):
+        w = make_weight(rng, 10, 64, fmt, 32)
+        w = w.astype(np.float16) if fmt == "float" else w
+        xn = rms_norm_reference(x, g, 1e-5)
+        y = linear_reference(xn, w).astype(np.float16)
+        np.testing.assert_array_equal(linear(x, w, norm=(g, 1e-5)), y)
+        want = (y.astype(np.float32) + r.astype(np.float32)).astype(np.float16)
+        np.testing.assert_array_equal(linear(x, w, residual=r, norm=(g, 1e-5)), want)
+        np.testing.assert_array_equal(linear_argmax(x, w, norm=(g, 1e-5)), np.argmax(y.astype(np.float32), axis=1))
+
+
+def test_norm_and_residual_argument_checks():
+    x, w = np.zeros((2, 64), np.float16), np.zeros((8, 64), np.float16)
+    with pytest.raises(ValueError, match="residual: only without activation"):
+        linear(x, w, activation="silu_and_mul", residual=np.zeros((2, 4), np.float16))
+    with pytest.raises(ValueError, match=r"residual: got shape \(2, 4\)"):
+        linear(x, w, residual=np.zeros((2, 4), np.float16))
+    with pytest.raises(ValueError, match="norm: need a"):
+        linear(x, w, norm=np.ones(64, np.float16))
+    with pytest.raises(ValueError, match=r"norm weight: got shape \(32,\)"):
+        linear_argmax(x, w, norm=(np.ones(32, np.float16), 1e-5))
+    assert norm_fits(1, 4096, np.float16) and not norm_fits(16, 4096, np.float16)
 
 
 # ------------------------------------------------------------------------ GPU
@@ -305,6 +338,47 @@ def test_fused_epilogues_match_reference(fmt, gs, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_and_residual_match_reference(fmt, gs, dtype):
+    """norm= (in the GEMV's prologue where norm_fits, else ops.rms_norm first) against the float32
+    product with the NumPy RMSNorm; residual= bit for bit against the kernel's own rounded product
+    plus the residual, rounded once; argmax over the normed logits."""
+    import cupy as cp
+
+    @settings(max_examples=20, deadline=None)
+    @given(m=st.one_of(st.integers(1, 16), st.sampled_from([17, 40, 65])), n=st.sampled_from([1, 17, 989, 2048 + 48]),
+           k=k_strategy(fmt, gs), use_bias=st.booleans(), magnitude=st.sampled_from([1.0, 30.0]),
+           seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, use_bias, magnitude, seed):
+        rng = np.random.default_rng(seed)
+        s = (rng.standard_normal((m, k)) * magnitude).astype(dtype)
+        g = rng.uniform(0.5, 1.5, k).astype(dtype)
+        w = make_weight(rng, n, k, fmt, gs or 128)
+        w = w.astype(dtype) if fmt == "float" else w
+        w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
+        bias = rng.standard_normal(n).astype(dtype) if use_bias else None
+        bias_dev = None if bias is None else cp.asarray(bias)
+        norm = (cp.asarray(g), 1e-5)
+        prefill = m > GEMV_MAX_M[{"float": 16, "int8": 8}.get(fmt, 4)]
+        xn = rms_norm_reference(s, g, 1e-5)
+
+        y = linear(cp.asarray(s), w_dev, bias_dev, out=poison(cp, (m, n), dtype), norm=norm)
+        assert_close(y, reference_rounded(xn, w, bias, prefill))
+        r = rng.standard_normal((m, n)).astype(dtype)
+        got = linear(cp.asarray(s), w_dev, bias_dev, out=poison(cp, (m, n), dtype), norm=norm, residual=cp.asarray(r))
+        want = (cp.asnumpy(y).astype(np.float32) + r.astype(np.float32)).astype(dtype)
+        np.testing.assert_array_equal(cp.asnumpy(got), want)
+
+        top = cp.asnumpy(linear_argmax(cp.asarray(s), w_dev, out=cp.full(m, -1, cp.int32), norm=norm))
+        logits = reference_rounded(xn, w, None, False)
+        tol = np.abs(logits).max(axis=1) * (2.0**-7 if dtype == runtime.bfloat16 else 2.0**-10) + 1e-3
+        assert (top >= 0).all() and (logits[np.arange(m), top] >= logits.max(axis=1) - tol).all()
+
+    check()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [("float", 0), ("int8", 0), ("int4", 128)])
 def test_argmax_ties_go_to_the_lowest_index(fmt, gs):
     import cupy as cp
@@ -322,8 +396,9 @@ def test_argmax_ties_go_to_the_lowest_index(fmt, gs):
 
 @pytest.mark.gpu
 def test_fused_ops_replay_in_a_cuda_graph():
-    """linear (split-K cluster tile), its SiLU epilogue and linear_argmax with a workspace captured
-    once and replayed on new inputs give the eager results: no allocation, no host sync inside."""
+    """linear (split-K cluster tile), its SiLU epilogue and linear_argmax with a workspace, each also
+    with norm= or residual=, captured once and replayed on new inputs give the eager results: no
+    allocation, no host sync inside."""
     import cupy as cp
 
     rng = np.random.default_rng(12)
@@ -331,6 +406,8 @@ def test_fused_ops_replay_in_a_cuda_graph():
     w = quant.quantize(rng.standard_normal((2 * n, k)).astype(np.float32), "int4", 128).to_device()
     x = cp.asarray(rng.standard_normal((1, k)).astype(np.float16))
     y, act, top = cp.empty((1, 2 * n), cp.float16), cp.empty((1, n), cp.float16), cp.empty(1, cp.int32)
+    y_res, act_norm, top_norm = cp.empty_like(y), cp.empty_like(act), cp.empty_like(top)
+    norm = (cp.asarray(rng.uniform(0.5, 1.5, k).astype(np.float16)), 1e-5)
     ws = cp.empty(argmax_workspace_size(2 * n), cp.int32)
     stream = cp.cuda.Stream(non_blocking=True)
 
@@ -338,6 +415,9 @@ def test_fused_ops_replay_in_a_cuda_graph():
         linear(x, w, out=y)
         linear(x, w, out=act, activation="silu_and_mul")
         linear_argmax(x, w, out=top, workspace=ws)
+        linear(x, w, out=y_res, residual=y)
+        linear(x, w, out=act_norm, activation="silu_and_mul", norm=norm)
+        linear_argmax(x, w, out=top_norm, workspace=ws, norm=norm)
 
     with stream:
         step()  # compiles and loads every kernel before the capture
@@ -347,9 +427,10 @@ def test_fused_ops_replay_in_a_cuda_graph():
         for _ in range(2):
             x[...] = cp.asarray(rng.standard_normal((1, k)).astype(np.float16))
             graph.launch(stream)
-            got = (y.copy(), act.copy(), top.copy())
+            outs = (y, act, top, y_res, act_norm, top_norm)
+            got = [a.copy() for a in outs]
             step()
-            for a, b in zip(got, (y, act, top)):
+            for a, b in zip(got, outs):
                 np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
 
 
