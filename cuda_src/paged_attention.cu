@@ -9,24 +9,98 @@
 // the U loads of a step issue back to back instead of waiting on a table read each.
 // Pass 1 writes the scores (prescaled by scale * log2 e) of the split's tokens to
 // shared memory, pass 2 turns them into exp2(s - max), pass 3 streams V.
-// With one split the CTA writes the output; otherwise fp32 (out / sum, max, sum)
-// partials go to the merge kernel below.
+// With one split the CTA writes the output; otherwise it writes fp32 (out / sum, max, sum)
+// partials and counts itself in on an arrival counter of its (kv_head, sequence), and the
+// last CTA to arrive merges the partials of every split (no second kernel).
 #include "common.cuh"
 
 using namespace cuinfer;
 
+// The split-K epilogue, called by every thread of a CTA after it wrote its partials (n_splits > 1).
+// The CTA that arrives last on *arrival merges its group's heads into out and resets *arrival to 0
+// for the next launch: out = sum_s w_s part_out_s / sum_s w_s, w_s = sum_s * exp2(max_s - max), an
+// empty split weighs 0 (and its part_out is 0). Release: the CTA's writes, bar.sync, then thread 0's
+// fence before its atomic; acquire: thread 0's fence after the atomic, then bar.sync (the pattern of
+// cooperative groups' grid sync). Other CTAs' partials are read with ld.global.cg (L2, never a stale
+// L1 line). smem: weights [G][round_up(n_splits, 8)] (zero-padded, so the loop over splits issues 8
+// independent loads at a time and stays in bounds) + their sums [G].
+template <typename T, int D, int G>
+__device__ __forceinline__ void merge_if_last(float* smem, const float* part_out, const float* part_ml, int* arrival,
+                                              T* out, size_t head0, int group, int n_splits) {
+  constexpr int WARPS = 4, C = D / 4, CH = 8;  // float4 columns of a head, splits per batch of loads
+  __syncthreads();  // the CTA's partials are written
+  int last = 0;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(arrival, 1) == n_splits - 1;
+    if (last) *arrival = 0;  // every split has arrived: nothing else touches it in this launch
+    __threadfence();
+  }
+  if (!__syncthreads_or(last)) return;
+
+  const int n_pad = (n_splits + CH - 1) / CH * CH;
+  float* weight = smem;              // [G][n_pad]
+  float* wsum = weight + G * n_pad;  // [G]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = warp; g < group; g += WARPS) {  // a warp per head: max, then the weights and their sum
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + (head0 + g) * n_splits;
+    float m = Max::identity();
+    for (int s = lane; s < n_splits; s += 32) {
+      const float2 x = __ldcg(ml + s);
+      if (x.y > 0.0f) m = fmaxf(m, x.x);
+    }
+    m = warp_reduce<Max>(m);
+    float sum = 0.0f;
+    for (int s = lane; s < n_pad; s += 32) {
+      const float2 x = s < n_splits ? __ldcg(ml + s) : make_float2(0.0f, 0.0f);
+      const float w = x.y > 0.0f ? x.y * exp2f(x.x - m) : 0.0f;
+      weight[g * n_pad + s] = w;
+      sum += w;
+    }
+    sum = warp_reduce(sum);
+    if (lane == 0) wsum[g] = sum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * C; i += blockDim.x) {
+    const int g = i / C, c = i % C;
+    const float4* po = reinterpret_cast<const float4*>(part_out + (head0 + g) * n_splits * D) + c;
+    const float* w = weight + g * n_pad;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s0 = 0; s0 < n_pad; s0 += CH) {
+      float4 pv[CH];
+#pragma unroll
+      for (int j = 0; j < CH; ++j)
+        pv[j] = s0 + j < n_splits ? __ldcg(po + (size_t)(s0 + j) * C) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        acc[0] = fmaf(w[s0 + j], pv[j].x, acc[0]);
+        acc[1] = fmaf(w[s0 + j], pv[j].y, acc[1]);
+        acc[2] = fmaf(w[s0 + j], pv[j].z, acc[2]);
+        acc[3] = fmaf(w[s0 + j], pv[j].w, acc[3]);
+      }
+    }
+    const float l = wsum[g];  // 0 only when the whole context is empty: zeros
+    VecF<T, 4> o;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o.v[e] = l > 0.0f ? acc[e] / l : 0.0f;
+    o.to().store(out + (head0 + g) * D + c * 4);
+  }
+}
+
 // grid: (n_splits, n_kv_heads, num_seqs) · block: 128
-// smem: 4 * (G * partition + 4 * G * D + 8 * G + partition / block_size + 2)
+// smem: 4 * max(G * partition + 4 * G * D + 8 * G + partition / block_size + 2, G * (round_up(n_splits, 8) + 1))
 // q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D]
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
-// part_out: [num_seqs, n_heads, n_splits, D] fp32; part_ml: [num_seqs, n_heads, n_splits, 2] (max, sum)
+// n_splits > 1 only (16-byte aligned): part_out: [num_seqs, n_heads, n_splits, D] fp32;
+// part_ml: [num_seqs, n_heads, n_splits, 2] (max, sum); arrivals: int32 [num_seqs, n_kv_heads], zero
+// before the launch and left zero by it
 // G: query heads per KV head, padded (the real count is n_heads / n_kv_heads <= G).
 // U: K/V rows each lane loads before it uses the first (bytes in flight).
-// Launch bounds: 5 CTAs per SM (<= 102 registers) where that costs no spills (G <= 4, D <= 128).
+// Launch bounds: 5 CTAs per SM (<= 102 registers, no spills) for G <= 4; resident_ctas in the op relies on it.
 template <typename T, int D, int G, int U>
-__global__ void __launch_bounds__(128, (G <= 4 && D <= 128) ? 5 : 1) paged_attention_kernel(
+__global__ void __launch_bounds__(128, G <= 4 ? 5 : 1) paged_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
+    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, int* __restrict__ arrivals,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2) {
   pdl_wait();  // every input of this kernel may come from the previous one
@@ -45,6 +119,8 @@ __global__ void __launch_bounds__(128, (G <= 4 && D <= 128) ? 5 : 1) paged_atten
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, sub = lane / KL, chunk = lane % KL;
   const bool active = chunk < CHUNKS;
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
+  int* const arrival = arrivals + (size_t)seq * n_kv_heads + kv_head;
+  extern __shared__ float smem[];
 
   if (len <= 0) {  // an empty split (or an empty context): zeros, and sum 0 for the merge
     for (int i = tid; i < group * D; i += blockDim.x) {
@@ -59,10 +135,10 @@ __global__ void __launch_bounds__(128, (G <= 4 && D <= 128) ? 5 : 1) paged_atten
         }
       }
     }
+    if (n_splits > 1) merge_if_last<T, D, G>(smem, part_out, part_ml, arrival, out, head0, group, n_splits);
     return;
   }
 
-  extern __shared__ float smem[];
   float* scores = smem;                       // [G][partition]
   float* red = scores + G * partition;        // [WARPS][G][D]
   float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
@@ -211,46 +287,5 @@ __global__ void __launch_bounds__(128, (G <= 4 && D <= 128) ? 5 : 1) paged_atten
       }
     }
   }
-}
-
-// grid: (n_heads, num_seqs) · block: 128 · smem: 4 * round_up(n_splits, 8) (the split weights)
-// part_out: [num_seqs, n_heads, n_splits, D]; part_ml: [num_seqs, n_heads, n_splits, 2]; out: [num_seqs, n_heads, D]
-// out = sum_s w_s part_out_s / sum_s w_s with w_s = sum_s * exp2(max_s - max); empty splits have sum 0
-// (and part_out 0). The weights go to shared memory first (zero-padded to a multiple of 8), so the
-// loop over splits issues 8 independent loads at a time and every access is in bounds.
-template <typename T, int D>
-__global__ void __launch_bounds__(128) paged_attention_merge_kernel(
-    const float* __restrict__ part_out, const float* __restrict__ part_ml, T* __restrict__ out, int n_splits) {
-  pdl_wait();  // every input of this kernel may come from the previous one
-  pdl_trigger();
-  constexpr int CH = 8;
-  extern __shared__ float weight[];  // [round_up(n_splits, CH)]
-  __shared__ float scratch[32];
-  const int n_pad = (n_splits + CH - 1) / CH * CH;
-  const size_t h = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
-  const float* ml = part_ml + h * n_splits * 2;
-  float m = Max::identity();
-  for (int s = threadIdx.x; s < n_splits; s += blockDim.x)
-    if (ml[2 * s + 1] > 0.0f) m = fmaxf(m, ml[2 * s]);
-  m = block_reduce<Max>(m, scratch);
-  float wsum = 0.0f;
-  for (int s = threadIdx.x; s < n_pad; s += blockDim.x) {
-    const float l = s < n_splits ? ml[2 * s + 1] : 0.0f;
-    const float w = l > 0.0f ? l * exp2f(ml[2 * s] - m) : 0.0f;
-    weight[s] = w;
-    wsum += w;
-  }
-  wsum = block_reduce(wsum, scratch);  // its barriers also publish weight[]
-  const float* po = part_out + h * n_splits * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int s0 = 0; s0 < n_pad; s0 += CH) {
-      float pv[CH];
-#pragma unroll
-      for (int i = 0; i < CH; ++i) pv[i] = s0 + i < n_splits ? po[(size_t)(s0 + i) * D + d] : 0.0f;
-#pragma unroll
-      for (int i = 0; i < CH; ++i) acc = fmaf(weight[s0 + i], pv[i], acc);
-    }
-    out[h * D + d] = from_float<T>(wsum > 0.0f ? acc / wsum : 0.0f);
-  }
+  if (n_splits > 1) merge_if_last<T, D, G>(smem, part_out, part_ml, arrival, out, head0, group, n_splits);
 }

@@ -174,7 +174,7 @@ class DecodeGraph:
         device = cp.zeros(size, dtype=np.int32)
         elems = workspace_elems(b, m.n_heads, m.n_kv_heads, m.head_dim, width * self.kv_cache.block_size)
         step = _Step(host, device, input_views(device, b, width),
-                     cp.empty(elems, dtype=np.float32) if elems else None)
+                     cp.zeros(elems, dtype=np.float32) if elems else None)
         self.steps[(b, width, greedy)] = step
         return step
 

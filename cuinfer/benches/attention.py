@@ -20,7 +20,14 @@ import numpy as np
 from .. import bench, runtime
 from ..graph import capture
 from ..ops.flash_attention import flash_attention, launch_kernel
-from ..ops.paged_attention import decode_splits, launch_decode, padded_group, paged_attention, rows_in_flight
+from ..ops.paged_attention import (
+    decode_splits,
+    launch_decode,
+    padded_group,
+    paged_attention,
+    rows_in_flight,
+    split_workspace_elems,
+)
 from ..ops.write_kv import write_kv
 
 N_HEADS, N_KV = 32, 8
@@ -122,7 +129,7 @@ def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
             variants += [(-(-ctx // p), p, u) for p in (256, 512, 1024, 2048) for u in (4, 8)
                          if p <= ctx and (-(-ctx // p), p, u) != variants[0]]
         for i, (n, p, u) in enumerate(variants):
-            ws = cp.empty(n * b * N_HEADS * (d + 2), dtype=cp.float32)
+            ws = cp.zeros(split_workspace_elems(b, N_HEADS, N_KV, d, n), dtype=cp.float32)
             call = (functools.partial(paged_attention, q, k_cache, v_cache, tables, lens, out=out,
                                       max_context_len=ctx, workspace=ws) if i == 0 else
                     functools.partial(launch_decode, q, k_cache, v_cache, tables, lens, out, d ** -0.5,

@@ -142,7 +142,7 @@ def attention_ms(cp, engine, batch, ctx):
     lens = cp.full(batch, ctx, dtype=np.int32)
     q = cp.random.standard_normal((batch, model.n_heads, model.head_dim), dtype=cp.float32).astype(model.dtype)
     out, bound = cp.empty_like(q), bucket(ctx, MIN_CONTEXT_BUCKET)
-    ws = cp.empty(max(1, workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, bound)),
+    ws = cp.zeros(max(1, workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, bound)),
                   dtype=np.float32)
 
     def step():

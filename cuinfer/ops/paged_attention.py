@@ -8,9 +8,10 @@ paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out
 
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
 reads each K/V row once for all query heads of its group; when sequences are few and
-long the context is split (flash-decoding) and a merge kernel combines the fp32
-partials. The grid and the split count depend on the shapes and on max_context_len
-only, never on the values in context_lens.
+long the context is split (flash-decoding): each split writes fp32 partials to the
+workspace and the last CTA of a (sequence, KV head) to finish, found with an atomic
+arrival counter, merges them (one launch either way). The grid and the split count
+depend on the shapes and on max_context_len only, never on the values in context_lens.
 
 Under CUDA-graph capture (and to avoid a device sync per call) the caller passes, all
 allocated before capture and kept alive as long as the graph:
@@ -18,7 +19,12 @@ allocated before capture and kept alive as long as the graph:
     max_context_len an int >= every context_lens value any replay will see (the grid is
                     sized from it at capture; tokens past it would be ignored)
     workspace       float32, at least workspace_elems(num_seqs, n_heads, n_kv_heads,
-                    head_dim, max_context_len) elements (any size >= 1 when that is 0)
+                    head_dim, max_context_len) elements (any size >= 1 when that is 0),
+                    16-byte aligned, zero-initialized before first use (cupy.zeros): its
+                    first elements are int32 arrival counters, one per (sequence, KV head),
+                    that the kernel leaves at zero. Reuse it only for calls with the same
+                    num_seqs and n_kv_heads (other calls' partials would sit where the
+                    counters are), or zero it again first.
 A replay then reads new q, block_tables and context_lens copied into the same buffers.
 Inputs written on another stream must be ordered before the capture stream's work
 (an event, or a device synchronize): a non-blocking stream does not wait for the
@@ -57,7 +63,7 @@ def rows_in_flight(group: int, head_dim: int) -> int:
 
 def resident_ctas(group: int) -> int:
     """CTAs per SM the decode kernel gets (ptxas -v, sm_90): G <= 4 uses <= 96 registers
-    (5 x 128 threads per SM), G = 8 uses 153-167 (3 per SM)."""
+    (5 x 128 threads per SM, the launch bounds ask for it), G = 8 uses 142-168 (3 per SM)."""
     return 5 if group <= 4 else 3
 
 
@@ -66,13 +72,7 @@ def instantiation(dtype, head_dim: int, group: int, u=None) -> str:
     return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}>"
 
 
-def merge_instantiation(dtype, head_dim: int) -> str:
-    return f"paged_attention_merge_kernel<{runtime.ctype(dtype)}, {head_dim}>"
-
-
-INSTANTIATIONS = ([instantiation(dt, d, g) for dt in (np.float16, runtime.bfloat16)
-                   for d in HEAD_DIMS for g in GROUPS]
-                  + [merge_instantiation(dt, d) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS])
+INSTANTIATIONS = [instantiation(dt, d, g) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS for g in GROUPS]
 
 
 def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int,
@@ -99,7 +99,17 @@ def workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     max_context_len: int) -> int:
     """float32 scratch elements paged_attention needs for the split partials (0 when it does not split)."""
     n_splits, _ = decode_splits(num_seqs, n_heads, n_kv_heads, max_context_len)
-    return 0 if n_splits == 1 else num_seqs * n_heads * n_splits * (head_dim + 2)
+    return 0 if n_splits == 1 else split_workspace_elems(num_seqs, n_heads, n_kv_heads, head_dim, n_splits)
+
+
+def split_workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int, n_splits: int) -> int:
+    """Workspace elements for an explicit split count: the arrival counters (padded to 16 bytes), then
+    part_out [num_seqs, n_heads, n_splits, head_dim] and part_ml [num_seqs, n_heads, n_splits, 2]."""
+    return _counters(num_seqs, n_kv_heads) + num_seqs * n_heads * n_splits * (head_dim + 2)
+
+
+def _counters(num_seqs: int, n_kv_heads: int) -> int:
+    return -(-num_seqs * n_kv_heads // 4) * 4
 
 
 def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len: int) -> tuple:
@@ -108,12 +118,13 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
     return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
 
 
-def smem_bytes(group: int, partition: int, head_dim: int, block_size: int) -> int:
+def smem_bytes(group: int, partition: int, head_dim: int, block_size: int, n_splits: int) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
-    partition // block_size + 2 blocks)."""
+    partition // block_size + 2 blocks); the merge reuses it for [group, round_up(n_splits, 8) + 1]."""
     warps = THREADS // 32
-    return 4 * (group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2)
+    attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
+    return 4 * max(attend, group * (-(-n_splits // 8) * 8 + 1))
 
 
 def capturing() -> bool:
@@ -174,30 +185,27 @@ def _refuse_capture(names):
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
                   partition, workspace=None, u=None):
-    """Launch the decode kernel (+ merge) with an explicit split: n_splits * partition tokens must
-    cover every context length, partition a multiple of 32. Arguments are checked by the caller."""
+    """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
+    context length, partition a multiple of 32. Arguments are checked by the caller."""
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     if n_splits > 1:
-        n_out, n_ml = num_seqs * n_heads * n_splits * d, num_seqs * n_heads * n_splits * 2
+        need = split_workspace_elems(num_seqs, n_heads, n_kv, d, n_splits)
         if workspace is None:
-            workspace = cp.empty(n_out + n_ml, dtype=cp.float32)
-        runtime.check("workspace", workspace, dtype=np.float32, ndim=1)
-        if workspace.size < n_out + n_ml:
-            raise ValueError(f"workspace: got {workspace.size} elements, need {n_out + n_ml} "
-                             "(workspace_elems)")
-        part_out = workspace[:n_out]  # [num_seqs, n_heads, n_splits, d]
-        part_ml = workspace[n_out:n_out + n_ml]  # [num_seqs, n_heads, n_splits, 2]
+            workspace = cp.zeros(need, dtype=cp.float32)
+        runtime.check("workspace", workspace, dtype=np.float32, ndim=1, align=16)
+        if workspace.size < need:
+            raise ValueError(f"workspace: got {workspace.size} elements, need {need} (workspace_elems)")
+        n_cnt, n_out = _counters(num_seqs, n_kv), num_seqs * n_heads * n_splits * d
+        arrivals = workspace[:n_cnt].view(np.int32)  # [num_seqs, n_kv] (+ padding)
+        part_out = workspace[n_cnt:n_cnt + n_out]  # [num_seqs, n_heads, n_splits, d]
+        part_ml = workspace[n_cnt + n_out:need]  # [num_seqs, n_heads, n_splits, 2]
     else:
-        part_out = part_ml = out  # unused: the kernel writes out directly
+        part_out = part_ml = arrivals = out  # unused: the kernel writes out directly
     kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u))
-    args = (q, k_cache, v_cache, out, part_out, part_ml, block_tables, context_lens,
+    args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (THREADS,), args,
-                   smem=smem_bytes(group, partition, d, bs))
-    if n_splits > 1:
-        merge = runtime.kernel("paged_attention", merge_instantiation(q.dtype, d))
-        runtime.launch(merge, (n_heads, num_seqs), (THREADS,),
-                       (part_out, part_ml, out, np.int32(n_splits)), smem=4 * (-(-n_splits // 8) * 8))
+                   smem=smem_bytes(group, partition, d, bs, n_splits))

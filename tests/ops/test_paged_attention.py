@@ -102,6 +102,39 @@ def test_paged_attention_long_split(cp, lens, ratio, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("ratio", "d"), [(4, 128), (8, 64), (1, 256)])
+def test_split_arrival_counters_reset(cp, dtype, ratio, d):
+    """The last CTA of each (sequence, KV head) merges and zeroes its arrival counter: every call twice
+    on one workspace into a NaN-poisoned out, other context lengths, a fixed split count (max_context_len)
+    or one per call (from the largest context)."""
+    from cuinfer.ops.paged_attention import decode_splits, workspace_elems
+
+    rng = np.random.default_rng(ratio * d)
+    num_seqs, n_kv, max_ctx = 3, 2, 5000
+    n_heads = n_kv * ratio
+    assert decode_splits(num_seqs, n_heads, n_kv, max_ctx)[0] > 1
+    ws = cp.zeros(workspace_elems(num_seqs, n_heads, n_kv, d, max_ctx), cp.float32)
+    cu = np.arange(num_seqs + 1, dtype=np.int32) * max_ctx
+    k, v = (rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype) for _ in range(2))
+    tables, k_cache, v_cache = scatter_paged(rng, cu, 16, k, v)
+    k_d, v_d, tables_d = cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables)
+    for bound in (max_ctx, None):
+        for lens in ([5000, 1, 2999], [0, 4097, 33], [1, 1, 1]):
+            lens = np.array(lens, np.int32)
+            q = rng.standard_normal((num_seqs, n_heads, d)).astype(np.float32).astype(dtype)
+            got = []
+            for _ in range(2):
+                out = poison(cp, q.shape, dtype)
+                paged_attention(cp.asarray(q), k_d, v_d, tables_d, cp.asarray(lens), out=out, max_context_len=bound,
+                                workspace=ws)
+                assert not cp.asnumpy(ws[:num_seqs * n_kv].view(cp.int32)).any()  # the counters lead the workspace
+                got.append(cp.asnumpy(out))
+            assert_close(got[0], decode_reference(q, k_cache, v_cache, tables, lens), dtype)
+            np.testing.assert_array_equal(got[1], got[0])
+
+
+@pytest.mark.gpu
 def test_matches_flash_attention_paged_decode(cp):
     from cuinfer.ops.flash_attention import flash_attention_paged
 
@@ -137,7 +170,7 @@ def test_graph_capture_write_kv_and_decode(cp, dtype):
     q_d, q_rot, out = (cp.empty((num_seqs, n_heads, d), dtype) for _ in range(3))
     k_d, v_d = (cp.empty((num_seqs, n_kv, d), dtype) for _ in range(2))
     pos_d, slot_d = cp.empty(num_seqs, cp.int32), cp.empty(num_seqs, cp.int32)
-    ws = cp.empty(max(1, workspace_elems(num_seqs, n_heads, n_kv, d, max_ctx)), cp.float32)
+    ws = cp.zeros(max(1, workspace_elems(num_seqs, n_heads, n_kv, d, max_ctx)), cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
 
     def step():
