@@ -113,17 +113,18 @@ def replay_ms(engine, batch):
 
 
 def gemv_ms(cp, model, batch):
-    """GPU ms of the greedy step's linear layers alone (fused SwiGLU and argmax epilogues), replayed
-    from one graph (eager where the step is: past graph_batch_limit): same shapes and weights, random x."""
-    cfg, w = model.config, model.weights
+    """GPU ms of the greedy step's linear layers alone (fused norms, SwiGLU, residual and argmax, as
+    Model.layer calls them), replayed from one graph (eager where the step is: past
+    graph_batch_limit): same shapes and weights, random x."""
+    cfg, w, eps = model.config, model.weights, model.config.rms_norm_eps
     x = lambda k: cp.random.standard_normal((batch, k), dtype=cp.float32).astype(model.dtype)
     xh, xq, xi = x(cfg.hidden_size), x(cfg.q_size), x(cfg.intermediate_size)
 
     def step():
         for lw in w.layers:
-            linear(xh, lw.qkv, lw.qkv_bias), linear(xq, lw.o)
-            linear(xh, lw.gate_up, activation="silu_and_mul"), linear(xi, lw.down)
-        return linear_argmax(xh, w.lm_head)
+            linear(xh, lw.qkv, lw.qkv_bias, norm=(lw.input_norm, eps)), linear(xq, lw.o, residual=xh)
+            linear(xh, lw.gate_up, activation="silu_and_mul", norm=(lw.post_norm, eps)), linear(xi, lw.down, residual=xh)
+        return linear_argmax(xh, w.lm_head, norm=model.final_norm)
 
     if batch > graph_batch_limit(w, greedy=True):
         return bench.time_ms(step, warmup=1, iters=5)  # cuBLAS (fp16 above 16 rows): not capturable
