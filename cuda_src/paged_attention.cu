@@ -12,9 +12,45 @@
 // With one split the CTA writes the output; otherwise it writes fp32 (out / sum, max, sum)
 // partials and counts itself in on an arrival counter of its (kv_head, sequence), and the
 // last CTA to arrive merges the partials of every split (no second kernel).
+// NEW_KV (decode with the new token fused in): q and the new k arrive un-rotated; every CTA rotates
+// q (RoPE rotate-half at position ctx - 1, as write_kv.cu), and the CTA whose split holds position
+// ctx - 1 also rotates k and writes k and v to the cache row at slot_mapping[seq] before its loops,
+// which then read that row back like any other (through L2: see load_kv).
 #include "common.cuh"
 
 using namespace cuinfer;
+
+// A K/V row chunk. The NEW_KV kernel writes a cache row in this launch and reads it back after a
+// barrier, so its loads must be coherent (ld.global.cg: L2); the plain kernel's may take the
+// read-only path (ld.global.nc, which may miss a write made during the kernel).
+template <bool COHERENT, typename T>
+__device__ __forceinline__ Vec<T, 8> load_kv(const T* p) {
+  if constexpr (COHERENT) {
+    const int4 raw = __ldcg(reinterpret_cast<const int4*>(p));
+    return *reinterpret_cast<const Vec<T, 8>*>(&raw);
+  } else {
+    return Vec<T, 8>::load(p);
+  }
+}
+
+// RoPE rotate-half of chunk c (8 elements) of a head row x, rounded once to T: y_j = x_j cos - x_{j+D/2} sin,
+// y_{j+D/2} = x_{j+D/2} cos + x_j sin, with the roundings write_kv.cu's `x1 * c - x2 * s` and `x2 * c + x1 * s`
+// compile to (sm_90 SASS: fma(x1, c, -(x2 s)) and fma(x1, s, x2 c), the products in parentheses rounded),
+// spelled out so that the new k and q match write_kv's bit for bit.
+// cs, sn: cos and sin of the angles of the chunk's 8 frequencies (chunk c mod D/16).
+template <typename T, int D>
+__device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (&cs)[8], const float (&sn)[8]) {
+  constexpr int HALF = D / 16;  // chunks in half a row
+  const bool lo = c < HALF;
+  const VecF<T, 8> own = VecF<T, 8>::from(Vec<T, 8>::load(x + c * 8));
+  const VecF<T, 8> other = VecF<T, 8>::from(Vec<T, 8>::load(x + (lo ? c + HALF : c - HALF) * 8));
+  VecF<T, 8> y;
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    y.v[e] = lo ? __fmaf_rn(own.v[e], cs[e], -__fmul_rn(other.v[e], sn[e]))
+                : __fmaf_rn(other.v[e], sn[e], __fmul_rn(own.v[e], cs[e]));
+  return y.to();
+}
 
 // The split-K epilogue, called by every thread of a CTA after it wrote its partials (n_splits > 1).
 // The CTA that arrives last on *arrival merges its group's heads into out and resets *arrival to 0
@@ -94,15 +130,22 @@ __device__ __forceinline__ void merge_if_last(float* smem, const float* part_out
 // n_splits > 1 only (16-byte aligned): part_out: [num_seqs, n_heads, n_splits, D] fp32;
 // part_ml: [num_seqs, n_heads, n_splits, 2] (max, sum); arrivals: int32 [num_seqs, n_kv_heads], zero
 // before the launch and left zero by it
+// NEW_KV only: q rows q_stride elements apart (heads contiguous), un-rotated; k_new, v_new: [num_seqs,
+// n_kv_heads, D] rows k_stride / v_stride apart, k un-rotated; slot_mapping: [num_seqs] (slot < 0: no
+// write); inv_freq: [D / 2] fp32. Without NEW_KV these are unused and q is contiguous.
 // G: query heads per KV head, padded (the real count is n_heads / n_kv_heads <= G).
 // U: K/V rows each lane loads before it uses the first (bytes in flight).
-// Launch bounds: 5 CTAs per SM (<= 102 registers, no spills) for G <= 4; resident_ctas in the op relies on it.
-template <typename T, int D, int G, int U>
-__global__ void __launch_bounds__(128, G <= 4 ? 5 : 1) paged_attention_kernel(
+// Launch bounds: the CTAs per SM resident_ctas in the op assumes, 5 (<= 102 registers) for G <= 4 and 3
+// (<= 168) for G = 8, without spills; the plain G = 8 kernel fits 168 unbounded (and is left unbounded,
+// which schedules it better), the NEW_KV one would take up to 182 registers (bf16, D = 80 / 96).
+template <typename T, int D, int G, int U, bool NEW_KV>
+__global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, int* __restrict__ arrivals,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
-    int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2) {
+    int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
+    const T* __restrict__ k_new, const T* __restrict__ v_new, const int* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride) {
   pdl_wait();  // every input of this kernel may come from the previous one
   pdl_trigger();
   constexpr int WARPS = 4;
@@ -110,7 +153,7 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : 1) paged_attention_kernel(
   constexpr int KL = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);  // lanes per row
   constexpr int RPW = 32 / KL;                                      // rows per warp step
   constexpr int STEP = WARPS * RPW;                                 // rows per CTA step
-  static_assert(CHUNKS <= 32, "D must be at most 256");
+  static_assert(CHUNKS <= 32 && D % 16 == 0, "D must be a multiple of 16, at most 256");
 
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z, n_splits = gridDim.x;
   const int group = n_heads / n_kv_heads;
@@ -150,14 +193,39 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : 1) paged_attention_kernel(
     blocks[i] = table[first_block + i];
 
   float qv[G][8];
+  if constexpr (NEW_KV) {
+    float cs[8], sn[8];
+    if (active) {
+      const float pos = static_cast<float>(ctx - 1);
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    VecF<T, 8> x{};
-    if (g < group && active) x = VecF<T, 8>::from(Vec<T, 8>::load(q + (head0 + g) * D + chunk * 8));
+      for (int e = 0; e < 8; ++e) sincosf(pos * inv_freq[chunk % (CHUNKS / 2) * 8 + e], &sn[e], &cs[e]);
+    }
+    const T* q_group = q + (size_t)seq * q_stride + (size_t)kv_head * group * D;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qv[g][e] = x.v[e] * scale_log2;
+    for (int g = 0; g < G; ++g) {
+      VecF<T, 8> x{};
+      if (g < group && active) x = VecF<T, 8>::from(rope_chunk<T, D>(q_group + g * D, chunk, cs, sn));
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qv[g][e] = x.v[e] * scale_log2;
+    }
+    const int slot = slot_mapping[seq];  // the new token's row, written by the CTA whose split holds it
+    if (split == min((ctx - 1) / partition, n_splits - 1) && slot >= 0 && warp == 0 && sub == 0 && active) {
+      const size_t dst = ((size_t)slot * n_kv_heads + kv_head) * D + chunk * 8;
+      rope_chunk<T, D>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn)
+          .store(const_cast<T*>(k_cache) + dst);
+      Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8)
+          .store(const_cast<T*>(v_cache) + dst);
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      VecF<T, 8> x{};
+      if (g < group && active) x = VecF<T, 8>::from(Vec<T, 8>::load(q + (head0 + g) * D + chunk * 8));
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qv[g][e] = x.v[e] * scale_log2;
+    }
   }
-  __syncthreads();  // blocks[] written
+  __syncthreads();  // blocks[] written (and the new K/V row: the loops below may read it)
 
   const int block_mask = (1 << block_shift) - 1;
   const size_t row_stride = (size_t)n_kv_heads * D;
@@ -175,7 +243,7 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : 1) paged_attention_kernel(
   for (int base = start + warp * RPW; base < end; base += STEP * U) {  // warp-uniform loop
     Vec<T, 8> kr[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) kr[u] = Vec<T, 8>::load(k_cache + offset_of(base + u * STEP + sub));
+    for (int u = 0; u < U; ++u) kr[u] = load_kv<NEW_KV>(k_cache + offset_of(base + u * STEP + sub));
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = base + u * STEP + sub;
@@ -239,7 +307,7 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : 1) paged_attention_kernel(
   for (int base = start + warp * RPW; base < end; base += STEP * U) {
     Vec<T, 8> vr[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) vr[u] = Vec<T, 8>::load(v_cache + offset_of(base + u * STEP + sub));
+    for (int u = 0; u < U; ++u) vr[u] = load_kv<NEW_KV>(v_cache + offset_of(base + u * STEP + sub));
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = min(base + u * STEP + sub, end - 1);

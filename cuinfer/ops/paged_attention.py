@@ -1,10 +1,20 @@
 """Paged decode attention: one query token per sequence against a paged KV cache.
 
 paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                max_context_len=None, workspace=None)
+                max_context_len=None, workspace=None, new_kv=None)
     q: [num_seqs, n_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]
     block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
     returns [num_seqs, n_heads, head_dim] in q's dtype (zeros where context_lens is 0)
+
+new_kv=(k, v, slot_mapping, inv_freq) fuses write_kv into the call (decode: each sequence's new
+token is its last, at position context_lens - 1): q and k are then un-rotated, and the call does
+what write_kv(q, k, v, context_lens - 1, k_cache, v_cache, slot_mapping, inv_freq) followed by
+paged_attention on the rotated q does, bit for bit, in one launch:
+    k, v: [num_seqs, n_kv_heads, head_dim]; slot_mapping: int32 [num_seqs], the cache slot of
+    position context_lens - 1 (block_tables' entry for it; < 0: no write); inv_freq: float32
+    [head_dim // 2] (cuinfer.ops.rope.rope_inv_freq). q, k, v may be views of one qkv row
+    ([num_seqs, (n_heads + 2 * n_kv_heads) * head_dim]): rows any 16-byte multiple apart, heads
+    contiguous within a row. A sequence with context_lens 0 writes nothing (and gives zeros).
 
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
 reads each K/V row once for all query heads of its group; when sequences are few and
@@ -67,12 +77,13 @@ def resident_ctas(group: int) -> int:
     return 5 if group <= 4 else 3
 
 
-def instantiation(dtype, head_dim: int, group: int, u=None) -> str:
+def instantiation(dtype, head_dim: int, group: int, u=None, new_kv: bool = False) -> str:
     u = u or rows_in_flight(group, head_dim)
-    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}>"
+    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}, {str(new_kv).lower()}>"
 
 
-INSTANTIATIONS = [instantiation(dt, d, g) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS for g in GROUPS]
+INSTANTIATIONS = [instantiation(dt, d, g, new_kv=f) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS
+                  for g in GROUPS for f in (False, True)]
 
 
 def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int,
@@ -134,9 +145,9 @@ def capturing() -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                    max_context_len=None, workspace=None):
-    dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out)
-    runtime.check("q", q, ndim=3)
+                    max_context_len=None, workspace=None, new_kv=None):
+    dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out, *(new_kv or ()))
+    runtime.check("q", q, ndim=3, contiguous=new_kv is None)
     num_seqs, n_heads, d = q.shape
     runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, d))
     runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
@@ -146,14 +157,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     runtime.check("block_tables", block_tables, dtype=np.int32, shape=(num_seqs, None))
     runtime.check("context_lens", context_lens, dtype=np.int32, shape=(num_seqs,))
     scale = default_scale(d) if scale is None else float(scale)
+    if new_kv is not None:
+        _check_new_kv(q, n_kv, *new_kv)
     if not dev:
-        runtime.check("q", q, dtype=runtime.FLOAT_DTYPES)
+        runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, contiguous=new_kv is None)
+        if new_kv is not None:  # by composition: write_kv's reference, then attention on the rotated q
+            return paged_attention(_write_new_kv(q, k_cache, v_cache, context_lens, *new_kv), k_cache, v_cache,
+                                   block_tables, context_lens, scale, out)
         cu = np.arange(num_seqs + 1, dtype=np.int32)
         res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
         out = runtime.check_out(out, q.shape, q.dtype, q)
         out[...] = res.astype(q.dtype)  # rounded once
         return out
-    runtime.check("q", q, dtype=KERNEL_DTYPES, align=16)
+    runtime.check("q", q, dtype=KERNEL_DTYPES, align=16, contiguous=new_kv is None)
     if d not in HEAD_DIMS:
         raise ValueError(f"q: got head_dim {d}, need one of {HEAD_DIMS}")
     if bs & (bs - 1):
@@ -174,8 +190,33 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     if n_splits > 1 and workspace is None and capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace)
+                  partition, workspace, new_kv=new_kv)
     return out
+
+
+def _check_new_kv(q, n_kv, k, v, slot_mapping, inv_freq):
+    """new_kv's arrays; q, k, v: rows 16-byte multiples apart, heads contiguous within a row."""
+    num_seqs, _, d = q.shape
+    runtime.check("k", k, dtype=q.dtype, shape=(num_seqs, n_kv, d), contiguous=False)
+    runtime.check("v", v, dtype=q.dtype, shape=(num_seqs, n_kv, d), contiguous=False)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        rows_ok = a.shape[0] == 1 or (a.strides[0] > 0 and a.strides[0] % 16 == 0)
+        if not rows_ok or a.strides[2] != a.itemsize or (a.shape[1] > 1 and a.strides[1] != d * a.itemsize):
+            raise ValueError(f"{name}: got strides {a.strides}, need ({a.itemsize * d}-byte heads contiguous "
+                             "in rows a multiple of 16 bytes apart)")
+        runtime.check(name, a, align=16, contiguous=False)
+    runtime.check("slot_mapping", slot_mapping, dtype=np.int32, shape=(num_seqs,))
+    runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(d // 2,))
+
+
+def _write_new_kv(q, k_cache, v_cache, context_lens, k, v, slot_mapping, inv_freq):
+    """The NumPy path of new_kv: write_kv at positions context_lens - 1 (no write where that is -1)."""
+    from .write_kv import write_kv
+
+    positions = context_lens - 1
+    slots = np.where(positions >= 0, slot_mapping, -1).astype(np.int32)
+    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+    return write_kv(q, k, v, positions, k_cache, v_cache, slots, inv_freq)
 
 
 def _refuse_capture(names):
@@ -184,7 +225,7 @@ def _refuse_capture(names):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace=None, u=None):
+                  partition, workspace=None, u=None, new_kv=None):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
     context length, partition a multiple of 32. Arguments are checked by the caller."""
     cp = runtime.require_cupy()
@@ -203,9 +244,14 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
         part_ml = workspace[n_cnt + n_out:need]  # [num_seqs, n_heads, n_splits, 2]
     else:
         part_out = part_ml = arrivals = out  # unused: the kernel writes out directly
-    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u))
+    if new_kv is None:  # unused by the plain kernel
+        k, v, slot_mapping, inv_freq = q, q, context_lens, part_ml
+    else:
+        k, v, slot_mapping, inv_freq = new_kv
+    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None))
     args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
-            np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E))
+            np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
+            *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (THREADS,), args,
                    smem=smem_bytes(group, partition, d, bs, n_splits))

@@ -9,6 +9,7 @@ from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
 from cuinfer.ops.paged_attention import HEAD_DIMS, paged_attention, split_config
 from tests.conftest import assert_close, poison
 from tests.ops.test_flash_attention import attention_loops, scatter_paged
+from tests.ops.test_write_kv import inv_freq_for
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 
@@ -221,3 +222,194 @@ def test_graph_capture_write_kv_and_decode(cp, dtype):
         assert_close(got, ref, dtype)
         eager = paged_attention(q_rot, k_cache, v_cache, tables_d, lens_d, max_context_len=max_ctx)
         assert np.array_equal(cp.asnumpy(eager), got)  # same grid and arithmetic as the replay
+
+
+# ---------------------------------------------------------------- new_kv: RoPE + cache write fused in
+def split_qkv(qkv, n_heads, n_kv, d):
+    """q [rows, n_heads, d], k, v [rows, n_kv, d]: views of a qkv buffer [rows, (n_heads + 2 n_kv) d + pad]."""
+    nq, nkv, rows = n_heads * d, n_kv * d, qkv.shape[0]
+    return (qkv[:, :nq].reshape(rows, n_heads, d), qkv[:, nq:nq + nkv].reshape(rows, n_kv, d),
+            qkv[:, nq + nkv:nq + 2 * nkv].reshape(rows, n_kv, d))
+
+
+def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0):
+    """NumPy inputs of a fused decode step: each sequence's context (random K/V, NaN elsewhere in the cache), a
+    qkv buffer for the new tokens and the slots of their positions lens - 1 (a spare block's slots where a
+    length is 0, -1 for a `drop` fraction of rows)."""
+    lens = np.array(lens, np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    k, v = (rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype) for _ in range(2))
+    tables, k_cache, v_cache = scatter_paged(rng, cu, block_size, k, v)
+    owned = {int(tables[i, j]) for i, n in enumerate(lens) for j in range(-(-int(n) // block_size))}
+    spare = min(set(range(k_cache.shape[0])) - owned)
+    pos = np.maximum(lens - 1, 0)
+    slots = np.where(lens > 0, tables[np.arange(len(lens)), pos // block_size] * block_size + pos % block_size,
+                     spare * block_size + np.arange(len(lens)))
+    slots[rng.random(len(lens)) < drop] = -1
+    width = (n_kv * ratio + 2 * n_kv) * d + pad
+    qkv = rng.standard_normal((len(lens), width)).astype(np.float32).astype(dtype)
+    return {"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache, "tables": tables, "lens": lens,
+            "slots": slots.astype(np.int32), "inv_freq": inv_freq_for(d, 500000.0), "n_heads": n_kv * ratio,
+            "n_kv": n_kv, "d": d}
+
+
+def bits(a):
+    """An array's bit pattern as a NumPy integer array (bitwise equality, NaN included)."""
+    a = a.get() if runtime.is_device_array(a) else np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def device_case(cp, case, strided=True):
+    """The case's arrays on the device: q, k, v (views of the qkv buffer, or contiguous copies) and the rest."""
+    qkv = cp.asarray(case["qkv"])
+    q, k, v = split_qkv(qkv, case["n_heads"], case["n_kv"], case["d"])
+    if strided:  # views, not copies
+        assert (q.data.ptr, k.data.ptr) == (qkv.data.ptr, qkv.data.ptr + q[0].nbytes)
+    else:
+        q, k, v = (cp.ascontiguousarray(a) for a in (q, k, v))
+    return dict(qkv=qkv, q=q, k=k, v=v, **{name: cp.asarray(case[name]) for name in
+                                           ("lens", "slots", "inv_freq", "tables", "k_cache", "v_cache")})
+
+
+def write_kv_then_decode(cp, case, max_context_len):
+    """(out, k_cache, v_cache) of write_kv at positions lens - 1 then paged_attention, on copies of the caches."""
+    from cuinfer.ops.write_kv import write_kv
+
+    a = device_case(cp, case, strided=False)
+    slots = cp.where(a["lens"] > 0, a["slots"], -1).astype(cp.int32)
+    pos = (a["lens"] - 1).astype(cp.int32)
+    q_rot = write_kv(a["q"], a["k"], a["v"], pos, a["k_cache"], a["v_cache"], slots, a["inv_freq"])
+    out = paged_attention(q_rot, a["k_cache"], a["v_cache"], a["tables"], a["lens"], max_context_len=max_context_len)
+    return out, a["k_cache"], a["v_cache"]
+
+
+def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True):
+    """paged_attention(new_kv=...) against write_kv then paged_attention: caches and output bit for bit
+    (the same rounded q and K/V, the same split, the same arithmetic)."""
+    b = device_case(cp, case, strided)
+    out = poison(cp, b["q"].shape, b["q"].dtype)
+    got = paged_attention(b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], out=out,
+                          max_context_len=max_context_len, new_kv=(b["k"], b["v"], b["slots"], b["inv_freq"]))
+    assert got is out
+    for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_context_len)):
+        np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def test_new_kv_numpy_path_composes_write_kv():
+    """The NumPy path (strided q/k/v of one qkv buffer) is write_kv's reference at lens - 1, then attention."""
+    from cuinfer.ops.write_kv import write_kv
+
+    rng = np.random.default_rng(7)
+    for dtype in (np.float32, np.float16):
+        case = new_token_case(rng, [1, 16, 17, 0, 40], 3, 2, 64, dtype, 16, pad=8, drop=0.3)
+        q, k, v = split_qkv(case["qkv"], 6, 2, 64)
+        kc, vc = case["k_cache"].copy(), case["v_cache"].copy()
+        got = paged_attention(q, kc, vc, case["tables"], case["lens"], new_kv=(k, v, case["slots"], case["inv_freq"]))
+        kc_ref, vc_ref = case["k_cache"].copy(), case["v_cache"].copy()
+        q_rot = write_kv(*(np.ascontiguousarray(a) for a in (q, k, v)), case["lens"] - 1, kc_ref, vc_ref,
+                         np.where(case["lens"] > 0, case["slots"], -1).astype(np.int32), case["inv_freq"])
+        np.testing.assert_array_equal(bits(kc), bits(kc_ref))
+        np.testing.assert_array_equal(bits(vc), bits(vc_ref))
+        np.testing.assert_array_equal(got, paged_attention(q_rot, kc_ref, vc_ref, case["tables"], case["lens"]))
+        assert not np.isnan(got).any() and not got[3].any()  # the empty context: zeros, and no write
+
+
+def test_new_kv_argument_checks():
+    case = new_token_case(np.random.default_rng(1), [5, 9], 2, 2, 64, np.float16, 16)
+    q, k, v = split_qkv(case["qkv"], 4, 2, 64)
+    args = (case["k_cache"], case["v_cache"], case["tables"], case["lens"])
+    with pytest.raises(ValueError, match="k: got strides"):
+        paged_attention(q, *args, new_kv=(k.transpose(0, 2, 1).copy().transpose(0, 2, 1), v, case["slots"],
+                                          case["inv_freq"]))
+    with pytest.raises(ValueError, match="v: got shape"):
+        paged_attention(q, *args, new_kv=(k, v[:1], case["slots"], case["inv_freq"]))
+    with pytest.raises(ValueError, match="slot_mapping: got dtype int64"):
+        paged_attention(q, *args, new_kv=(k, v, case["slots"].astype(np.int64), case["inv_freq"]))
+    with pytest.raises(ValueError, match="inv_freq: got shape"):
+        paged_attention(q, *args, new_kv=(k, v, case["slots"], case["inv_freq"][:16]))
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.one_of(st.sampled_from([1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 255, 256, 257, 1025]),
+                               st.integers(0, 3000)), min_size=1, max_size=6),
+       ratio=st.sampled_from([1, 4, 7, 8]), n_kv=st.sampled_from([1, 2]), d=st.sampled_from([64, 80, 96, 128, 256]),
+       dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]), pad=st.sampled_from([0, 8, 24]),
+       strided=st.booleans(), drop=st.sampled_from([0.0, 0.3]), extra=st.sampled_from([None, 0, 1, 700]),
+       seed=st.integers(0, 2**31))
+def test_new_kv_matches_write_kv_then_decode(cp, lens, ratio, n_kv, d, dtype, block_size, pad, strided, drop, extra,
+                                             seed):
+    case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop)
+    check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, strided)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("ratio", "d"), [(4, 128), (7, 80), (1, 96), (8, 64)])
+def test_new_kv_split_boundaries(cp, dtype, ratio, d):
+    """The new token first / last in a split, first in the last split, the whole context; batch 1 and 3."""
+    from cuinfer.ops.paged_attention import decode_splits
+
+    rng = np.random.default_rng(ratio * d)
+    max_ctx = 4000
+    for num_seqs in (1, 3):
+        n_splits, part = decode_splits(num_seqs, 2 * ratio, 2, max_ctx)
+        assert n_splits > 1
+        for lens in ([part + 1], [part], [2 * part + 1], [(n_splits - 1) * part + 1], [1], [max_ctx]):
+            case = new_token_case(rng, (lens + [1, 2 * part - 1])[:num_seqs], ratio, 2, d, dtype, 16, pad=8)
+            check_fused_matches_write_kv(cp, case, max_ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize(("d", "dtype"), [(d, np.dtype(np.float16)) for d in HEAD_DIMS] + [(128, runtime.bfloat16)])
+@pytest.mark.parametrize("lens", [[33, 1, 0], [1300]], ids=["single", "split"])
+def test_new_kv_small(cp, d, dtype, group, lens):
+    """Every fused instantiation once, at small sizes (for compute-sanitizer)."""
+    case = new_token_case(np.random.default_rng(group * d), lens, group, 2, d, dtype, 16, pad=8)
+    case["slots"][1:2] = -1  # single: the 1-token sequence writes nothing (and reads its cache row)
+    check_fused_matches_write_kv(cp, case)
+
+
+@pytest.mark.gpu
+def test_new_kv_graph_capture(cp):
+    """The fused call captured once, replayed with new qkv rows, lengths and slots copied into its buffers: each
+    replay matches write_kv + paged_attention on copies of the caches, and leaves the counters at zero."""
+    from cuinfer.ops.paged_attention import workspace_elems
+
+    rng = np.random.default_rng(3)
+    ratio, n_kv, d, bs, max_ctx = 4, 2, 128, 16, 3000
+    case = new_token_case(rng, [max_ctx, max_ctx], ratio, n_kv, d, np.float16, bs, pad=8)
+    b = device_case(cp, case)
+    new_kv = (b["k"], b["v"], b["slots"], b["inv_freq"])
+    ws = cp.zeros(workspace_elems(2, n_kv * ratio, n_kv, d, max_ctx), cp.float32)
+    out = cp.empty(b["q"].shape, b["q"].dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def step():
+        paged_attention(b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], out=out, max_context_len=max_ctx,
+                        workspace=ws, new_kv=new_kv)
+
+    cp.cuda.Device().synchronize()
+    with stream:
+        step()  # eagerly once: compiled, nothing left to allocate
+        stream.synchronize()
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+    for lens in ([1000, 2999], [17, max_ctx], [1, 1]):
+        lens = np.array(lens, np.int32)
+        pos = lens - 1
+        slots = case["tables"][np.arange(2), pos // bs] * bs + pos % bs
+        case.update(qkv=rng.standard_normal(case["qkv"].shape).astype(np.float16), lens=lens,
+                    slots=np.where(rng.random(2) < 0.3, -1, slots).astype(np.int32),
+                    k_cache=cp.asnumpy(b["k_cache"]), v_cache=cp.asnumpy(b["v_cache"]))
+        with stream:
+            for name in ("qkv", "lens", "slots"):
+                b[name].set(case[name])
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+        for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_ctx)):
+            np.testing.assert_array_equal(bits(x), bits(y))
+        assert not ws[:2 * n_kv].view(cp.int32).any()
