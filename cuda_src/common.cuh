@@ -110,6 +110,16 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// RoPE rotate-half of one pair (x1, x2) = (x[j], x[j + D/2]) with c, s the cos and sin of its angle:
+// rope_lo = x1 c - x2 s, rope_hi = x2 c + x1 s, each one fma on a rounded product, spelled out so that
+// every kernel that rotates (write_kv, the fused decode attention) rounds alike whatever ptxas contracts.
+__device__ __forceinline__ float rope_lo(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x1, c, -__fmul_rn(x2, s));
+}
+__device__ __forceinline__ float rope_hi(float x1, float x2, float c, float s) {
+  return __fmaf_rn(x1, s, __fmul_rn(x2, c));
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // tanh-approximated GELU, as used by Gemma / GPT-2 ("gelu_pytorch_tanh"):

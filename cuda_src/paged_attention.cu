@@ -34,10 +34,9 @@ __device__ __forceinline__ Vec<T, 8> load_kv(const T* p) {
 }
 
 // RoPE rotate-half of chunk c (8 elements) of a head row x, rounded once to T: y_j = x_j cos - x_{j+D/2} sin,
-// y_{j+D/2} = x_{j+D/2} cos + x_j sin, with the roundings write_kv.cu's `x1 * c - x2 * s` and `x2 * c + x1 * s`
-// compile to (sm_90 SASS: fma(x1, c, -(x2 s)) and fma(x1, s, x2 c), the products in parentheses rounded),
-// spelled out so that the new k and q match write_kv's bit for bit.
-// cs, sn: cos and sin of the angles of the chunk's 8 frequencies (chunk c mod D/16).
+// y_{j+D/2} = x_{j+D/2} cos + x_j sin, through write_kv.cu's rope_lo / rope_hi (common.cuh), so that the
+// new k and q match write_kv's bit for bit. cs, sn: cos and sin of the angles of the chunk's 8
+// frequencies (chunk c mod D/16).
 template <typename T, int D>
 __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (&cs)[8], const float (&sn)[8]) {
   constexpr int HALF = D / 16;  // chunks in half a row
@@ -47,8 +46,7 @@ __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (
   VecF<T, 8> y;
 #pragma unroll
   for (int e = 0; e < 8; ++e)
-    y.v[e] = lo ? __fmaf_rn(own.v[e], cs[e], -__fmul_rn(other.v[e], sn[e]))
-                : __fmaf_rn(other.v[e], sn[e], __fmul_rn(own.v[e], cs[e]));
+    y.v[e] = lo ? rope_lo(own.v[e], other.v[e], cs[e], sn[e]) : rope_hi(other.v[e], own.v[e], cs[e], sn[e]);
   return y.to();
 }
 

@@ -1,6 +1,6 @@
 // Fused RoPE (Hugging Face rotate-half) on q and k + paged KV-cache write, one CTA per token.
 // Each thread rotates pairs (x[j], x[j + D/2]) in fp32 with the angle positions[t] * inv_freq[j]
-// and rounds once; v is copied with 16-byte vectors.
+// (rope_lo / rope_hi of common.cuh) and rounds once; v is copied with 16-byte vectors.
 #include "common.cuh"
 
 using namespace cuinfer;
@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(128) write_kv_kernel(
       y = k_cache + ((size_t)slot * n_kv_heads + (h - n_heads)) * head_dim;
     }
     const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
-    y[j] = from_float<T>(x1 * c - x2 * s);
-    y[j + half] = from_float<T>(x2 * c + x1 * s);
+    y[j] = from_float<T>(rope_lo(x1, x2, c, s));
+    y[j + half] = from_float<T>(rope_hi(x1, x2, c, s));
   }
   if (slot < 0) return;
   const int row = n_kv_heads * head_dim;  // a multiple of N (head_dim % 8 == 0)

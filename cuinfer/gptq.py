@@ -88,7 +88,6 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
     from .kv_cache import CacheShape, KVCache
     from .model import Batch
     from .ops.embedding import embedding
-    from .ops.flash_attention import flash_attention_paged
 
     if model.xp is not np or model.weights.embed.dtype != np.float32:
         raise runtime.CuinferError("GPTQ runs on the float32 CPU model: Model.from_tensors(config, tensors, 'cpu')")
@@ -106,22 +105,19 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
               for i in range(n_seqs)]
     batch = Batch.from_chunks(chunks, block_size)
 
-    def attend(q, k_cache, v_cache):
-        return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                     batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
-
     weights = dataclasses.replace(model.weights, layers=list(model.weights.layers))
     model = type(model)(cfg, weights)  # the caller's model keeps its float weights
+    attend = model.prefill_attention(batch)
     s = embedding(batch.token_ids, weights.embed)
     for i, lw in enumerate(weights.layers):
         inputs = {}
-        model.layer(i, s, batch.positions, batch.slot_mapping, cache, attend, inputs.__setitem__)
+        model.layer(i, s, cache, attend, inputs.__setitem__)
         quantized = {}
         for name in LINEAR_FIELDS:
             x, w = inputs[name].astype(np.float64), getattr(lw, name)
             quantized[name] = gptq(w, x.T @ x, group_for(w.shape[1], group_size))
         weights.layers[i] = dataclasses.replace(lw, **quantized)
-        s = model.layer(i, s, batch.positions, batch.slot_mapping, cache, attend)
+        s = model.layer(i, s, cache, attend)
         if progress is not None:
             progress(i)
     return weights

@@ -10,7 +10,7 @@ tokens at positions context_len - q_len .. context_len - 1. Per layer, on the re
 
     qkv = rms_norm(s) @ w_qkv.T (+ b)             one projection for q, k, v; the norm in the GEMV
     q = write_kv(q, k, v, ...)                    RoPE on q and k, k/v into the paged cache
-    a = attention(q, cache, ...)                  causal GQA over the cache
+    a = attention(q, cache, ...)                  causal GQA over the cache (decode: one kernel with write_kv)
     s = a @ w_o.T + s                             the residual add in the GEMV's epilogue
     s = swiglu(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
 
@@ -147,11 +147,7 @@ class Model:
     def forward(self, batch: Batch, kv_cache, all_logits: bool = False):
         """float32 logits [num_seqs, vocab] of each sequence's last token ([tokens, vocab] if all_logits).
         Attention: flash_attention_paged (any q_len per sequence: prefill chunks and decodes)."""
-        def attend(q, k_cache, v_cache):
-            return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                         batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
-
-        s = self.hidden(batch.token_ids, batch.positions, batch.slot_mapping, kv_cache, attend)
+        s = self.hidden(batch.token_ids, kv_cache, self.prefill_attention(batch))
         if not all_logits:
             s = s[batch.cu_seqlens_q[1:] - 1]  # s: [num_seqs, hidden]
         return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
@@ -160,12 +156,12 @@ class Model:
         """One new token per sequence (the step DecodeGraph captures): paged_attention (split-K)
         with `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
         Returns float32 logits [num_seqs, vocab], or with greedy the int32 argmax [num_seqs]."""
-        def attend(q, k_cache, v_cache):  # out: under capture from DecodeGraph's private pool
+        def attend(q, k, v, k_cache, v_cache):  # RoPE and the cache write fused; out: DecodeGraph's pool
             return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-                                   out=self.xp.empty_like(q), max_context_len=max_context_len,
-                                   workspace=workspace)
+                                   out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len,
+                                   workspace=workspace, new_kv=(k, v, inputs.slot_mapping, self.inv_freq))
 
-        s = self.hidden(inputs.token_ids, inputs.positions, inputs.slot_mapping, kv_cache, attend)
+        s = self.hidden(inputs.token_ids, kv_cache, attend)
         if greedy:
             return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm)
         return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
@@ -174,15 +170,26 @@ class Model:
     def final_norm(self):
         return self.weights.norm, self.config.rms_norm_eps
 
-    def hidden(self, token_ids, positions, slot_mapping, kv_cache, attend):
+    def prefill_attention(self, batch: Batch):
+        """`forward`'s attend: write_kv (RoPE on q and k, k and v into the cache), then
+        flash_attention_paged over each sequence's cached prefix and new tokens."""
+        def attend(q, k, v, k_cache, v_cache):
+            q, k, v = (self.xp.ascontiguousarray(a) for a in (q, k, v))  # write_kv reads packed rows
+            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, self.inv_freq, out=q)
+            return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                         batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
+        return attend
+
+    def hidden(self, token_ids, kv_cache, attend):
         """The residual stream after the last layer [tokens, hidden] (not normed: the lm_head call
-        applies final_norm); attend(q, k_cache, v_cache) -> [tokens, n_heads, head_dim]."""
+        applies final_norm); attend(q, k, v, k_cache, v_cache) -> [tokens, n_heads, head_dim], q and k
+        not yet rotated."""
         s = embedding(token_ids, self.weights.embed)  # s: [tokens, hidden]
         for i in range(len(self.weights.layers)):
-            s = self.layer(i, s, positions, slot_mapping, kv_cache, attend)
+            s = self.layer(i, s, kv_cache, attend)
         return s
 
-    def layer(self, i, s, positions, slot_mapping, kv_cache, attend, observe=None):
+    def layer(self, i, s, kv_cache, attend, observe=None):
         """Decoder layer i on the residual stream s: returns the next s. observe(name, x), if given,
         sees the input of each linear layer ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
         lw, eps = self.weights.layers[i], self.config.rms_norm_eps
@@ -190,19 +197,13 @@ class Model:
         tokens = s.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
 
-        def split(qkv, start, stop, heads):  # [tokens, heads, d] contiguous: a view at one token, else a copy
-            a = qkv.reshape(-1)[start:stop] if tokens == 1 else self.xp.ascontiguousarray(qkv[:, start:stop])
-            return a.reshape(tokens, heads, d)
-
         if observe:
             observe("qkv", rms_norm(s, *in_norm))
         qkv = project(s, lw.qkv, lw.qkv_bias, norm=in_norm)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
-        q = split(qkv, 0, nq, self.n_heads)  # q: [tokens, n_heads, head_dim]
-        k = split(qkv, nq, nq + nkv, self.n_kv_heads)  # k, v: [tokens, n_kv_heads, head_dim]
-        v = split(qkv, nq + nkv, nq + 2 * nkv, self.n_kv_heads)
-        k_cache, v_cache = kv_cache.layer(i)
-        q = write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, self.inv_freq, out=q)
-        a = attend(q, k_cache, v_cache).reshape(tokens, nq)
+        q = qkv[:, :nq].reshape(tokens, self.n_heads, d)  # views of each row's q, k, v heads
+        k = qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d)
+        v = qkv[:, nq + nkv:].reshape(tokens, self.n_kv_heads, d)
+        a = attend(q, k, v, *kv_cache.layer(i)).reshape(tokens, nq)
         s = project(a, lw.o, residual=s)
         act = swiglu(s, lw.gate_up, norm=post_norm)
         if observe:
