@@ -20,9 +20,9 @@ registers, every weight byte read once, epilogue fused) for M <= 16, and for qua
 to M = 64 in chunks of 16 rows (each chunk reads the weight again: still fewer bytes than the
 dequantized fp16 copy). With norm, every GEMV block first normalizes the rows of x into shared
 memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes; otherwise, and
-on the prefill path, ops.rms_norm runs first. Beyond that (prefill) the weight is dequantized to a scratch [N, K]
-array (allocated: not for capture) and multiplied by cuBLAS gemmEx in fp32 with the bias
-pre-filled in `out` (beta = 1) and fp32 split-K reductions, so y is rounded once as in the
+on the prefill path, ops.rms_norm runs first. Beyond that (prefill) the weight is dequantized to a
+scratch [N, K] array (allocated: not for capture) and multiplied by cuBLAS gemmEx in fp32 (a bias
+pre-filled in an fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the
 GEMV (cupy.matmul under stream capture is refused by CuPy, gemmEx too); the SiLU epilogue then
 runs unfused (ops.silu_and_mul on an [M, 2I] intermediate) and the residual is added after.
 Everything except that prefill path and the unfused norm allocates nothing when `out` (and for
@@ -304,15 +304,19 @@ CUDA_DTYPES = {np.dtype(np.float16): 2, runtime.bfloat16: 14}  # cudaDataType CU
 CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION = 16  # cublas_api.h (not exported by every CuPy build)
 
 
+CUDA_R_32F = 0
+
+
 def _prefill(x, w, bias, out):
-    """out = x @ W.T + bias through cuBLAS gemmEx (fp32 compute, beta = 1 on the bias): one rounding."""
+    """out = x @ W.T + bias through cuBLAS gemmEx (fp32 compute), rounded once. With a bias the product
+    goes to an fp32 scratch pre-filled with it (beta = 1), then to T: into a T output cuBLAS may round
+    the product before it adds C (H100, bf16, K = 8: -5.234 + 4.719 gave -0.5, not -0.5156)."""
     cp = runtime.require_cupy()
     from cupy_backends.cuda.libs import cublas
 
     wt = w if weight_bits(w) == 16 else dequantize_weight(w, x.dtype)
     (m, k), n = x.shape, wt.shape[0]
-    if bias is not None:
-        out[...] = bias
+    acc = out if bias is None else cp.broadcast_to(bias.astype(cp.float32), (m, n)).copy()
     alpha, beta = np.ones(1, np.float32), np.full(1, 0 if bias is None else 1, np.float32)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
@@ -323,9 +327,11 @@ def _prefill(x, w, bias, out):
     t = CUDA_DTYPES[x.dtype]
     try:  # column-major out.T [N, M] = W [N, K] (wt row-major = col-major [K, N], transposed) @ x.T
         cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data, wt.data.ptr, t, k,
-                      x.data.ptr, t, k, beta.ctypes.data, out.data.ptr, t, n, cublas.CUBLAS_COMPUTE_32F,
-                      cublas.CUBLAS_GEMM_DEFAULT)
+                      x.data.ptr, t, k, beta.ctypes.data, acc.data.ptr, t if bias is None else CUDA_R_32F, n,
+                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, pointer_mode)
         cublas.setMathMode(handle, math_mode)
+    if bias is not None:
+        out[...] = acc  # the one rounding to T
     return out

@@ -96,20 +96,29 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     H100, graph replay, d=128, G=4, against partitions of 256..2048 tokens and U=4/8 in the same
     run: it picks 16x4k 5x832 (85 % of copy, best),
     64x1k 1x1024 (80 %, best), 1x32k 79x416 (72 %; 64x512 70 %)."""
-    work = max(1, num_seqs * n_kv_heads)
     ctx = max(1, max_context_len)
-    slots = ctas_per_sm * sm_count
-    want = 1 if 2 * work >= slots else slots // work
-    n_splits = max(-(-ctx // MAX_PARTITION), min(want, -(-ctx // MIN_PARTITION)))
-    partition = -(-ctx // n_splits)
+    partition = -(-ctx // split_bound(num_seqs, n_kv_heads, max_context_len, sm_count, ctas_per_sm))
     partition = -(-partition // 32) * 32
     return -(-ctx // partition), partition
 
 
+def split_bound(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int, ctas_per_sm: int = 5) -> int:
+    """split_config's split count before it rounds the partition up to 32 tokens: never below the
+    count it launches, and non-decreasing in the context (the rounded count is not: 4097 tokens can
+    take more splits than 5000), so it sizes a workspace for every context up to max_context_len."""
+    work = max(1, num_seqs * n_kv_heads)
+    ctx = max(1, max_context_len)
+    slots = ctas_per_sm * sm_count
+    want = 1 if 2 * work >= slots else slots // work
+    return max(-(-ctx // MAX_PARTITION), min(want, -(-ctx // MIN_PARTITION)))
+
+
 def workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     max_context_len: int) -> int:
-    """float32 scratch elements paged_attention needs for the split partials (0 when it does not split)."""
-    n_splits, _ = decode_splits(num_seqs, n_heads, n_kv_heads, max_context_len)
+    """float32 scratch elements paged_attention needs for the split partials of any context up to
+    max_context_len (0 when none of them splits)."""
+    ctas = resident_ctas(padded_group(n_heads, n_kv_heads))
+    n_splits = split_bound(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
     return 0 if n_splits == 1 else split_workspace_elems(num_seqs, n_heads, n_kv_heads, head_dim, n_splits)
 
 

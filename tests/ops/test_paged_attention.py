@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from cuinfer import runtime
 from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
-from cuinfer.ops.paged_attention import HEAD_DIMS, paged_attention, split_config
+from cuinfer.ops.paged_attention import HEAD_DIMS, paged_attention, split_bound, split_config
 from tests.conftest import assert_close, poison
 from tests.ops.test_flash_attention import attention_loops, scatter_paged
 from tests.ops.test_write_kv import inv_freq_for
@@ -45,6 +45,11 @@ def test_split_config():
     assert split_config(256, 8, 100, 132) == (1, 128)
     n, part = split_config(3, 1, 1, 132)
     assert (n, part) == (1, 32)
+    assert split_config(3, 2, 4097, 132, 3)[0] > split_config(3, 2, 5000, 132, 3)[0]  # not monotonic
+    for seqs, kv, ctas in ((1, 8, 5), (3, 2, 3), (16, 8, 5)):  # split_bound sizes workspaces: it must be
+        bounds = [split_bound(seqs, kv, c, 132, ctas) for c in range(1, 9000, 7)]
+        assert bounds == sorted(bounds)
+        assert all(split_config(seqs, kv, c, 132, ctas)[0] <= b for c, b in zip(range(1, 9000, 7), bounds))
 
 
 def test_argument_checks():
