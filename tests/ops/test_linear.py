@@ -1,7 +1,7 @@
 """linear: NumPy reference against float64 loops, argument checks, GEMV / prefill kernels on the GPU."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cuinfer import quant, runtime
@@ -334,6 +334,8 @@ def test_fused_epilogues_match_reference(fmt, gs, dtype):
     def check(m, n, k, use_bias, magnitude, seed):
         fused_case(cp, np.random.default_rng(seed), dtype, m, n, k, fmt, gs, use_bias, magnitude)
 
+    if fmt == "float":  # found on the H100: cuBLAS rounded the bf16 product before adding the bias
+        check = example(m=64, n=2096, k=8, use_bias=True, magnitude=30.0, seed=0)(check)
     check()
 
 
