@@ -95,8 +95,8 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
 // Contract for every kernel of cuda_src/:
 //   * pdl_wait() in every thread before its first access to memory another kernel writes (the
 //     inputs it reads, the outputs it writes). It returns when the previous kernel has finished
-//     and its writes are visible, so the order of the whole stream stays transitive. Before it, a
-//     kernel may only prefetch (prefetch.global.L2: no data is read, so nothing can be stale).
+//     and its writes are visible, so the order of the whole stream stays transitive. (An L2 prefetch
+//     of the GEMV's first weights before it measured slower: notes/decode.md.)
 //   * pdl_trigger() after pdl_wait(): the next kernel may then be scheduled onto free SMs.
 // Without CUINFER_PDL both compile to nothing: the default build is the plain stream-ordered one.
 __device__ __forceinline__ void pdl_wait() {

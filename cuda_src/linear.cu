@@ -242,28 +242,6 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
     }
   };
 
-#ifdef CUINFER_PDL
-  // Programmatic dependent launch: while the kernel before this one finishes, pull the weights
-  // of this warp's first two pipeline stages into L2 (the addresses `load` reads; a prefetch, so
-  // a weight written by that kernel would still be read correctly after the wait), then wait for
-  // x. Only in the PDL build: issued right before the loads (no PDL) it measured 10% slower.
-  // A lane's 16 bytes of quad q lie at byte q * 64 + 16 c of its weight row in every format.
-  const size_t row_bytes = WBITS == 4 ? (size_t)n_quads * 64 : (size_t)K * WBITS / 8;
-#pragma unroll
-  for (int i = 0; i < 2 * U; ++i)
-#pragma unroll
-    for (int r = 0; r < RR; ++r)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int q = q_begin + (i / U * WARPS + warp) * U + i % U;
-        const int orow = row0 + 16 * (r % RT) + 8 * h + g4;
-        const size_t row = orow + (size_t)(r / RT) * N;
-        if (q < q_end && orow < N && (WBITS == 4 || (q * L::kQuadK + (c + 1) * L::kLaneK) <= K)) {
-          const char* p = static_cast<const char*>(w) + row * row_bytes + q * 64 + 16 * c;
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-        }
-      }
-#endif
   pdl_wait();
 
   // Software pipeline: the next U quads are in flight while this warp computes the current U.

@@ -196,7 +196,7 @@ def nvrtc_version() -> tuple:
 
 
 def compile_options(arch: str, pdl: bool = False) -> list:
-    """NVRTC options; pdl compiles the programmatic-dependent-launch waits and prefetches in
+    """NVRTC options; pdl compiles the programmatic-dependent-launch waits and triggers in
     (CUINFER_PDL in common.cuh), for kernels that `launch` starts with the PDL attribute."""
     return ["-std=c++17", f"-arch={arch}", "-lineinfo", f"-I{source_dir()}",
             f"-I{cuda_include_dir()}"] + (["-DCUINFER_PDL=1"] if pdl else [])
