@@ -190,6 +190,8 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None)
     if residual is not None:
         if activation:
             raise ValueError("residual: only without activation (the store epilogue)")
+        if residual is out:
+            raise ValueError("residual: must not be out (the prefill path writes the product to out first)")
         runtime.check("residual", residual, dtype=x.dtype, shape=(m, n))
     out = runtime.check_out(out, (m, n), x.dtype, x)
     if not dev:

@@ -167,6 +167,9 @@ def test_norm_and_residual_argument_checks():
         linear(x, w, activation="silu_and_mul", residual=np.zeros((2, 4), np.float16))
     with pytest.raises(ValueError, match=r"residual: got shape \(2, 4\)"):
         linear(x, w, residual=np.zeros((2, 4), np.float16))
+    r = np.zeros((2, 8), np.float16)
+    with pytest.raises(ValueError, match="residual: must not be out"):
+        linear(x, w, residual=r, out=r)
     with pytest.raises(ValueError, match="norm: need a"):
         linear(x, w, norm=np.ones(64, np.float16))
     with pytest.raises(ValueError, match=r"norm weight: got shape \(32,\)"):
