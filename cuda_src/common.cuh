@@ -110,6 +110,15 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// RMSNorm (Hugging Face LlamaRMSNorm rounding), shared by rms_norm.cu and the GEMV's norm prologue:
+// 1 / sqrt(mean(x^2) + eps) correctly rounded, as numpy; then w * round_T(x * inv_rms), rounded once.
+__device__ __forceinline__ float rms_inv(float sum_sq, int n, float eps) {
+  return 1.0f / sqrtf(sum_sq / n + eps);
+}
+template <typename T> __device__ __forceinline__ T rms_normed(T x, T w, float inv_rms) {
+  return from_float<T>(to_float(w) * to_float(from_float<T>(to_float(x) * inv_rms)));
+}
+
 // RoPE rotate-half of one pair (x1, x2) = (x[j], x[j + D/2]) with c, s the cos and sin of its angle:
 // rope_lo = x1 c - x2 s, rope_hi = x2 c + x1 s, each one fma on a rounded product, spelled out so that
 // every kernel that rotates (write_kv, the fused decode attention) rounds alike whatever ptxas contracts.

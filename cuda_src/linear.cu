@@ -146,8 +146,8 @@ __device__ __forceinline__ float load_cluster(const float* p, unsigned rank) {
 // the two rows of x one 8-lane phase of a 16-byte load reads fall in different banks.
 __host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64 + 32; }
 
-// xs[m, :] = round(w * round(s * rsqrt(mean(s^2) + eps))) for the M rows of s (the residual
-// stream), as rms_norm.cu computes it; ends with a barrier. K % 8 == 0.
+// xs[m, :] = RMSNorm of the M rows of s (the residual stream) with weight w, rounded as rms_norm.cu
+// rounds it (rms_inv, rms_normed); ends with a barrier. K % 8 == 0.
 template <typename T, int THREADS>
 __device__ __forceinline__ void norm_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
                                           int M, int K) {
@@ -162,13 +162,13 @@ __device__ __forceinline__ void norm_rows(const T* __restrict__ s, const T* __re
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
     }
-    const float inv_rms = 1.0f / sqrtf(block_reduce(sum_sq, scratch) / K + eps);
+    const float inv_rms = rms_inv(block_reduce(sum_sq, scratch), K, eps);
 #pragma unroll 2
     for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {  // this thread's own elements
       const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(w + i);
       Vec<T, 8> o;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o.v[e] = from_float<T>(to_float(g.v[e]) * to_float(from_float<T>(to_float(v.v[e]) * inv_rms)));
+      for (int e = 0; e < 8; ++e) o.v[e] = rms_normed(v.v[e], g.v[e], inv_rms);
       o.store(xs + m * ks + i);
     }
   }
@@ -253,9 +253,10 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // memory, written while the first weights are on their way.
   extern __shared__ uint4 norm_smem[];
   T* xs = reinterpret_cast<T*>(norm_smem);
+  const int ks = norm_stride(K);
   if constexpr (NORM) norm_rows<T, 32 * WARPS>(x, norm_w, eps, xs, M, K);
   auto x16 = [&](int m, int k) {
-    if constexpr (NORM) return *reinterpret_cast<const uint4*>(xs + m * norm_stride(K) + k);
+    if constexpr (NORM) return *reinterpret_cast<const uint4*>(xs + m * ks + k);
     return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
   };
   for (int base = q_begin + warp * U; base < q_end; base += WARPS * U) {

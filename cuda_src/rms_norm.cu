@@ -34,10 +34,7 @@ __device__ __forceinline__ void rms_norm_store(const Vec<T, VEC>& v, const T* we
   const Vec<T, VEC> w = Vec<T, VEC>::load(weight + col);
   Vec<T, VEC> o;
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) {
-    const float n = to_float(from_float<T>(to_float(v.v[e]) * inv_rms));  // rounded to T, as HF
-    o.v[e] = from_float<T>(to_float(w.v[e]) * n);
-  }
+  for (int e = 0; e < VEC; ++e) o.v[e] = rms_normed(v.v[e], w.v[e], inv_rms);
   o.store(out + off);
 }
 
@@ -65,7 +62,7 @@ rms_norm_kernel(const T* x, const T* residual, const T* __restrict__ weight, T* 
   for (int i = threadIdx.x + ITEMS * blockDim.x; i < n_vec; i += blockDim.x)
     rms_norm_load<T, VEC, RESIDUAL>(x, residual, residual_out, base + i * VEC, sum_sq);
   sum_sq = block_reduce(sum_sq, scratch);
-  const float inv_rms = 1.0f / sqrtf(sum_sq / hidden + eps);  // correctly rounded, as numpy
+  const float inv_rms = rms_inv(sum_sq, hidden, eps);
 
 #pragma unroll
   for (int j = 0; j < ITEMS; ++j) {
