@@ -17,8 +17,9 @@
 //   int4 : lane c loads k = kq + 32j + 8c .. +8 for words j = 0..3 (packed that way), word j
 //          feeding steps 2j and 2j+1 (4 k each) from one 16-byte x load; a quad covers
 //          128 k and every mma step lies inside one scale group (32 | GS).
-// int8 scales multiply the finished dot product; int4 steps of one group accumulate into a
-// fresh fragment that is scaled into the fp32 sum when the group ends. The epilogue (EPI_*)
+// int8 scales multiply the finished dot product. int4 feeds the tensor cores the exact q; the
+// steps of one group accumulate sum q x into a fresh fragment and sum x into another (an mma
+// with A = ones), and the group ends with acc += scale (sum q x - zero sum x) in fp32. The epilogue (EPI_*)
 // stores y (optionally plus a residual), or silu(gate) * up of a stacked [gate; up] weight, or
 // per-block argmax partials; small grids split K over the blocks of a cluster (sm_90) that meet
 // in distributed shared memory. With NORM the x rows are the residual stream and every block
@@ -35,6 +36,7 @@ using i8 = signed char;
 
 template <typename T> struct Pair;  // two values of T in one 32-bit register
 template <> struct Pair<__half> {
+  static constexpr u32 kOne = 0x3c003c00u;
   static constexpr u32 kMagic4 = 0x64006400u;  // half 1024: 0x6400 | n == 1024 + n for n < 1024
   __device__ __forceinline__ static u32 sub(u32 a, u32 b) {
     __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
@@ -46,6 +48,7 @@ template <> struct Pair<__half> {
   }
 };
 template <> struct Pair<__nv_bfloat16> {
+  static constexpr u32 kOne = 0x3f803f80u;
   static constexpr u32 kMagic4 = 0x43004300u;  // bf16 128: 0x4300 | n == 128 + n for n < 128
   __device__ __forceinline__ static u32 sub(u32 a, u32 b) {
     __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
@@ -83,11 +86,46 @@ template <> __device__ __forceinline__ u32 int8_pair<__nv_bfloat16>(u32 w, int h
   return *reinterpret_cast<u32*>(&r);
 }
 
-// Nibbles i and i + 4 of `w` (shift = 4 i) as T values q - zero: 1024 + q (or 128 + q for bf16)
-// by the magic-number OR, minus the magic (exact), minus the zero point (rounded once to T).
-template <typename T> __device__ __forceinline__ u32 int4_pair(u32 w, int shift, u32 zero2) {
-  const u32 r = ((w >> shift) & 0x000f000fu) | Pair<T>::kMagic4;
-  return Pair<T>::sub(Pair<T>::sub(r, Pair<T>::kMagic4), zero2);
+// p itself, but opaque to the compiler: a loop-invariant address kept in registers instead of
+// being recomputed from the kernel parameters at every use inside the loop (which nvcc prefers).
+template <typename P> __device__ __forceinline__ P* pinned(P* p) {
+  asm("" : "+l"(p));
+  return p;
+}
+__device__ __forceinline__ int pinned(int i) {  // for offsets into shared memory (a pinned generic
+  asm("" : "+r"(i));                             // pointer would lose its state space: LD, not LDS)
+  return i;
+}
+
+// (a & MASK) | MAGIC in one lop3 (the compiler splits it in two: one immediate per instruction).
+template <u32 MASK, u32 MAGIC> __device__ __forceinline__ u32 and_or(u32 a) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "n"(MASK), "n"(MAGIC));
+  return d;
+}
+
+// The eight nibbles of `w` as exact values q of T, pairs (i, i + 4) in q[i] for i = 0..3: the
+// magic-number OR makes 1024 + q (bf16: 128 + q), one subtraction takes the magic off. With fp16
+// the odd nibbles need no shift: (w & 0x00f000f0) | magic is 1024 + 16 q, and q = that / 16 - 64
+// in one exact fma. bf16 has too few mantissa bits for 16 q: every pair is shifted down.
+template <typename T> __device__ __forceinline__ void int4_word(u32 w, u32 (&q)[4]);
+template <> __device__ __forceinline__ void int4_word<__half>(u32 w, u32 (&q)[4]) {
+  constexpr u32 kMagic = Pair<__half>::kMagic4;
+  const __half2 sixteenth = __float2half2_rn(0.0625f), minus64 = __float2half2_rn(-64.0f);
+  auto hi = [&](u32 v) {  // (1024 + 16 q) / 16 - 64 = q, exact
+    __half2 r = __hfma2(*reinterpret_cast<__half2*>(&v), sixteenth, minus64);
+    return *reinterpret_cast<u32*>(&r);
+  };
+  const u32 w8 = w >> 8;
+  q[0] = Pair<__half>::sub(and_or<0x000f000fu, kMagic>(w), kMagic);
+  q[1] = hi(and_or<0x00f000f0u, kMagic>(w));
+  q[2] = Pair<__half>::sub(and_or<0x000f000fu, kMagic>(w8), kMagic);
+  q[3] = hi(and_or<0x00f000f0u, kMagic>(w8));
+}
+template <> __device__ __forceinline__ void int4_word<__nv_bfloat16>(u32 w, u32 (&q)[4]) {
+  constexpr u32 kMagic = Pair<__nv_bfloat16>::kMagic4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q[i] = Pair<__nv_bfloat16>::sub(and_or<0x000f000fu, kMagic>(w >> (4 * i)), kMagic);
 }
 
 template <int WBITS> struct Layout {
@@ -207,8 +245,25 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
 
-  // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1, rows g4 and g4 + 8
-  // of each row tile; row tile r is output row tile r % RT of weight half r / RT.
+  // Every format packs a quad of one weight row into 64 bytes: the lane's 16 bytes of quad q of
+  // row (r, h) (row g4 + 8 h of row tile r % RT of weight half r / RT) are at wrow[r][h] + 64 q,
+  // its int4 groups at scales / zeros + grow[r][h]. Rows past N read row N - 1: the epilogue
+  // stores no output of theirs, and a row of A only reaches its own outputs.
+  const size_t row_bytes = WBITS == 4 ? (size_t)n_quads * 64 : (size_t)K * WBITS / 8;
+  const char* wrow[RR][2];
+  int grow[RR][2];
+#pragma unroll
+  for (int r = 0; r < RR; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = min(row0 + 16 * (r % RT) + 8 * h + g4, N - 1) + (r / RT) * N;
+      wrow[r][h] = pinned(static_cast<const char*>(w) + row * row_bytes + 16 * c);
+      grow[r][h] = row * n_groups;
+    }
+
+  // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1. fp16 / int8 lanes
+  // past K load zeros (x is zero there too); int4 rows are padded to whole quads, and the steps
+  // of quads and groups past the end are never computed, so their registers are left as they are.
   auto load = [&](uint4 (&a_raw)[U][RR][2], __half2 (&sz)[U][RR][2][GQ], int base) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -217,26 +272,18 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
       for (int r = 0; r < RR; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int orow = row0 + 16 * (r % RT) + 8 * h + g4;
-          const size_t row = orow + (size_t)(r / RT) * N;
-          const bool ok = q < q_end && orow < N && (WBITS == 4 || (q * L::kQuadK + (c + 1) * L::kLaneK) <= K);
-          a_raw[u][r][h] = make_uint4(0, 0, 0, 0);
-          if (ok) {
-            if constexpr (WBITS == 16) {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const T*>(w) + row * K + q * 32 + 8 * c));
-            } else if constexpr (WBITS == 8) {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const i8*>(w) + row * K + q * 64 + 16 * c));
-            } else {
-              a_raw[u][r][h] = __ldcs(reinterpret_cast<const uint4*>(static_cast<const u32*>(w) + row * (n_quads * 16) + q * 16 + 4 * c));
-            }
-          }
+          const uint4* src = reinterpret_cast<const uint4*>(wrow[r][h] + (size_t)q * 64);
           if constexpr (WBITS == 4) {
+            if (q < q_end) a_raw[u][r][h] = __ldcs(src);
 #pragma unroll
             for (int gi = 0; gi < GQ; ++gi) {
               const int g = q * GQ + gi;
-              sz[u][r][h][gi] = ok && g < n_groups ? __halves2half2(scales[row * n_groups + g], zeros[row * n_groups + g])
-                                                   : __float2half2_rn(0.0f);
+              if (q < q_end && g < n_groups)
+                sz[u][r][h][gi] = __halves2half2(scales[grow[r][h] + g], zeros[grow[r][h] + g]);
             }
+          } else {
+            const bool ok = q < q_end && q * L::kQuadK + (c + 1) * L::kLaneK <= K;
+            a_raw[u][r][h] = ok ? __ldcs(src) : make_uint4(0, 0, 0, 0);
           }
         }
     }
@@ -251,14 +298,18 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 
   // 16 bytes of x row m from column k: the global rows, or with NORM their RMSNorm in shared
   // memory, written while the first weights are on their way.
+  // B column 8 n + g4 of n-tile n reads x row min(8 n + g4, M - 1): a column of B only reaches
+  // its own outputs, and those of rows past M are never stored.
   extern __shared__ uint4 norm_smem[];
   T* xs = reinterpret_cast<T*>(norm_smem);
-  const int ks = norm_stride(K);
   if constexpr (NORM) norm_rows<T, 32 * WARPS>(x, norm_w, eps, xs, M, K);
-  auto x16 = [&](int m, int k) {
-    if constexpr (NORM) return *reinterpret_cast<const uint4*>(xs + m * ks + k);
-    return *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-  };
+  const T* xrow[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int m = min(8 * n + g4, M - 1);
+    xrow[n] = NORM ? xs + pinned(m * norm_stride(K)) : pinned(x + (size_t)m * K);
+  }
+  auto x16 = [&](int n, int k) { return *reinterpret_cast<const uint4*>(xrow[n] + k); };
   for (int base = q_begin + warp * U; base < q_end; base += WARPS * U) {
     if (base + WARPS * U < q_end) load(a_next, sz_next, base + WARPS * U);
 #pragma unroll
@@ -273,10 +324,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
         for (int xl = 0; xl < kLoads; ++xl) {
           uint4 b[NT];
 #pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            const int m = 8 * n + g4;
-            b[n] = (k_ok && m < M) ? x16(m, kq + c * L::kLaneK + 8 * xl) : make_uint4(0, 0, 0, 0);
-          }
+          for (int n = 0; n < NT; ++n) b[n] = k_ok ? x16(n, kq + c * L::kLaneK + 8 * xl) : make_uint4(0, 0, 0, 0);
 #pragma unroll
           for (int s = 0; s < 2; ++s) {  // the two k16 steps of these 8 x values
 #pragma unroll
@@ -301,47 +349,43 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
           }
         }
       } else {
+        // A group's steps accumulate p = sum q x (exact products) and, by a second mma with A = ones,
+        // px = sum x per row of x; the group ends with acc += scale (p - zero px), all in fp32.
         constexpr int kWords = GS / 32;  // words (two k16 steps, 32 k) per scale group
+        constexpr u32 ones[4] = {Pair<T>::kOne, Pair<T>::kOne, Pair<T>::kOne, Pair<T>::kOne};
 #pragma unroll
         for (int gi = 0; gi < GQ; ++gi) {
           if (kq / GS + gi >= n_groups) break;
-          float sc[RR][2];
-          u32 z2[RR][2];
+          float p[RR][NT][4], px[NT][4];
 #pragma unroll
-          for (int r = 0; r < RR; ++r)
+          for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              sc[r][h] = __low2float(sz[u][r][h][gi]);
-              z2[r][h] = Pair<T>::splat(__high2float(sz[u][r][h][gi]));
+            for (int j = 0; j < 4; ++j) {
+              px[n][j] = 0.0f;
+#pragma unroll
+              for (int r = 0; r < RR; ++r) p[r][n][j] = 0.0f;
             }
-          float p[RR][NT][4];
-#pragma unroll
-          for (int r = 0; r < RR; ++r)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-              for (int j = 0; j < 4; ++j) p[r][n][j] = 0.0f;
 #pragma unroll
           for (int wi = 0; wi < kWords; ++wi) {
             const int j = gi * kWords + wi;  // word j of the lane: k = kq + 32 j + 8 c .. +8, steps 2j, 2j+1
             uint4 b[NT];
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-              const int m = 8 * n + g4;
-              b[n] = m < M ? x16(m, kq + 32 * j + 8 * c) : make_uint4(0, 0, 0, 0);
-            }
+            for (int n = 0; n < NT; ++n) b[n] = x16(n, kq + 32 * j + 8 * c);
+            u32 ql[RR][4], qh[RR][4];  // rows g4, g4 + 8: nibbles (i, i + 4) are k 2i, 2i + 1 of the word
 #pragma unroll
             for (int r = 0; r < RR; ++r) {
-              const u32 wl = reinterpret_cast<const u32*>(&a_raw[u][r][0])[j];
-              const u32 wh = reinterpret_cast<const u32*>(&a_raw[u][r][1])[j];
+              int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][0])[j], ql[r]);
+              int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][1])[j], qh[r]);
+            }
 #pragma unroll
-              for (int st = 0; st < 2; ++st) {  // nibbles 2st, 2st+4 are k 4st+0, 1; 2st+1, 2st+5 are 4st+2, 3
-                u32 a[4];
-                a[0] = int4_pair<T>(wl, 8 * st, z2[r][0]); a[1] = int4_pair<T>(wh, 8 * st, z2[r][1]);
-                a[2] = int4_pair<T>(wl, 8 * st + 4, z2[r][0]); a[3] = int4_pair<T>(wh, 8 * st + 4, z2[r][1]);
+            for (int st = 0; st < 2; ++st) {  // k 4 st .. 4 st + 3 of the word: pairs 2 st, 2 st + 1
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                  const u32* bw = reinterpret_cast<const u32*>(&b[n]);
+              for (int n = 0; n < NT; ++n) {
+                const u32* bw = reinterpret_cast<const u32*>(&b[n]);
+                mma(px[n], ones, bw[2 * st], bw[2 * st + 1], T());
+#pragma unroll
+                for (int r = 0; r < RR; ++r) {
+                  const u32 a[4] = {ql[r][2 * st], qh[r][2 * st], ql[r][2 * st + 1], qh[r][2 * st + 1]};
                   mma(p[r][n], a, bw[2 * st], bw[2 * st + 1], T());
                 }
               }
@@ -350,9 +394,14 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
           for (int r = 0; r < RR; ++r)
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
+            for (int h = 0; h < 2; ++h) {  // accumulator values 2h, 2h + 1 are weight row g4 + 8 h
+              const float scale = __low2float(sz[u][r][h][gi]), zero = __high2float(sz[u][r][h][gi]);
 #pragma unroll
-              for (int j = 0; j < 4; ++j) acc[r][n][j] = fmaf(sc[r][j >> 1], p[r][n][j], acc[r][n][j]);
+              for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e)
+                  acc[r][n][e] = fmaf(scale, fmaf(-zero, px[n][e], p[r][n][e]), acc[r][n][e]);
+            }
         }
       }
     }
@@ -520,12 +569,11 @@ __global__ void __launch_bounds__(256) linear_dequant_kernel(const void* __restr
     const int q = k / 128, j = (k % 128) / 32, c = (k % 32) / 8;
     const u32 word = static_cast<const u32*>(w)[(size_t)row * n_quads * 16 + q * 16 + 4 * c + j];
     const float s = __half2float(scales[(size_t)row * n_groups + k / GS]);
-    const float z = to_float(from_float<T>(__half2float(zeros[(size_t)row * n_groups + k / GS])));
+    const float z = __half2float(zeros[(size_t)row * n_groups + k / GS]);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int st = jj >> 2, o = jj & 3, nib = 2 * st + (o >> 1) + 4 * (o & 1);
-      const float qv = static_cast<float>((word >> (4 * nib)) & 0xfu);
-      v[jj] = s * to_float(from_float<T>(qv - z));  // q - T(zero) rounded to T, as the GEMV does
+      v[jj] = s * (static_cast<float>((word >> (4 * nib)) & 0xfu) - z);  // q - zero exact in fp32
     }
   }
   Vec<T, 8> r;

@@ -26,9 +26,9 @@ Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_si
     two weights per lop3 + hsub2, no integer-to-float conversion. Zero padding fills
     the last quad when K % 128 != 0; every k16 step lies inside one group.
 
-    The kernel computes q - zero in the activation dtype (exact for the integer zero points
-    `quantize` makes; a fractional zero from GGUF Q4_1 is rounded there once) and applies the
-    scale in fp32: `dequantize(compute_dtype)` mirrors that rounding.
+    The tensor cores see the exact q; the zero point and the scale are applied to each group's
+    fp32 sums, scale * (sum q x - zero * sum x), so the GEMV computes with w exactly as
+    `dequantize` gives it, fractional zero points (GGUF Q4_1, the MSE fit) included.
 
 Saved form (python -m cuinfer.quantize; safetensors, AWQ-like names): a quantized weight
 `<prefix>.weight` is stored as the arrays of its object, in the layout above, so loading is a copy:
@@ -112,8 +112,8 @@ class Int8Weight:
     def to_device(self):
         return Int8Weight(_to_device(self.qweight), _to_device(self.scales), self.shape)
 
-    def dequantize(self, compute_dtype=None):
-        """float32 [N, K]; compute_dtype is accepted for symmetry (int8 values are exact in fp16/bf16)."""
+    def dequantize(self):
+        """float32 [N, K]."""
         return _asnumpy(self.qweight).astype(np.float32) * _asnumpy(self.scales).astype(np.float32)[:, None]
 
     @property
@@ -133,17 +133,11 @@ class Int4Weight:
         return Int4Weight(_to_device(self.qweight), _to_device(self.scales), _to_device(self.zeros),
                           self.group_size, self.shape)
 
-    def dequantize(self, compute_dtype=None):
-        """float32 [N, K]. With compute_dtype (the activations' fp16 / bf16) q - zero is rounded
-        to it after the zero is, as the kernels do; both are exact for integer zero points."""
+    def dequantize(self):
+        """float32 [N, K]: (q - zero) * scale, q - zero exact in float32."""
         n, k = self.shape
         q = unpack_int4(_asnumpy(self.qweight), k).astype(np.float32)
-        zeros = _asnumpy(self.zeros).astype(np.float32)
-        if compute_dtype is not None:
-            zeros = zeros.astype(compute_dtype).astype(np.float32)  # the kernel's T(zero)
-        d = q - np.repeat(zeros, self.group_size, axis=1)
-        if compute_dtype is not None:
-            d = d.astype(compute_dtype).astype(np.float32)  # q - zero rounded to T in the kernel
+        d = q - np.repeat(_asnumpy(self.zeros).astype(np.float32), self.group_size, axis=1)
         return d * np.repeat(_asnumpy(self.scales).astype(np.float32), self.group_size, axis=1)
 
     @property

@@ -30,12 +30,12 @@ def make_weight(rng, n, k, fmt, group_size=128):
 
 
 def reference_rounded(x, w, bias, prefill):
-    """float32 reference mirroring the kernels' roundings: the GEMV uses T(q - T(zero)) with the
-    scale in fp32; the prefill path rounds the dequantized weight to T. Both add the bias in fp32
+    """float32 reference mirroring the kernels' roundings: the GEMV multiplies by the exact
+    dequantized weight (in fp32 sums); the prefill path rounds it to T. Both add the bias in fp32
     and round y once (the prefill's cuBLAS gemmEx adds it with beta = 1 in its fp32 compute)."""
     t = x.dtype
     if isinstance(w, (quant.Int8Weight, quant.Int4Weight)):
-        wf = w.dequantize(t)
+        wf = w.dequantize()
         if prefill:
             wf = wf.astype(t).astype(np.float32)  # dequantize-to-scratch writes T
     else:
