@@ -89,7 +89,7 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
 }
 
 // ------------------------------------------------- programmatic dependent launch
-// On sm_90 (runtime.launch; unless CUINFER_PDL=0) every kernel is compiled with -DCUINFER_PDL and
+// With CUINFER_PDL=1 (runtime.launch, sm_90) every kernel is compiled with -DCUINFER_PDL and
 // launched with programmatic stream serialization: it may start while the kernel before it in the
 // stream is still running, once that one has called pdl_trigger() in every block (or finished).
 // Contract for every kernel of cuda_src/:
@@ -98,7 +98,7 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
 //     and its writes are visible, so the order of the whole stream stays transitive. (An L2 prefetch
 //     of the GEMV's first weights before it measured slower: notes/decode.md.)
 //   * pdl_trigger() after pdl_wait(): the next kernel may then be scheduled onto free SMs.
-// Without -DCUINFER_PDL both compile to nothing: the plain stream-ordered build (CUINFER_PDL=0, sm_80).
+// Without CUINFER_PDL both compile to nothing: the default build is the plain stream-ordered one.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(CUINFER_PDL) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -278,10 +278,10 @@ def _atomic_write(path: Path, data: bytes):
 
 def launch(k, grid, block, args, smem: int = 0):
     """Launch a RawKernel on the current stream; first raises the dynamic shared memory limit when
-    static + dynamic go above the default 48 KiB. On sm_90+ (unless CUINFER_PDL=0; notes/decode.md
-    has the measurements) it launches through cuLaunchKernelEx with programmatic stream
-    serialization, so a kernel may start while the previous one finishes (the kernels are then
-    compiled with their pdl_wait / pdl_trigger calls, see common.cuh)."""
+    static + dynamic go above the default 48 KiB. With CUINFER_PDL=1 on sm_90 (opt-in:
+    notes/decode.md has the measurements) it launches through cuLaunchKernelEx with programmatic
+    stream serialization, so a kernel may start while the previous one finishes (the kernels are
+    then compiled with their pdl_wait / pdl_trigger calls, see common.cuh)."""
     if smem and smem + k.shared_size_bytes > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
@@ -313,8 +313,8 @@ _PARAM_FORMATS = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtyp
 @functools.lru_cache(maxsize=None)
 def _pdl_driver():
     """(libcuda, its cuLaunchKernelEx, the attribute) when programmatic dependent launch is on:
-    an sm_90+ device, the driver entry point found and CUINFER_PDL not 0; else None."""
-    if os.environ.get("CUINFER_PDL", "1") == "0" or int(device_arch()[3:]) < 90:
+    CUINFER_PDL=1, an sm_90+ device and the driver entry point found; else None."""
+    if os.environ.get("CUINFER_PDL", "0") != "1" or int(device_arch()[3:]) < 90:
         return None
     try:
         lib = ctypes.CDLL("libcuda.so.1")
