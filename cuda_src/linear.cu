@@ -19,8 +19,8 @@
 //          128 k and every mma step lies inside one scale group (32 | GS).
 // int8 scales multiply the finished dot product. int4 feeds the tensor cores the exact q; the
 // steps of one group accumulate sum q x into a fresh fragment and sum x into another (an mma
-// with A = ones), and the group ends with acc += scale (sum q x - zero sum x) in fp32. The epilogue (EPI_*)
-// stores y (optionally plus a residual), or silu(gate) * up of a stacked [gate; up] weight, or
+// with A = ones), and the group ends with acc += scale (sum q x - zero sum x) in fp32.
+// The epilogue (EPI_*) stores y (optionally plus a residual), or silu(gate) * up of a stacked [gate; up] weight, or
 // per-block argmax partials; small grids split K over the blocks of a cluster (sm_90) that meet
 // in distributed shared memory. With NORM the x rows are the residual stream and every block
 // first writes their RMSNorm (as rms_norm.cu rounds it) to shared memory, read by the main loop:
@@ -42,20 +42,12 @@ template <> struct Pair<__half> {
     __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
     return *reinterpret_cast<u32*>(&r);
   }
-  __device__ __forceinline__ static u32 splat(float v) {
-    __half2 r = __float2half2_rn(v);
-    return *reinterpret_cast<u32*>(&r);
-  }
 };
 template <> struct Pair<__nv_bfloat16> {
   static constexpr u32 kOne = 0x3f803f80u;
   static constexpr u32 kMagic4 = 0x43004300u;  // bf16 128: 0x4300 | n == 128 + n for n < 128
   __device__ __forceinline__ static u32 sub(u32 a, u32 b) {
     __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
-    return *reinterpret_cast<u32*>(&r);
-  }
-  __device__ __forceinline__ static u32 splat(float v) {
-    __nv_bfloat162 r = __float2bfloat162_rn(v);
     return *reinterpret_cast<u32*>(&r);
   }
 };
@@ -274,12 +266,13 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
         for (int h = 0; h < 2; ++h) {
           const uint4* src = reinterpret_cast<const uint4*>(wrow[r][h] + (size_t)q * 64);
           if constexpr (WBITS == 4) {
-            if (q < q_end) a_raw[u][r][h] = __ldcs(src);
+            if (q < q_end) {
+              a_raw[u][r][h] = __ldcs(src);
 #pragma unroll
-            for (int gi = 0; gi < GQ; ++gi) {
-              const int g = q * GQ + gi;
-              if (q < q_end && g < n_groups)
-                sz[u][r][h][gi] = __halves2half2(scales[grow[r][h] + g], zeros[grow[r][h] + g]);
+              for (int gi = 0; gi < GQ; ++gi) {
+                const int g = q * GQ + gi;
+                if (g < n_groups) sz[u][r][h][gi] = __halves2half2(scales[grow[r][h] + g], zeros[grow[r][h] + g]);
+              }
             }
           } else {
             const bool ok = q < q_end && q * L::kQuadK + (c + 1) * L::kLaneK <= K;
@@ -296,10 +289,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   __half2 sz[U][RR][2][GQ], sz_next[U][RR][2][GQ];
   load(a_raw, sz, q_begin + warp * U);
 
-  // 16 bytes of x row m from column k: the global rows, or with NORM their RMSNorm in shared
-  // memory, written while the first weights are on their way.
-  // B column 8 n + g4 of n-tile n reads x row min(8 n + g4, M - 1): a column of B only reaches
-  // its own outputs, and those of rows past M are never stored.
+  // x16(n, k): 16 bytes from column k of the x row of n-tile n, min(8 n + g4, M - 1) (a column
+  // of B only reaches its own outputs, and those of rows past M are never stored): the global
+  // rows, or with NORM their RMSNorm in shared memory, written while the first weights load.
   extern __shared__ uint4 norm_smem[];
   T* xs = reinterpret_cast<T*>(norm_smem);
   if constexpr (NORM) norm_rows<T, 32 * WARPS>(x, norm_w, eps, xs, M, K);

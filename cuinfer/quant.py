@@ -318,8 +318,6 @@ def saved_parts(entry, name, shape):
             f"{prefix}.scales": (groups, f16), f"{prefix}.zeros": (groups, f16)}
 
 
-
-
 def weight_arrays(name, weight):
     """{stored name: numpy array} of the quantized `<prefix>.weight` `name`, as saved_parts names them."""
     prefix = name[: -len(".weight")]

@@ -303,10 +303,8 @@ def dequantize_weight(w, dtype):
 
 
 CUDA_DTYPES = {np.dtype(np.float16): 2, runtime.bfloat16: 14}  # cudaDataType CUDA_R_16F, CUDA_R_16BF
+CUDA_R_32F = 0  # cudaDataType of the fp32 scratch a bias is added in
 CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION = 16  # cublas_api.h (not exported by every CuPy build)
-
-
-CUDA_R_32F = 0
 
 
 def _prefill(x, w, bias, out):
