@@ -89,16 +89,18 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
 }
 
 // ------------------------------------------------- programmatic dependent launch
-// With CUINFER_PDL=1 (runtime.launch, sm_90) every kernel is compiled with -DCUINFER_PDL and
-// launched with programmatic stream serialization: it may start while the kernel before it in the
-// stream is still running, once that one has called pdl_trigger() in every block (or finished).
+// On sm_90 every kernel is compiled with -DCUINFER_PDL (runtime.kernel; CUINFER_PDL=0 turns it
+// off), and runtime.launch gives the launches captured into a CUDA graph programmatic stream
+// serialization: in a replay a kernel may start while the kernel before it is still running, once
+// that one has called pdl_trigger() in every block (or finished). Eager launches go without the
+// attribute: the grid starts after its predecessor, and pdl_wait() returns at once.
 // Contract for every kernel of cuda_src/:
-//   * pdl_wait() in every thread before its first access to memory another kernel writes (the
-//     inputs it reads, the outputs it writes). It returns when the previous kernel has finished
-//     and its writes are visible, so the order of the whole stream stays transitive. (An L2 prefetch
-//     of the GEMV's first weights before it measured slower: notes/decode.md.)
+//   * pdl_wait() in every thread before its first access to memory another kernel of the graph
+//     writes (activations, the KV cache, workspaces; weights are written only outside graphs, so
+//     the GEMV loads its first ones before it). It returns when the previous kernel has finished
+//     and its writes are visible, so the order of the whole stream stays transitive.
 //   * pdl_trigger() after pdl_wait(): the next kernel may then be scheduled onto free SMs.
-// Without CUINFER_PDL both compile to nothing: the default build is the plain stream-ordered one.
+// Without CUINFER_PDL (sm_80, or CUINFER_PDL=0) both compile to nothing.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(CUINFER_PDL) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -282,12 +282,13 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
     }
   };
 
-  pdl_wait();
-
   // Software pipeline: the next U quads are in flight while this warp computes the current U.
+  // The first ones are loaded before pdl_wait(): no kernel of a graph writes weights, so in a
+  // replay they stream in while the previous kernel finishes.
   uint4 a_raw[U][RR][2], a_next[U][RR][2];
   __half2 sz[U][RR][2][GQ], sz_next[U][RR][2][GQ];
   load(a_raw, sz, q_begin + warp * U);
+  pdl_wait();
 
   // x16(n, k): 16 bytes from column k of the x row of n-tile n, min(8 n + g4, M - 1) (a column
   // of B only reaches its own outputs, and those of rows past M are never stored): the global

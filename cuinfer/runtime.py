@@ -278,20 +278,21 @@ def _atomic_write(path: Path, data: bytes):
 
 def launch(k, grid, block, args, smem: int = 0):
     """Launch a RawKernel on the current stream; first raises the dynamic shared memory limit when
-    static + dynamic go above the default 48 KiB. With CUINFER_PDL=1 on sm_90 (opt-in:
-    notes/decode.md has the measurements) it launches through cuLaunchKernelEx with programmatic
-    stream serialization, so a kernel may start while the previous one finishes (the kernels are
-    then compiled with their pdl_wait / pdl_trigger calls, see common.cuh)."""
+    static + dynamic go above the default 48 KiB. While the stream is capturing a CUDA graph on
+    sm_90 (and CUINFER_PDL is not 0) it launches through cuLaunchKernelEx with programmatic stream
+    serialization, so in the graph's replays a kernel may start while the previous one finishes
+    (the kernels are compiled with their pdl_wait / pdl_trigger calls, see common.cuh). Eager
+    launches keep CuPy's path: the ctypes one costs ~50 us of host time (notes/decode.md)."""
     if smem and smem + k.shared_size_bytes > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if min(grid) <= 0:
         return  # empty problem: nothing to launch
-    if _pdl_driver() is None:
-        k(grid, block, args, shared_mem=smem)
-    else:
+    if _pdl_driver() is not None and require_cupy().cuda.get_current_stream().is_capturing():
         _launch_pdl(k, grid + (1,) * (3 - len(grid)), block + (1,) * (3 - len(block)), args, smem)
+    else:
+        k(grid, block, args, shared_mem=smem)
 
 
 # Driver API structs of cuda.h (CUDA 12 / 13) for cuLaunchKernelEx, which CuPy does not wrap.
@@ -313,8 +314,8 @@ _PARAM_FORMATS = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtyp
 @functools.lru_cache(maxsize=None)
 def _pdl_driver():
     """(libcuda, its cuLaunchKernelEx, the attribute) when programmatic dependent launch is on:
-    CUINFER_PDL=1, an sm_90+ device and the driver entry point found; else None."""
-    if os.environ.get("CUINFER_PDL", "0") != "1" or int(device_arch()[3:]) < 90:
+    an sm_90+ device, the driver entry point found and CUINFER_PDL not 0; else None."""
+    if os.environ.get("CUINFER_PDL", "1") == "0" or int(device_arch()[3:]) < 90:
         return None
     try:
         lib = ctypes.CDLL("libcuda.so.1")

@@ -294,3 +294,30 @@ def test_gpu_token_readback(cp):
         pd.wait()
     with pytest.raises(ValueError, match="int32"):
         rb.start(cp.zeros(4, dtype=cp.int64))
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_attribute_only_on_captured_launches(cp, monkeypatch):
+    """On sm_90 launches under stream capture go through cuLaunchKernelEx (programmatic dependent
+    launch), eager ones through CuPy's launch; the captured and the eager rms_norm agree exactly."""
+    from cuinfer import runtime
+    from cuinfer.graph import capture
+    from cuinfer.ops.rms_norm import rms_norm
+
+    if runtime._pdl_driver() is None:
+        pytest.skip("programmatic dependent launch needs sm_90 and CUINFER_PDL not 0")
+    calls = []
+    real = runtime._launch_pdl
+    monkeypatch.setattr(runtime, "_launch_pdl", lambda *a: (calls.append(a[0].name), real(*a)))
+    x = cp.random.standard_normal((3, 256), dtype=cp.float32).astype(cp.float16)
+    w = cp.random.standard_normal(256, dtype=cp.float32).astype(cp.float16)
+    eager = rms_norm(x, w, 1e-5)
+    assert calls == []
+    out = cp.full_like(x, cp.nan)
+    cp.cuda.Device().synchronize()
+    graph, _, _ = capture(lambda: rms_norm(x, w, 1e-5, out=out), cp.cuda.Stream(non_blocking=True),
+                          cp.cuda.MemoryPool())
+    assert len(calls) == 1  # the capture (its warm-up run is eager)
+    out.fill(cp.nan)
+    graph.launch()
+    cp.testing.assert_array_equal(out, eager)
