@@ -88,6 +88,17 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
   return warp_reduce(x, op);
 }
 
+// ------------------------------------------------------------- cp.async (sm_80)
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// 16-byte global -> shared copy; zero-fills the destination when !valid.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // ------------------------------------------------- programmatic dependent launch
 // On sm_90 every kernel is compiled with -DCUINFER_PDL (runtime.kernel; CUINFER_PDL=0 turns it
 // off), and runtime.launch gives the launches captured into a CUDA graph programmatic stream

@@ -15,7 +15,11 @@
 // NEW_KV (decode with the new token fused in): q and the new k arrive un-rotated; every CTA rotates
 // q (RoPE rotate-half at position ctx - 1, as write_kv.cu), and the CTA whose split holds position
 // ctx - 1 also rotates k and writes k and v to the cache row at slot_mapping[seq] before its loops,
-// which then read that row back like any other (through L2: see load_kv).
+// which then read that row back like any other (through L2: see load_kv). Under programmatic
+// dependent launch (a graph replay) the NEW_KV kernel reads the step's inputs before pdl_wait, and
+// when its split is one loop step (short contexts at small batches) also copies the split's K/V
+// rows to shared memory there (cp.async), so they stream in while the qkv GEMV finishes; the
+// writer then patches the new row into that stage.
 #include "common.cuh"
 
 using namespace cuinfer;
@@ -48,6 +52,28 @@ __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (
   for (int e = 0; e < 8; ++e)
     y.v[e] = lo ? rope_lo(own.v[e], other.v[e], cs[e], sn[e]) : rope_hi(other.v[e], own.v[e], cs[e], sn[e]);
   return y.to();
+}
+
+// row(chunk, t) for the rows t = base + u * STEP + sub of a lane, base = base0, base0 + STEP * U, ...
+// while base < end (rows past end clamped by offset_of; row() drops them): with `staged` (one loop
+// step) the chunks the lane copied to stage[u * THREADS] (u < US; read where used), else from the
+// cache, U rows loaded before the first is used.
+template <typename T, int U, int STEP, int THREADS, bool COHERENT, typename Offset, typename Row>
+__device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, int US, int base0, int sub, int end,
+                                             const T* cache, Offset offset_of, Row row) {
+  if (staged) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (u < US) row(*reinterpret_cast<const Vec<T, 8>*>(stage + u * THREADS), base0 + u * STEP + sub);
+    return;
+  }
+  for (int base = base0; base < end; base += STEP * U) {  // warp-uniform loop
+    Vec<T, 8> r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) r[u] = load_kv<COHERENT>(cache + offset_of(base + u * STEP + sub));
+#pragma unroll
+    for (int u = 0; u < U; ++u) row(r[u], base + u * STEP + sub);
+  }
 }
 
 // The split-K epilogue, called by every thread of a CTA after it wrote its partials (n_splits > 1).
@@ -122,7 +148,8 @@ __device__ __forceinline__ void merge_if_last(float* smem, const float* part_out
 }
 
 // grid: (n_splits, n_kv_heads, num_seqs) · block: 128
-// smem: 4 * max(G * partition + 4 * G * D + 8 * G + partition / block_size + 2, G * (round_up(n_splits, 8) + 1))
+// smem: 4 * max(G * partition + 4 * G * D + 8 * G + partition / block_size + 2, G * (round_up(n_splits, 8) + 1)),
+// with NEW_KV and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 128 * 16
 // q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D]
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
 // n_splits > 1 only (16-byte aligned): part_out: [num_seqs, n_heads, n_splits, D] fp32;
@@ -144,9 +171,11 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
     const T* __restrict__ k_new, const T* __restrict__ v_new, const int* __restrict__ slot_mapping,
     const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride) {
-  pdl_wait();  // every input of this kernel may come from the previous one
-  pdl_trigger();
-  constexpr int WARPS = 4;
+  if constexpr (!NEW_KV) {
+    pdl_wait();  // every input of this kernel may come from the previous one
+    pdl_trigger();
+  }
+  constexpr int WARPS = 4, THREADS = 32 * WARPS;
   constexpr int CHUNKS = D / 8;
   constexpr int KL = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);  // lanes per row
   constexpr int RPW = 32 / KL;                                      // rows per warp step
@@ -164,6 +193,10 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
   extern __shared__ float smem[];
 
   if (len <= 0) {  // an empty split (or an empty context): zeros, and sum 0 for the merge
+    if constexpr (NEW_KV) {
+      pdl_wait();
+      pdl_trigger();
+    }
     for (int i = tid; i < group * D; i += blockDim.x) {
       const size_t h = head0 + i / D;
       if (n_splits == 1) {
@@ -184,20 +217,50 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
   float* red = scores + G * partition;        // [WARPS][G][D]
   float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
   int* blocks = reinterpret_cast<int*>(stat + 2 * G * WARPS);  // the split's block-table entries
+  const int n_table = ((end - 1) >> block_shift) - (start >> block_shift) + 1;
+  // NEW_KV with a split of one loop step: its K, V rows, [2][US][threads] x 16 bytes (16-byte aligned)
+  const bool staged = NEW_KV && partition <= STEP * U;
+  const int US = (partition + STEP - 1) / STEP;  // steps u of the loop that hold rows of the split
+  uint4* stage = reinterpret_cast<uint4*>(smem) + (4 * (G * partition + WARPS * G * D + 2 * G * WARPS) + 4 * n_table + 15) / 16;
 
   const int* table = block_tables + (size_t)seq * max_blocks;
   const int first_block = start >> block_shift;
-  for (int i = tid; i <= ((end - 1) >> block_shift) - first_block; i += blockDim.x)
-    blocks[i] = table[first_block + i];
+  for (int i = tid; i < n_table; i += blockDim.x) blocks[i] = table[first_block + i];
+
+  const int block_mask = (1 << block_shift) - 1;
+  const size_t row_stride = (size_t)n_kv_heads * D;
+  const size_t col = (size_t)kv_head * D + min(chunk, CHUNKS - 1) * 8;  // idle lanes re-read a valid chunk
+  // element offset of token t's row (t clamped to the split, so every load is in bounds)
+  auto offset_of = [&](int t) {
+    t = min(t, end - 1);
+    return (((size_t)blocks[(t >> block_shift) - first_block] << block_shift) + (t & block_mask)) * row_stride + col;
+  };
 
   float qv[G][8];
   if constexpr (NEW_KV) {
+    // Before pdl_wait: what the kernel before this one (the qkv GEMV) does not write. The step's
+    // inputs, the cache rows of past tokens (the new row at ctx - 1 is stale here: the writer
+    // below patches it into the stage) and RoPE's angles.
+    if (staged) {
+      __syncthreads();  // blocks[] written
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (u < US) {
+          const size_t off = offset_of(start + warp * RPW + u * STEP + sub);
+          cp_async16(smem_u32(stage + u * THREADS + tid), k_cache + off);
+          cp_async16(smem_u32(stage + (US + u) * THREADS + tid), v_cache + off);
+        }
+      cp_async_commit();
+    }
+    const int slot = slot_mapping[seq];  // the new token's row, written by the CTA whose split holds it
     float cs[8], sn[8];
     if (active) {
       const float pos = static_cast<float>(ctx - 1);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sincosf(pos * inv_freq[chunk % (CHUNKS / 2) * 8 + e], &sn[e], &cs[e]);
     }
+    pdl_wait();  // q, k_new, v_new come from the previous kernel
+    pdl_trigger();
     const T* q_group = q + (size_t)seq * q_stride + (size_t)kv_head * group * D;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -206,13 +269,26 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
 #pragma unroll
       for (int e = 0; e < 8; ++e) qv[g][e] = x.v[e] * scale_log2;
     }
-    const int slot = slot_mapping[seq];  // the new token's row, written by the CTA whose split holds it
+    if (staged) {  // every stage slot has landed before the writer patches one
+      cp_async_wait_all();
+      __syncthreads();
+    }
     if (split == min((ctx - 1) / partition, n_splits - 1) && slot >= 0 && warp == 0 && sub == 0 && active) {
       const size_t dst = ((size_t)slot * n_kv_heads + kv_head) * D + chunk * 8;
-      rope_chunk<T, D>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn)
-          .store(const_cast<T*>(k_cache) + dst);
-      Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8)
-          .store(const_cast<T*>(v_cache) + dst);
+      const Vec<T, 8> kn = rope_chunk<T, D>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn);
+      const Vec<T, 8> vn = Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8);
+      kn.store(const_cast<T*>(k_cache) + dst);
+      vn.store(const_cast<T*>(v_cache) + dst);
+      if (staged) {  // the stage slots of row ctx - 1: its lanes' chunks, idle lanes a copy of the last
+        const int r = ctx - 1 - start, u = r / STEP;
+        uint4* ks = stage + u * THREADS + (r % STEP) / RPW * 32 + (r % RPW) * KL;
+        uint4* vs = ks + US * THREADS;
+        const uint4 k4 = *reinterpret_cast<const uint4*>(&kn), v4 = *reinterpret_cast<const uint4*>(&vn);
+        ks[chunk] = k4, vs[chunk] = v4;
+        if (chunk == CHUNKS - 1)
+#pragma unroll
+          for (int c = CHUNKS; c < KL; ++c) ks[c] = k4, vs[c] = v4;
+      }
     }
   } else {
 #pragma unroll
@@ -224,42 +300,30 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
     }
   }
   __syncthreads();  // blocks[] written (and the new K/V row: the loops below may read it)
-
-  const int block_mask = (1 << block_shift) - 1;
-  const size_t row_stride = (size_t)n_kv_heads * D;
-  const size_t col = (size_t)kv_head * D + min(chunk, CHUNKS - 1) * 8;  // idle lanes re-read a valid chunk
-  // element offset of token t's row (t clamped to the split, so every load is in bounds)
-  auto offset_of = [&](int t) {
-    t = min(t, end - 1);
-    return (((size_t)blocks[(t >> block_shift) - first_block] << block_shift) + (t & block_mask)) * row_stride + col;
-  };
+  const uint4* k_stage = stage + tid;  // this lane's stage slots (K, then V)
+  const uint4* v_stage = k_stage + US * THREADS;
+  const int base0 = start + warp * RPW;
 
   // pass 1: scores
   float mx[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) mx[g] = Max::identity();
-  for (int base = start + warp * RPW; base < end; base += STEP * U) {  // warp-uniform loop
-    Vec<T, 8> kr[U];
+  for_each_row<T, U, STEP, THREADS, NEW_KV>(staged, k_stage, US, base0, sub, end, k_cache, offset_of,
+                                            [&](const Vec<T, 8>& k, int t) {
+    const VecF<T, 8> kf = VecF<T, 8>::from(k);
 #pragma unroll
-    for (int u = 0; u < U; ++u) kr[u] = load_kv<NEW_KV>(k_cache + offset_of(base + u * STEP + sub));
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.0f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = base + u * STEP + sub;
-      const VecF<T, 8> kf = VecF<T, 8>::from(kr[u]);
+      for (int e = 0; e < 8; ++e) acc = fmaf(qv[g][e], kf.v[e], acc);
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc = fmaf(qv[g][e], kf.v[e], acc);
-#pragma unroll
-        for (int o = KL / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (t < end) {
-          mx[g] = fmaxf(mx[g], acc);
-          if (chunk == 0) scores[g * partition + t - start] = acc;
-        }
+      for (int o = KL / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (t < end) {
+        mx[g] = fmaxf(mx[g], acc);
+        if (chunk == 0) scores[g * partition + t - start] = acc;
       }
     }
-  }
+  });
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const float m = warp_reduce<Max>(mx[g]);
@@ -302,23 +366,18 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
   for (int g = 0; g < G; ++g)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
-  for (int base = start + warp * RPW; base < end; base += STEP * U) {
-    Vec<T, 8> vr[U];
+  for_each_row<T, U, STEP, THREADS, NEW_KV>(staged, v_stage, US, base0, sub, end, v_cache, offset_of,
+                                            [&](const Vec<T, 8>& v, int t) {
+    const bool live = t < end;
+    t = min(t, end - 1);
+    const VecF<T, 8> vf = VecF<T, 8>::from(v);
 #pragma unroll
-    for (int u = 0; u < U; ++u) vr[u] = load_kv<NEW_KV>(v_cache + offset_of(base + u * STEP + sub));
+    for (int g = 0; g < G; ++g) {
+      const float p = live ? scores[g * partition + t - start] : 0.0f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = min(base + u * STEP + sub, end - 1);
-      const bool live = base + u * STEP + sub < end;
-      const VecF<T, 8> vf = VecF<T, 8>::from(vr[u]);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float p = live ? scores[g * partition + t - start] : 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf.v[e], acc[g][e]);
-      }
+      for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf.v[e], acc[g][e]);
     }
-  }
+  });
   // reduce over the rows a warp step covers (lanes with the same chunk), then over warps
 #pragma unroll
   for (int g = 0; g < G; ++g)

@@ -138,13 +138,25 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
     return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
 
 
-def smem_bytes(group: int, partition: int, head_dim: int, block_size: int, n_splits: int) -> int:
+def loop_step(head_dim: int) -> int:
+    """K/V rows the kernel's 4 warps cover per step (STEP of the kernel: 16-byte chunks of a row
+    on 8, 16 or 32 lanes)."""
+    lanes = next(n for n in (8, 16, 32) if head_dim // 8 <= n)
+    return THREADS // 32 * (32 // lanes)
+
+
+def smem_bytes(group: int, partition: int, head_dim: int, block_size: int, n_splits: int,
+               u: int = None, new_kv: bool = False) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
-    partition // block_size + 2 blocks); the merge reuses it for [group, round_up(n_splits, 8) + 1]."""
+    partition // block_size + 2 blocks); the merge reuses it for [group, round_up(n_splits, 8) + 1].
+    With new_kv and a split of one loop step (partition <= STEP * U) the stage of its K and V rows
+    follows, 16-byte aligned: [2][ceil(partition / STEP)][THREADS] x 16 bytes."""
     warps = THREADS // 32
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
-    return 4 * max(attend, group * (-(-n_splits // 8) * 8 + 1))
+    step, u = loop_step(head_dim), u or rows_in_flight(group, head_dim)
+    stage = 2 * -(-partition // step) * THREADS * 16 if new_kv and partition <= step * u else 0
+    return max(-(-4 * attend // 16) * 16 + stage, 4 * group * (-(-n_splits // 8) * 8 + 1))
 
 
 def capturing() -> bool:
@@ -263,4 +275,4 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
             *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (THREADS,), args,
-                   smem=smem_bytes(group, partition, d, bs, n_splits))
+                   smem=smem_bytes(group, partition, d, bs, n_splits, u, new_kv is not None))
