@@ -64,7 +64,10 @@ __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, in
   if (staged) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (u < US) row(*reinterpret_cast<const Vec<T, 8>*>(stage + u * THREADS), base0 + u * STEP + sub);
+      if (u < US) {  // rows past end get zeros: their slot may hold the new row as it was before its write
+        const int t = base0 + u * STEP + sub;
+        row(t < end ? *reinterpret_cast<const Vec<T, 8>*>(stage + u * THREADS) : Vec<T, 8>{}, t);
+      }
     return;
   }
   for (int base = base0; base < end; base += STEP * U) {  // warp-uniform loop

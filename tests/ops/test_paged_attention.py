@@ -238,9 +238,9 @@ def split_qkv(qkv, n_heads, n_kv, d):
 
 
 def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0):
-    """NumPy inputs of a fused decode step: each sequence's context (random K/V, NaN elsewhere in the cache), a
-    qkv buffer for the new tokens and the slots of their positions lens - 1 (a spare block's slots where a
-    length is 0, -1 for a `drop` fraction of rows)."""
+    """NumPy inputs of a fused decode step: each sequence's context (random K/V, NaN elsewhere in the cache and
+    in the rows the call writes), a qkv buffer for the new tokens and the slots of their positions lens - 1 (a
+    spare block's slots where a length is 0, -1 for a `drop` fraction of rows)."""
     lens = np.array(lens, np.int32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     k, v = (rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype) for _ in range(2))
@@ -251,6 +251,8 @@ def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0
     slots = np.where(lens > 0, tables[np.arange(len(lens)), pos // block_size] * block_size + pos % block_size,
                      spare * block_size + np.arange(len(lens)))
     slots[rng.random(len(lens)) < drop] = -1
+    for cache in (k_cache, v_cache):  # a row about to be written holds no data yet (a fresh block is NaN)
+        cache.reshape(-1, n_kv, d)[slots[(slots >= 0) & (lens > 0)]] = np.nan
     width = (n_kv * ratio + 2 * n_kv) * d + pad
     qkv = rng.standard_normal((len(lens), width)).astype(np.float32).astype(dtype)
     return {"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache, "tables": tables, "lens": lens,
