@@ -7,6 +7,8 @@ through enough weight copies (>= 120 MB) that each call streams its weight from 
 from the 50 MB L2.
 The peer of every row is cupy.matmul (cuBLAS) on an fp16 weight of the same shape; a
 `torch fp16` row (torch.nn.functional.linear) per shape is measured in the same run.
+`--sweep PRESET` instead times every M = 1 tile of the preset's four decode GEMVs with their fused
+epilogues (norm, SwiGLU, residual), as a decode graph replays them (notes/linear.md, run N).
 """
 from __future__ import annotations
 
@@ -24,29 +26,34 @@ ROTATE_BYTES = 120 << 20
 
 def add_arguments(parser):
     parser.add_argument("--m", type=int, nargs="*", default=list(ROWS_M), help="rows of x")
-    parser.add_argument("--sweep", action="store_true",
-                        help="instead: time int4 g128 / int8 tiles (warps, U, split-K) per shape at M = 1")
+    parser.add_argument("--sweep", metavar="PRESET",
+                        help="instead: time every M = 1 tile of the decode GEMVs of a models/*.json preset")
+    parser.add_argument("--formats", default="int4,int8", help="--sweep's weight formats: fp16, int8, int4")
 
 
-SWEEP_FORMATS = ("int4", "int8")
+SWEEP_BITS = {"fp16": (16, 0), "int8": (8, 0), "int4": (4, 128)}
 
 
-def sweep_tiles(bits, k, n):
-    """Tiles of the sweep for one shape at M = 1: 4 or 8 warps, U, split-K 1..8 while each split keeps
-    one full pipeline stage (WARPS U quads), plus the tile_config choice."""
+def decode_gemvs(config):
+    """(name, K, N, epilogue, norm, residual) of a decoder layer's GEMVs as Model.layer calls them."""
+    h, inter = config.hidden_size, config.intermediate_size
+    return [("qkv", h, config.q_size + 2 * config.kv_size, "store", True, False),
+            ("o", config.q_size, h, "store", False, True),
+            ("gate_up", h, inter, "silu_and_mul", True, False), ("down", inter, h, "store", False, True)]
+
+
+def sweep_tiles(bits, k, n, epilogue):
+    """M = 1 tiles: U 1, 2, 4 (SiLU: 1, 2), 4 / 8 / 16 warps, split 1 / 2 / 4 where every warp gets a
+    quad, plus tile_config's choice."""
     quads = -(-k // QUAD_K[bits])
-    us = (1, 2) if bits == 4 else (2, 4)
-    tiles = {Tile(1, 1, u, w, s) for w in (4, 8) for u in us for s in (1, 2, 4, 8) if quads >= s * w * u
-             and (s == 1 or n <= 16384)}
-    return sorted(tiles | {tile_config(bits, 1, n, k)})
+    us = (1, 2) if epilogue == "silu_and_mul" else (1, 2, 4)
+    tiles = {Tile(1, 1, u, w, s) for u in us for w in (4, 8, 16) for s in (1, 2, 4) if quads >= s * w * u}
+    return sorted(tiles | {tile_config(bits, 1, n, k, epilogue)})
 
 
-def sweep_instantiations():
-    import numpy as np
+def _compile(expr):
+    runtime.kernel("linear", expr)
 
-    bits = {"int4": (4, 128), "int8": (8, 0)}
-    return sorted({instantiation(np.float16, *bits[f], t) for f in SWEEP_FORMATS for k, n in SHAPES
-                   for t in sweep_tiles(bits[f][0], k, n)})
 
 def _random_weight(cp, fmt, n, k):
     if fmt == "fp16":
@@ -104,21 +111,43 @@ def _cycle(fns):
     return step
 
 
-def _sweep(cp, busy):
+def _sweep(cp, preset, formats):
+    """Each decode GEMV of the preset with its fused epilogue, per tile: one CUDA graph of one call per
+    weight copy (>= ROTATE_BYTES of copies: HBM, not L2), its kernels launched as a decode replay
+    launches them (programmatic dependent launch on sm_90); ms per call."""
+    import concurrent.futures
+    import multiprocessing
+
+    from ..convert import load_preset
+    from ..graph import capture
+
+    gemvs = decode_gemvs(load_preset(preset))
+    exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, norm) for f in formats for _, k, n, e, norm, _ in gemvs
+             for t in sweep_tiles(SWEEP_BITS[f][0], k, n, e)}
+    with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
+        list(ex.map(_compile, sorted(exprs)))  # NVRTC on every core; the runs below load the cubins
     rows = []
-    for k, n in SHAPES:
-        x = cp.random.standard_normal((1, k), dtype=cp.float32).astype(cp.float16)
-        out = cp.empty((1, n), cp.float16)
-        for fmt in SWEEP_FORMATS:
-            copies = _copies(lambda: _random_weight(cp, fmt, n, k))
-            bits = 4 if fmt == "int4" else 8
-            chosen = tile_config(bits, 1, n, k)
-            for t in sweep_tiles(bits, k, n):
-                fns = [lambda w=w, t=t: _gemv(x, w, None, out, t) for w in copies]
-                ms = queued_ms(cp, busy, _cycle(fns))
-                mark = " (tile_config)" if t == chosen else ""
-                rows.append(dict(name=f"{fmt} w{t.warps} u{t.u} split{t.split}{mark}", shape=f"M=1 K={k} N={n}",
-                                 dtype="float16", ms=ms, bytes=copies[0].nbytes + x.nbytes + out.nbytes))
+    for fmt in formats:
+        bits = SWEEP_BITS[fmt][0]
+        for name, k, n, epi, norm, res in gemvs:
+            copies = _copies(lambda: _random_weight(cp, fmt, 2 * n if epi == "silu_and_mul" else n, k))
+            x = cp.random.standard_normal((1, k), dtype=cp.float32).astype(cp.float16)
+            norm_w = (1 + 0.05 * cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
+            residual = cp.random.standard_normal((1, n), dtype=cp.float32).astype(cp.float16)
+            out = cp.empty((1, n), cp.float16)
+            for t in sweep_tiles(bits, k, n, epi):
+                def calls(t=t):
+                    for w in copies:
+                        _gemv(x, w, None, out, t, epi, norm=(norm_w, 1e-5) if norm else None,
+                              residual=residual if res else None)
+                cp.cuda.Device().synchronize()
+                graph, _, _ = capture(calls, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+                mark = " (tile_config)" if t == tile_config(bits, 1, n, k, epi) else ""
+                rows.append(dict(name=f"{fmt} {name} u{t.u} w{t.warps} split{t.split}{mark}",
+                                 shape=f"M=1 K={k} N={n} {epi}{' norm' if norm else ''}{' residual' if res else ''}",
+                                 dtype="float16", ms=bench.time_ms(graph.launch, warmup=2, iters=7) / len(copies),
+                                 bytes=copies[0].nbytes + x.nbytes + out.nbytes))
+                del graph
             del copies
             cp.get_default_memory_pool().free_all_blocks()
     return rows
@@ -127,7 +156,10 @@ def _sweep(cp, busy):
 def run(args):
     cp = runtime.require_cupy()
     if args.sweep:
-        return _sweep(cp, (cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32)))
+        formats = [f.strip() for f in args.formats.split(",")]
+        if any(f not in SWEEP_BITS for f in formats):
+            raise runtime.CuinferError(f"--formats: got {args.formats!r}, need fp16, int8, int4")
+        return _sweep(cp, args.sweep, formats)
     torch = bench.torch_or_none()
     rows, sums = [], {}
     busy = (cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32))
