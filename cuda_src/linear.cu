@@ -205,6 +205,12 @@ __device__ __forceinline__ void norm_rows(const T* __restrict__ s, const T* __re
   __syncthreads();
 }
 
+// The epilogue's operands that do not depend on the product, for one output: int8 scales, bias (of
+// the up half too with the SiLU epilogue), residual; neutral where there is none.
+struct EpiIn {
+  float scale = 1.0f, up_scale = 1.0f, bias = 0.0f, up_bias = 0.0f, res = 0.0f;
+};
+
 // One block: 16 RT output rows (RR = 2 RT weight rows with the SiLU epilogue: the gate tiles,
 // then the up tiles N rows further), the quads [rank, rank + 1) * ceil(quads / SPLIT) of K.
 // Warp w takes quad steps q_begin + (i * WARPS + w) * U + u, loading the next U quads (and
@@ -289,6 +295,36 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   __half2 sz[U][RR][2][GQ], sz_next[U][RR][2][GQ];
   load(a_raw, sz, q_begin + warp * U);
   pdl_wait();
+
+  // Epilogue thread i finishes accumulator value i / 32 of lane i % 32 (of the gate or only half):
+  // output row `row`, x row `m`. With NT = 1 its operands are loaded here, so their latency hides
+  // behind the main loop instead of following the reduction (not with NT = 2, which has no registers
+  // to spare, nor for the argmax, where 8 more would cost the int8 lm_head a block per SM).
+  constexpr int VO = RT * NT * 4, IT = (VO + WARPS - 1) / WARPS;
+  constexpr bool EARLY = NT == 1 && EPI != EPI_ARGMAX;
+  auto out_pos = [&](int i, int& row, int& m) {
+    const int v = i >> 5, l = i & 31, j = v & 3, n = (v >> 2) % NT, r = v / (4 * NT);
+    row = row0 + 16 * r + (l >> 2) + 8 * (j >> 1);
+    m = 8 * n + 2 * (l & 3) + (j & 1);
+  };
+  auto epi_in = [&](int i) {
+    EpiIn e;
+    int row, m;
+    out_pos(i, row, m);
+    if (row >= N || m >= M) return e;
+    if constexpr (WBITS == 8) e.scale = __half2float(scales[row]);
+    if constexpr (WBITS == 8 && EPI == EPI_SILU_AND_MUL) e.up_scale = __half2float(scales[row + N]);
+    if (bias != nullptr) e.bias = to_float(bias[row]);
+    if (EPI == EPI_SILU_AND_MUL && bias != nullptr) e.up_bias = to_float(bias[row + N]);
+    if (EPI == EPI_STORE && residual != nullptr) e.res = to_float(residual[(size_t)m * N + row]);
+    return e;
+  };
+  EpiIn early[EARLY ? IT : 1];
+  if constexpr (EARLY) {
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+      if (threadIdx.x + it * 32 * WARPS < VO * 32) early[it] = epi_in(threadIdx.x + it * 32 * WARPS);
+  }
 
   // x16(n, k): 16 bytes from column k of the x row of n-tile n, min(8 n + g4, M - 1) (a column
   // of B only reaches its own outputs, and those of rows past M are never stored): the global
@@ -446,25 +482,28 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #endif
   }
 
-  // Epilogue: thread i finishes accumulator value i / 32 of lane i % 32 of the gate (or only) half.
-  constexpr int VO = RT * NT * 4;
+  // Epilogue (out_pos, epi_in above).
   __shared__ float logit[EPI == EPI_ARGMAX ? 16 : 1][16 * RT];
-  for (int i = threadIdx.x; i < VO * 32; i += 32 * WARPS) {
-    const int v = i >> 5, l = i & 31, j = v & 3, n = (v >> 2) % NT, r = v / (4 * NT);
-    const int row = row0 + 16 * r + (l >> 2) + 8 * (j >> 1);
-    const int m = 8 * n + 2 * (l & 3) + (j & 1);
-    if (row >= N || m >= M) continue;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int i = threadIdx.x + it * 32 * WARPS;
+    int row, m;
+    out_pos(i, row, m);
+    if (i >= VO * 32 || row >= N || m >= M) continue;
+    EpiIn e;
+    if constexpr (EARLY) e = early[it];
+    else e = epi_in(i);
     float y = red[i];
-    if constexpr (WBITS == 8) y *= __half2float(scales[row]);
-    if (bias != nullptr) y += to_float(bias[row]);
+    if constexpr (WBITS == 8) y *= e.scale;
+    if (bias != nullptr) y += e.bias;
     if constexpr (EPI == EPI_SILU_AND_MUL) {
       float up = red[i + VO * 32];
-      if constexpr (WBITS == 8) up *= __half2float(scales[row + N]);
-      if (bias != nullptr) up += to_float(bias[row + N]);
+      if constexpr (WBITS == 8) up *= e.up_scale;
+      if (bias != nullptr) up += e.up_bias;
       y = silu(y) * up;
     }
     if constexpr (EPI == EPI_STORE) {
-      if (residual != nullptr) y = to_float(from_float<T>(y)) + to_float(residual[(size_t)m * N + row]);
+      if (residual != nullptr) y = to_float(from_float<T>(y)) + e.res;
     }
     if constexpr (EPI == EPI_ARGMAX) {
       logit[m][row - row0] = to_float(from_float<T>(y));  // the logits rounded to T, as linear() stores them
