@@ -297,11 +297,12 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   pdl_wait();
 
   // Epilogue thread i finishes accumulator value i / 32 of lane i % 32 (of the gate or only half):
-  // output row `row`, x row `m`. With NT = 1 its operands are loaded here, so their latency hides
-  // behind the main loop instead of following the reduction (not with NT = 2, which has no registers
-  // to spare, nor for the argmax, where 8 more would cost the int8 lm_head a block per SM).
+  // output row `row`, x row `m`. With NT = 1 fp16 / int4 weights its operands are loaded here, so
+  // their latency hides behind the main loop instead of following the reduction. Not with NT = 2
+  // (no registers to spare), nor int8 or the argmax: their kernels sit at 64 registers, and 4-8 more
+  // cost them a block per SM (run R: int8 GEMVs 2.93 -> 3.05 ms a llama3-8b step).
   constexpr int VO = RT * NT * 4, IT = (VO + WARPS - 1) / WARPS;
-  constexpr bool EARLY = NT == 1 && EPI != EPI_ARGMAX;
+  constexpr bool EARLY = NT == 1 && WBITS != 8 && EPI != EPI_ARGMAX;
   auto out_pos = [&](int i, int& row, int& m) {
     const int v = i >> 5, l = i & 31, j = v & 3, n = (v >> 2) % NT, r = v / (4 * NT);
     row = row0 + 16 * r + (l >> 2) + 8 * (j >> 1);
