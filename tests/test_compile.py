@@ -1,5 +1,5 @@
 """Every registered instantiation compiles with NVRTC for sm_80 and sm_90 (and sm_90 with the
-programmatic-dependent-launch build, CUINFER_PDL=1), no GPU needed."""
+programmatic-dependent-launch build, -DCUINFER_PDL: the default on sm_90), no GPU needed."""
 import pytest
 
 from cuinfer import ops, runtime
