@@ -55,9 +55,10 @@ __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (
 }
 
 // row(chunk, t) for the rows t = base + u * STEP + sub of a lane, base = base0, base0 + STEP * U, ...
-// while base < end (rows past end clamped by offset_of; row() drops them): with `staged` (one loop
-// step) the chunks the lane copied to stage[u * THREADS] (u < US; read where used), else from the
-// cache, U rows loaded before the first is used.
+// while base < end (rows past end: row() weighs them by 0, so they must be finite; the cache path
+// reads the clamped row, the stage gives zeros): with `staged` (one loop step) the chunks the lane
+// copied to stage[u * THREADS] (u < US; read where used), else from the cache, U rows loaded
+// before the first is used.
 template <typename T, int U, int STEP, int THREADS, bool COHERENT, typename Offset, typename Row>
 __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, int US, int base0, int sub, int end,
                                              const T* cache, Offset offset_of, Row row) {
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
   // NEW_KV with a split of one loop step: its K, V rows, [2][US][threads] x 16 bytes (16-byte aligned)
   const bool staged = NEW_KV && partition <= STEP * U;
   const int US = (partition + STEP - 1) / STEP;  // steps u of the loop that hold rows of the split
-  uint4* stage = reinterpret_cast<uint4*>(smem) + (4 * (G * partition + WARPS * G * D + 2 * G * WARPS) + 4 * n_table + 15) / 16;
+  uint4* stage = reinterpret_cast<uint4*>((reinterpret_cast<size_t>(blocks + n_table) + 15) & ~size_t(15));
 
   const int* table = block_tables + (size_t)seq * max_blocks;
   const int first_block = start >> block_shift;

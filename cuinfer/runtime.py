@@ -72,6 +72,12 @@ def cupy_or_none():
     return cupy
 
 
+def capturing() -> bool:
+    """True when the current CuPy stream is capturing a CUDA graph."""
+    cp = cupy_or_none()
+    return cp is not None and cp.cuda.get_current_stream().is_capturing()
+
+
 def is_device_array(x) -> bool:
     cp = cupy_or_none()
     return cp is not None and isinstance(x, cp.ndarray)
@@ -289,7 +295,7 @@ def launch(k, grid, block, args, smem: int = 0):
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if min(grid) <= 0:
         return  # empty problem: nothing to launch
-    if _pdl_driver() is not None and require_cupy().cuda.get_current_stream().is_capturing():
+    if _pdl_driver() is not None and capturing():
         _launch_pdl(k, grid + (1,) * (3 - len(grid)), block + (1,) * (3 - len(block)), args, smem)
     else:
         k(grid, block, args, shared_mem=smem)

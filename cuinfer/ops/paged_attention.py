@@ -159,12 +159,6 @@ def smem_bytes(group: int, partition: int, head_dim: int, block_size: int, n_spl
     return max(-(-4 * attend // 16) * 16 + stage, 4 * group * (-(-n_splits // 8) * 8 + 1))
 
 
-def capturing() -> bool:
-    """True when the current CuPy stream is capturing a CUDA graph."""
-    cp = runtime.cupy_or_none()
-    return cp is not None and cp.cuda.get_current_stream().is_capturing()
-
-
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
                     max_context_len=None, workspace=None, new_kv=None):
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out, *(new_kv or ()))
@@ -201,14 +195,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
         raise ValueError(f"max_context_len: got {max_context_len}, need >= 0")
     group = padded_group(n_heads, n_kv)
     missing = [name for name, a in (("out", out), ("max_context_len", max_context_len)) if a is None]
-    if missing and capturing():
+    if missing and runtime.capturing():
         _refuse_capture(missing)
     out = runtime.check_out(out, q.shape, q.dtype, q)
     runtime.check("out", out, align=16)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
     n_splits, partition = decode_splits(num_seqs, n_heads, n_kv, max_context_len)
-    if n_splits > 1 and workspace is None and capturing():
+    if n_splits > 1 and workspace is None and runtime.capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
                   partition, workspace, new_kv=new_kv)

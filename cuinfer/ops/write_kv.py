@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import runtime
-from .paged_attention import capturing
 
 INSTANTIATIONS = [f"write_kv_kernel<{runtime.ctype(dt)}>"
                   for dt in (np.float32, np.float16, runtime.bfloat16)]
@@ -58,7 +57,7 @@ def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=N
         return out
     for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         runtime.check(name, a, align=16)
-    if out is None and capturing():
+    if out is None and runtime.capturing():
         raise ValueError("out: needed under CUDA-graph capture, allocated before it (see cuinfer.ops.write_kv)")
     out = runtime.check_out(out, q.shape, q.dtype, q)
     runtime.check("out", out, align=16)
