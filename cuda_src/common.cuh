@@ -92,12 +92,17 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op = O
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-// 16-byte global -> shared copy; zero-fills the destination when !valid.
+// 16-byte global -> shared copy; zero-fills the destination when !valid. The clobber keeps the
+// compiler from moving this thread's earlier shared-memory reads of the slot past it.
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid = true) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 
 // ------------------------------------------------- programmatic dependent launch
 // On sm_90 every kernel is compiled with -DCUINFER_PDL (runtime.kernel; CUINFER_PDL=0 turns it

@@ -86,12 +86,13 @@ __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, in
 // empty split weighs 0 (and its part_out is 0). Release: the CTA's writes, bar.sync, then thread 0's
 // fence before its atomic; acquire: thread 0's fence after the atomic, then bar.sync (the pattern of
 // cooperative groups' grid sync). Other CTAs' partials are read with ld.global.cg (L2, never a stale
-// L1 line). smem: weights [G][round_up(n_splits, 8)] (zero-padded, so the loop over splits issues 8
-// independent loads at a time and stays in bounds) + their sums [G].
-template <typename T, int D, int G>
-__device__ __forceinline__ void merge_if_last(float* smem, const float* part_out, const float* part_ml, int* arrival,
-                                              T* out, size_t head0, int group, int n_splits) {
-  constexpr int WARPS = 4, C = D / 4, CH = 8;  // float4 columns of a head, splits per batch of loads
+// L1 line). Each thread merges 4 columns of one head on its own, CH splits at a time: their (max,
+// sum) pairs and partial outputs are loaded together (one round trip per CH splits), the running
+// sum rescaled by the new maximum (online softmax).
+template <typename T, int D>
+__device__ __forceinline__ void merge_if_last(const float* part_out, const float* part_ml, int* arrival, T* out,
+                                              size_t head0, int group, int n_splits) {
+  constexpr int C = D / 4, CH = 8;  // float4 columns of a head, splits per round trip
   __syncthreads();  // the CTA's partials are written
   int last = 0;
   if (threadIdx.x == 0) {
@@ -102,49 +103,41 @@ __device__ __forceinline__ void merge_if_last(float* smem, const float* part_out
   }
   if (!__syncthreads_or(last)) return;
 
-  const int n_pad = (n_splits + CH - 1) / CH * CH;
-  float* weight = smem;              // [G][n_pad]
-  float* wsum = weight + G * n_pad;  // [G]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int g = warp; g < group; g += WARPS) {  // a warp per head: max, then the weights and their sum
-    const float2* ml = reinterpret_cast<const float2*>(part_ml) + (head0 + g) * n_splits;
-    float m = Max::identity();
-    for (int s = lane; s < n_splits; s += 32) {
-      const float2 x = __ldcg(ml + s);
-      if (x.y > 0.0f) m = fmaxf(m, x.x);
-    }
-    m = warp_reduce<Max>(m);
-    float sum = 0.0f;
-    for (int s = lane; s < n_pad; s += 32) {
-      const float2 x = s < n_splits ? __ldcg(ml + s) : make_float2(0.0f, 0.0f);
-      const float w = x.y > 0.0f ? x.y * exp2f(x.x - m) : 0.0f;
-      weight[g * n_pad + s] = w;
-      sum += w;
-    }
-    sum = warp_reduce(sum);
-    if (lane == 0) wsum[g] = sum;
-  }
-  __syncthreads();
   for (int i = threadIdx.x; i < group * C; i += blockDim.x) {
     const int g = i / C, c = i % C;
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + (head0 + g) * n_splits;
     const float4* po = reinterpret_cast<const float4*>(part_out + (head0 + g) * n_splits * D) + c;
-    const float* w = weight + g * n_pad;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s0 = 0; s0 < n_pad; s0 += CH) {
+    float m = Max::identity(), l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s0 = 0; s0 < n_splits; s0 += CH) {
+      float2 x[CH];
       float4 pv[CH];
 #pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const bool ok = s0 + j < n_splits;
+        x[j] = ok ? __ldcg(ml + s0 + j) : make_float2(0.0f, 0.0f);
+        pv[j] = ok ? __ldcg(po + (size_t)(s0 + j) * C) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+      float mb = m;
+#pragma unroll
       for (int j = 0; j < CH; ++j)
-        pv[j] = s0 + j < n_splits ? __ldcg(po + (size_t)(s0 + j) * C) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (x[j].y > 0.0f) mb = fmaxf(mb, x[j].x);
+      if (mb == Max::identity()) continue;  // every split so far is empty
+      const float r = exp2f(m - mb);        // 0 while m is the identity (acc, l are 0 then)
+      l *= r;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] *= r;
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
-        acc[0] = fmaf(w[s0 + j], pv[j].x, acc[0]);
-        acc[1] = fmaf(w[s0 + j], pv[j].y, acc[1]);
-        acc[2] = fmaf(w[s0 + j], pv[j].z, acc[2]);
-        acc[3] = fmaf(w[s0 + j], pv[j].w, acc[3]);
+        const float w = x[j].y > 0.0f ? x[j].y * exp2f(x[j].x - mb) : 0.0f;
+        l += w;
+        acc[0] = fmaf(w, pv[j].x, acc[0]);
+        acc[1] = fmaf(w, pv[j].y, acc[1]);
+        acc[2] = fmaf(w, pv[j].z, acc[2]);
+        acc[3] = fmaf(w, pv[j].w, acc[3]);
       }
+      m = mb;
     }
-    const float l = wsum[g];  // 0 only when the whole context is empty: zeros
-    VecF<T, 4> o;
+    VecF<T, 4> o;  // l is 0 only when the whole context is empty: zeros
 #pragma unroll
     for (int e = 0; e < 4; ++e) o.v[e] = l > 0.0f ? acc[e] / l : 0.0f;
     o.to().store(out + (head0 + g) * D + c * 4);
@@ -152,8 +145,7 @@ __device__ __forceinline__ void merge_if_last(float* smem, const float* part_out
 }
 
 // grid: (n_splits, n_kv_heads, num_seqs) · block: 128
-// smem: 4 * max(G * partition + 4 * G * D + 8 * G + partition / block_size + 2, G * (round_up(n_splits, 8) + 1)),
-// with NEW_KV and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 128 * 16
+// smem: 4 * (G * partition + 4 * G * D + 8 * G + partition / block_size + 2), with NEW_KV and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 128 * 16
 // q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D]
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
 // n_splits > 1 only (16-byte aligned): part_out: [num_seqs, n_heads, n_splits, D] fp32;
@@ -213,7 +205,7 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
         }
       }
     }
-    if (n_splits > 1) merge_if_last<T, D, G>(smem, part_out, part_ml, arrival, out, head0, group, n_splits);
+    if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
     return;
   }
 
@@ -265,6 +257,14 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
     }
     pdl_wait();  // q, k_new, v_new come from the previous kernel
     pdl_trigger();
+    // The new token's row goes to the cache from the CTA whose split holds it; its loads issue
+    // with q's below (one round trip), the stores after the stage has landed.
+    const bool writer = split == min((ctx - 1) / partition, n_splits - 1) && slot >= 0 && warp == 0 && sub == 0 && active;
+    Vec<T, 8> kn, vn;
+    if (writer) {
+      kn = rope_chunk<T, D>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn);
+      vn = Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8);
+    }
     const T* q_group = q + (size_t)seq * q_stride + (size_t)kv_head * group * D;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -277,10 +277,8 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
       cp_async_wait_all();
       __syncthreads();
     }
-    if (split == min((ctx - 1) / partition, n_splits - 1) && slot >= 0 && warp == 0 && sub == 0 && active) {
+    if (writer) {
       const size_t dst = ((size_t)slot * n_kv_heads + kv_head) * D + chunk * 8;
-      const Vec<T, 8> kn = rope_chunk<T, D>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn);
-      const Vec<T, 8> vn = Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8);
       kn.store(const_cast<T*>(k_cache) + dst);
       vn.store(const_cast<T*>(v_cache) + dst);
       if (staged) {  // the stage slots of row ctx - 1: its lanes' chunks, idle lanes a copy of the last
@@ -416,5 +414,5 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
       }
     }
   }
-  if (n_splits > 1) merge_if_last<T, D, G>(smem, part_out, part_ml, arrival, out, head0, group, n_splits);
+  if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
 }

@@ -145,18 +145,18 @@ def loop_step(head_dim: int) -> int:
     return THREADS // 32 * (32 // lanes)
 
 
-def smem_bytes(group: int, partition: int, head_dim: int, block_size: int, n_splits: int,
+def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
                u: int = None, new_kv: bool = False) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
-    partition // block_size + 2 blocks); the merge reuses it for [group, round_up(n_splits, 8) + 1].
-    With new_kv and a split of one loop step (partition <= STEP * U) the stage of its K and V rows
-    follows, 16-byte aligned: [2][ceil(partition / STEP)][THREADS] x 16 bytes."""
+    partition // block_size + 2 blocks). With new_kv and a split of one loop step (partition <=
+    STEP * U) the stage of its K and V rows follows, 16-byte aligned: [2][ceil(partition / STEP)]
+    [THREADS] x 16 bytes."""
     warps = THREADS // 32
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
     step, u = loop_step(head_dim), u or rows_in_flight(group, head_dim)
     stage = 2 * -(-partition // step) * THREADS * 16 if new_kv and partition <= step * u else 0
-    return max(-(-4 * attend // 16) * 16 + stage, 4 * group * (-(-n_splits // 8) * 8 + 1))
+    return -(-4 * attend // 16) * 16 + stage
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
@@ -269,4 +269,4 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
             *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (THREADS,), args,
-                   smem=smem_bytes(group, partition, d, bs, n_splits, u, new_kv is not None))
+                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None))
