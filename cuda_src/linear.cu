@@ -211,10 +211,13 @@ struct EpiIn {
   float scale = 1.0f, up_scale = 1.0f, bias = 0.0f, up_bias = 0.0f, res = 0.0f;
 };
 
-// One block: 16 RT output rows (RR = 2 RT weight rows with the SiLU epilogue: the gate tiles,
+// One block: 16 RT output rows (RR = 2 RT weight row tiles with the SiLU epilogue: the gate tiles,
 // then the up tiles N rows further), the quads [rank, rank + 1) * ceil(quads / SPLIT) of K.
-// Warp w takes quad steps q_begin + (i * WARPS + w) * U + u, loading the next U quads (and
-// their int4 scales / zeros) while it computes these; the warps meet in shared memory.
+// Every warp holds RT row tiles: with the SiLU epilogue warps [0, WARPS / 2) take the gate tiles
+// and the others the up tiles (a warp's registers are those of a plain GEMV, which doubles the
+// blocks an SM holds). Warp kw of its half takes quad steps q_begin + (i * KW + kw) * U + u,
+// loading the next U quads (and their int4 scales / zeros) while it computes these; the warps
+// meet in shared memory.
 template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool NORM>
 __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
                                             const __half* __restrict__ scales, const __half* __restrict__ zeros,
@@ -227,34 +230,37 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   constexpr int RR = EPI == EPI_SILU_AND_MUL ? 2 * RT : RT;  // weight row tiles per block
   constexpr int GQ = WBITS == 4 ? 128 / GS : 1;              // int4 scale groups per quad
   constexpr int V = RR * NT * 4;                             // accumulator values per lane
-  __shared__ float partial[WARPS][V][32];
+  constexpr int KW = WARPS * RT / RR;                        // warps per weight half, splitting K
+  static_assert(KW >= 1 && WARPS % (RR / RT) == 0, "the SiLU epilogue needs an even warp count");
+  __shared__ float partial[KW][V][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3, g4 = lane >> 2;
+  const int half = warp / KW, kw = warp % KW;  // weight half (gate 0, up 1) and K slot of this warp
   const int row0 = blockIdx.x * 16 * RT;
   const int n_quads = (K + L::kQuadK - 1) / L::kQuadK;
   const int per_split = (n_quads + SPLIT - 1) / SPLIT;
   const int q_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split, q_end = min(n_quads, q_begin + per_split);
   const int n_groups = WBITS == 4 ? K / GS : 1;
 
-  float acc[RR][NT][4];
+  float acc[RT][NT][4];
 #pragma unroll
-  for (int r = 0; r < RR; ++r)
+  for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
 
   // Every format packs a quad of one weight row into 64 bytes: the lane's 16 bytes of quad q of
-  // row (r, h) (row g4 + 8 h of row tile r % RT of weight half r / RT) are at wrow[r][h] + 64 q,
+  // row (r, h) (row g4 + 8 h of row tile r of the warp's weight half) are at wrow[r][h] + 64 q,
   // its int4 groups at scales / zeros + grow[r][h]. Rows past N read row N - 1: the epilogue
   // stores no output of theirs, and a row of A only reaches its own outputs.
   const size_t row_bytes = WBITS == 4 ? (size_t)n_quads * 64 : (size_t)K * WBITS / 8;
-  const char* wrow[RR][2];
-  int grow[RR][2];
+  const char* wrow[RT][2];
+  int grow[RT][2];
 #pragma unroll
-  for (int r = 0; r < RR; ++r)
+  for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = min(row0 + 16 * (r % RT) + 8 * h + g4, N - 1) + (r / RT) * N;
+      const int row = min(row0 + 16 * r + 8 * h + g4, N - 1) + half * N;
       wrow[r][h] = pinned(static_cast<const char*>(w) + row * row_bytes + 16 * c);
       grow[r][h] = row * n_groups;
     }
@@ -262,12 +268,12 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1. fp16 / int8 lanes
   // past K load zeros (x is zero there too); int4 rows are padded to whole quads, and the steps
   // of quads and groups past the end are never computed, so their registers are left as they are.
-  auto load = [&](uint4 (&a_raw)[U][RR][2], __half2 (&sz)[U][RR][2][GQ], int base) {
+  auto load = [&](uint4 (&a_raw)[U][RT][2], __half2 (&sz)[U][RT][2][GQ], int base) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = base + u;
 #pragma unroll
-      for (int r = 0; r < RR; ++r)
+      for (int r = 0; r < RT; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint4* src = reinterpret_cast<const uint4*>(wrow[r][h] + (size_t)q * 64);
@@ -291,9 +297,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // Software pipeline: the next U quads are in flight while this warp computes the current U.
   // The first ones are loaded before pdl_wait(): no kernel of a graph writes weights, so in a
   // replay they stream in while the previous kernel finishes.
-  uint4 a_raw[U][RR][2], a_next[U][RR][2];
-  __half2 sz[U][RR][2][GQ], sz_next[U][RR][2][GQ];
-  load(a_raw, sz, q_begin + warp * U);
+  uint4 a_raw[U][RT][2], a_next[U][RT][2];
+  __half2 sz[U][RT][2][GQ], sz_next[U][RT][2][GQ];
+  load(a_raw, sz, q_begin + kw * U);
   pdl_wait();
 
   // Epilogue thread i finishes accumulator value i / 32 of lane i % 32 (of the gate or only half):
@@ -340,8 +346,8 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
     xrow[n] = NORM ? xs + pinned(m * norm_stride(K)) : pinned(x + (size_t)m * K);
   }
   auto x16 = [&](int n, int k) { return *reinterpret_cast<const uint4*>(xrow[n] + k); };
-  for (int base = q_begin + warp * U; base < q_end; base += WARPS * U) {
-    if (base + WARPS * U < q_end) load(a_next, sz_next, base + WARPS * U);
+  for (int base = q_begin + kw * U; base < q_end; base += KW * U) {
+    if (base + KW * U < q_end) load(a_next, sz_next, base + KW * U);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = base + u;
@@ -358,7 +364,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
           for (int s = 0; s < 2; ++s) {  // the two k16 steps of these 8 x values
 #pragma unroll
-            for (int r = 0; r < RR; ++r) {
+            for (int r = 0; r < RT; ++r) {
               u32 a[4];
               if constexpr (WBITS == 16) {
                 const u32* lo = reinterpret_cast<const u32*>(&a_raw[u][r][0]);
@@ -386,14 +392,14 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
         for (int gi = 0; gi < GQ; ++gi) {
           if (kq / GS + gi >= n_groups) break;
-          float p[RR][NT][4], px[NT][4];
+          float p[RT][NT][4], px[NT][4];
 #pragma unroll
           for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               px[n][j] = 0.0f;
 #pragma unroll
-              for (int r = 0; r < RR; ++r) p[r][n][j] = 0.0f;
+              for (int r = 0; r < RT; ++r) p[r][n][j] = 0.0f;
             }
 #pragma unroll
           for (int wi = 0; wi < kWords; ++wi) {
@@ -401,9 +407,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
             uint4 b[NT];
 #pragma unroll
             for (int n = 0; n < NT; ++n) b[n] = x16(n, kq + 32 * j + 8 * c);
-            u32 ql[RR][4], qh[RR][4];  // rows g4, g4 + 8: nibbles (i, i + 4) are k 2i, 2i + 1 of the word
+            u32 ql[RT][4], qh[RT][4];  // rows g4, g4 + 8: nibbles (i, i + 4) are k 2i, 2i + 1 of the word
 #pragma unroll
-            for (int r = 0; r < RR; ++r) {
+            for (int r = 0; r < RT; ++r) {
               int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][0])[j], ql[r]);
               int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][1])[j], qh[r]);
             }
@@ -414,7 +420,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
                 const u32* bw = reinterpret_cast<const u32*>(&b[n]);
                 mma(px[n], ones, bw[2 * st], bw[2 * st + 1], T());
 #pragma unroll
-                for (int r = 0; r < RR; ++r) {
+                for (int r = 0; r < RT; ++r) {
                   const u32 a[4] = {ql[r][2 * st], qh[r][2 * st], ql[r][2 * st + 1], qh[r][2 * st + 1]};
                   mma(p[r][n], a, bw[2 * st], bw[2 * st + 1], T());
                 }
@@ -422,7 +428,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
             }
           }
 #pragma unroll
-          for (int r = 0; r < RR; ++r)
+          for (int r = 0; r < RT; ++r)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {  // accumulator values 2h, 2h + 1 are weight row g4 + 8 h
               const float scale = __low2float(sz[u][r][h][gi]), zero = __high2float(sz[u][r][h][gi]);
@@ -438,7 +444,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int r = 0; r < RR; ++r)
+      for (int r = 0; r < RT; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           a_raw[u][r][h] = a_next[u][r][h];
@@ -450,17 +456,17 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   pdl_trigger();  // the next kernel may start on SMs this grid frees: its main loop is done
   // Sum the warps' fragments into partial[0] (value v of lane l at [v][l]), then the cluster's blocks.
 #pragma unroll
-  for (int r = 0; r < RR; ++r)
+  for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) partial[warp][(r * NT + n) * 4 + j][lane] = acc[r][n][j];
+      for (int j = 0; j < 4; ++j) partial[kw][((half * RT + r) * NT + n) * 4 + j][lane] = acc[r][n][j];
   __syncthreads();
   float* red = &partial[0][0][0];
   for (int i = threadIdx.x; i < V * 32; i += 32 * WARPS) {
     float y = 0.0f;
 #pragma unroll
-    for (int wi = 0; wi < WARPS; ++wi) y += (&partial[wi][0][0])[i];
+    for (int wi = 0; wi < KW; ++wi) y += (&partial[wi][0][0])[i];
     red[i] = y;
   }
   __syncthreads();
@@ -533,7 +539,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #define LINEAR_PASS x, w, scales, zeros, bias, norm_w, eps, residual, out, part_val, part_idx, M, N, K
 
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
-// smem: static, 4 * WARPS * RR * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
+// smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
 // NORM: 2 * M * norm_stride(K) bytes (the normalized x)
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for EPI_SILU_AND_MUL) or null, all T;
 // w: see the formats above ([2N, K] for EPI_SILU_AND_MUL); scales: fp16 [rows] (WBITS 8) or

@@ -43,11 +43,11 @@ def decode_gemvs(config):
 
 
 def sweep_tiles(bits, k, n, epilogue):
-    """M = 1 tiles: U 1, 2, 4 (SiLU: 1, 2), 4 / 8 / 16 warps, split 1 / 2 / 4 where every warp gets a
-    quad, plus tile_config's choice."""
+    """M = 1 tiles: U 1, 2, 4, 4 / 8 / 16 warps, split 1 / 2 / 4 where every warp gets a quad (with the
+    SiLU epilogue half the warps share K), plus tile_config's choice."""
     quads = -(-k // QUAD_K[bits])
-    us = (1, 2) if epilogue == "silu_and_mul" else (1, 2, 4)
-    tiles = {Tile(1, 1, u, w, s) for u in us for w in (4, 8, 16) for s in (1, 2, 4) if quads >= s * w * u}
+    halves = 2 if epilogue == "silu_and_mul" else 1
+    tiles = {Tile(1, 1, u, w, s) for u in (1, 2, 4) for w in (4, 8, 16) for s in (1, 2, 4) if quads * halves >= s * w * u}
     return sorted(tiles | {tile_config(bits, 1, n, k, epilogue)})
 
 

@@ -64,23 +64,21 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (notes/linear.md).
 
     Quantized weights at M <= 8 (run 4 sweep; int8 from the decode-graph sweep of run N): U = 1
-    int4 quad per stage below 64 quads of K, else 2 (halved for the SiLU epilogue's two rows;
-    int8: always 2); 4 warps per block from 6 blocks per SM on, int8 16 at 1-2 blocks per SM,
-    else 8; a grid of fewer blocks than SMs splits K over a cluster of up to 4 blocks (sm_90),
-    each keeping >= two pipeline stages (2 WARPS U quads); on 256+ blocks a split measured
-    slower. fp16 / bf16 weights and M > 8 (run 3 tiles; the M <= 8 rule measured slower there in
-    run 5): RT = 2 at M > 8 once the grid still has >= 4 blocks per SM, U = 4 / RT (/ 2 for
-    int4), 16 warps below 4 blocks per SM, else 8. The SiLU epilogue's two weight rows halve U
-    there (raw weights <= 32 registers)."""
+    int4 quad per stage below 64 quads of K, else 2 (int8: always 2); 4 warps per block from 6
+    blocks per SM on, int8 16 at 1-2 blocks per SM, else 8; a grid of fewer blocks than SMs splits
+    K over a cluster of up to 4 blocks (sm_90), each keeping >= two pipeline stages (2 WARPS U
+    quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and M > 8 (run 3 tiles; the
+    M <= 8 rule measured slower there in run 5): RT = 2 at M > 8 once the grid still has >= 4
+    blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8. With the SiLU
+    epilogue half the warps take the gate rows and half the up rows, each warp as in a plain GEMV."""
     nt = 1 if m <= 8 else 2
-    rows = 2 if epilogue == "silu_and_mul" else 1
-    rt = 2 if nt == 2 and rows == 1 and n >= 16 * 2 * 4 * sms else 1
+    rt = 2 if nt == 2 and epilogue != "silu_and_mul" and n >= 16 * 2 * 4 * sms else 1
     blocks = -(-n // (16 * rt))
     quads = -(-k // QUAD_K[bits])
     if bits == 16 or nt == 2:
-        u = max(1, 4 // (rt * rows) // (2 if bits == 4 else 1))
+        u = max(1, 4 // rt // (2 if bits == 4 else 1))
         return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
-    u = 2 if bits == 8 else max(1, (2 if quads >= 64 else 1) // rows)
+    u = 2 if bits == 8 or quads >= 64 else 1
     warps = 4 if blocks >= 6 * sms else 16 if bits == 8 and sms <= blocks <= 2 * sms else 8
     split = 1
     while clusters and split < 4 and blocks * split < sms and quads >= 2 * split * warps * u:
