@@ -104,31 +104,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 
-// ------------------------------------------------------- thread-block clusters (sm_90)
-// CUINFER_CLUSTER_DIMS(x, y): a kernel's compile-time cluster shape (nothing below sm_90, where the
-// ops launch no cluster kernel). cluster_sync: every thread of every block of the cluster, release /
-// acquire (orders shared memory); load_cluster: *p in the shared memory of the cluster's block `rank`.
-#if __CUDA_ARCH__ >= 900
-#define CUINFER_CLUSTER_DIMS(x, y) __cluster_dims__(x, y, 1)
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ float load_cluster(const float* p, unsigned rank) {
-  unsigned remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-#else
-#define CUINFER_CLUSTER_DIMS(x, y)
-#endif
-
 // ------------------------------------------------- programmatic dependent launch
 // On sm_90 every kernel is compiled with -DCUINFER_PDL (runtime.kernel; CUINFER_PDL=0 turns it
 // off), and runtime.launch gives the launches captured into a CUDA graph programmatic stream

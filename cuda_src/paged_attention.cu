@@ -11,9 +11,7 @@
 // shared memory, pass 2 turns them into exp2(s - max), pass 3 streams V.
 // With one split the CTA writes the output; otherwise it writes fp32 (out / sum, max, sum)
 // partials and counts itself in on an arrival counter of its (kv_head, sequence), and the
-// last CTA to arrive merges the partials of every split (no second kernel). On sm_90 a short
-// context's splits (at most 8) may instead form one thread-block cluster that merges through
-// distributed shared memory (paged_attention_cluster_kernel).
+// last CTA to arrive merges the partials of every split (no second kernel).
 // NEW_KV (decode with the new token fused in): q and the new k arrive un-rotated; every CTA rotates
 // q (RoPE rotate-half at position ctx - 1, as write_kv.cu), and the CTA whose split holds position
 // ctx - 1 also rotates k and writes k and v to the cache row at slot_mapping[seq] before its loops,
@@ -146,44 +144,6 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
   }
 }
 
-// The cluster epilogue (CL > 1: the CL splits of a (kv_head, sequence) are one thread-block cluster,
-// sm_90), called by every thread of every CTA: each CTA left its partials in its own shared memory,
-// red[g * D + d] = out / sum and stat[2 g], stat[2 g + 1] = (max, sum) (sum 0: an empty split), and
-// CTA r of the cluster merges outputs r * THREADS + tid, + CL * THREADS, ... from all of them through
-// distributed shared memory: no global round trip, no arrival counter.
-template <typename T, int D, int CL>
-__device__ __forceinline__ void merge_cluster(const float* red, const float* stat, T* out, size_t head0, int group) {
-#if __CUDA_ARCH__ >= 900
-  cluster_sync();  // every CTA's partials are in its shared memory
-  const unsigned rank = cluster_rank();
-  for (int i = rank * blockDim.x + threadIdx.x; i < group * D; i += CL * blockDim.x) {
-    const int g = i / D;
-    float ms[CL], ls[CL], os[CL];
-#pragma unroll
-    for (int s = 0; s < CL; ++s) {
-      ms[s] = load_cluster(stat + 2 * g, s);
-      ls[s] = load_cluster(stat + 2 * g + 1, s);
-      os[s] = load_cluster(red + i, s);
-    }
-    float m = Max::identity();
-#pragma unroll
-    for (int s = 0; s < CL; ++s)
-      if (ls[s] > 0.0f) m = fmaxf(m, ms[s]);
-    float l = 0.0f, o = 0.0f;
-#pragma unroll
-    for (int s = 0; s < CL; ++s) {
-      const float w = ls[s] > 0.0f ? ls[s] * exp2f(ms[s] - m) : 0.0f;
-      l += w;
-      o = fmaf(w, os[s], o);
-    }
-    out[(head0 + g) * D + i % D] = from_float<T>(l > 0.0f ? o / l : 0.0f);  // l = 0: an empty context
-  }
-  cluster_sync();  // no CTA exits while another still reads its shared memory
-#else
-  __trap();  // unreachable: cluster kernels are launched on sm_90 and newer only (ops/paged_attention.py)
-#endif
-}
-
 // grid: (n_splits, n_kv_heads, num_seqs) · block: 128
 // smem: 4 * (G * partition + 4 * G * D + 8 * G + partition / block_size + 2), with NEW_KV and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 128 * 16
 // q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D]
@@ -199,23 +159,14 @@ __device__ __forceinline__ void merge_cluster(const float* red, const float* sta
 // Launch bounds: the CTAs per SM resident_ctas in the op assumes, 5 (<= 102 registers) for G <= 4 and 3
 // (<= 168) for G = 8, without spills; the plain G = 8 kernel fits 168 unbounded (and is left unbounded,
 // which schedules it better), the NEW_KV one would take up to 182 registers (bf16, D = 80 / 96).
-// paged_attention_cluster_kernel<..., CL>: the same with gridDim.x = n_splits = CL splits in one
-// cluster, merged through distributed shared memory (merge_cluster; sm_90, no workspace: part_out,
-// part_ml and arrivals are unused).
-#define PA_ARGS                                                                                               \
-  const T *__restrict__ q, const T *__restrict__ k_cache, const T *__restrict__ v_cache, T *__restrict__ out,  \
-      float *__restrict__ part_out, float *__restrict__ part_ml, int *__restrict__ arrivals,                   \
-      const int *__restrict__ block_tables, const int *__restrict__ context_lens, int max_blocks,              \
-      int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,                          \
-      const T *__restrict__ k_new, const T *__restrict__ v_new, const int *__restrict__ slot_mapping,        \
-      const float *__restrict__ inv_freq, int q_stride, int k_stride, int v_stride
-#define PA_PASS                                                                                             \
-  q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens, max_blocks, block_shift, \
-      n_heads, n_kv_heads, partition, scale_log2, k_new, v_new, slot_mapping, inv_freq, q_stride, k_stride, v_stride
-#define PA_BOUNDS __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1))
-
-template <typename T, int D, int G, int U, bool NEW_KV, int CL>
-__device__ __forceinline__ void paged_attention_body(PA_ARGS) {
+template <typename T, int D, int G, int U, bool NEW_KV>
+__global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_attention_kernel(
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, int* __restrict__ arrivals,
+    const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
+    int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
+    const T* __restrict__ k_new, const T* __restrict__ v_new, const int* __restrict__ slot_mapping,
+    const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride) {
   if constexpr (!NEW_KV) {
     pdl_wait();  // every input of this kernel may come from the previous one
     pdl_trigger();
@@ -236,37 +187,31 @@ __device__ __forceinline__ void paged_attention_body(PA_ARGS) {
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
   int* const arrival = arrivals + (size_t)seq * n_kv_heads + kv_head;
   extern __shared__ float smem[];
-  float* scores = smem;                       // [G][partition]
-  float* red = scores + G * partition;        // [WARPS][G][D]
-  float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
 
   if (len <= 0) {  // an empty split (or an empty context): zeros, and sum 0 for the merge
     if constexpr (NEW_KV) {
       pdl_wait();
       pdl_trigger();
     }
-    if constexpr (CL > 1) {
-      for (int i = tid; i < group * D; i += blockDim.x) red[i] = 0.0f;
-      if (tid < group) stat[2 * tid] = Max::identity(), stat[2 * tid + 1] = 0.0f;
-      merge_cluster<T, D, CL>(red, stat, out, head0, group);
-    } else {
-      for (int i = tid; i < group * D; i += blockDim.x) {
-        const size_t h = head0 + i / D;
-        if (n_splits == 1) {
-          out[h * D + i % D] = from_float<T>(0.0f);
-        } else {
-          part_out[(h * n_splits + split) * D + i % D] = 0.0f;  // the merge weighs it by 0, so it must be finite
-          if (i % D == 0) {
-            part_ml[(h * n_splits + split) * 2] = Max::identity();
-            part_ml[(h * n_splits + split) * 2 + 1] = 0.0f;
-          }
+    for (int i = tid; i < group * D; i += blockDim.x) {
+      const size_t h = head0 + i / D;
+      if (n_splits == 1) {
+        out[h * D + i % D] = from_float<T>(0.0f);
+      } else {
+        part_out[(h * n_splits + split) * D + i % D] = 0.0f;  // the merge weighs it by 0, so it must be finite
+        if (i % D == 0) {
+          part_ml[(h * n_splits + split) * 2] = Max::identity();
+          part_ml[(h * n_splits + split) * 2 + 1] = 0.0f;
         }
       }
-      if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
     }
+    if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
     return;
   }
 
+  float* scores = smem;                       // [G][partition]
+  float* red = scores + G * partition;        // [WARPS][G][D]
+  float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
   int* blocks = reinterpret_cast<int*>(stat + 2 * G * WARPS);  // the split's block-table entries
   const int n_table = ((end - 1) >> block_shift) - (start >> block_shift) + 1;
   // NEW_KV with a split of one loop step: its K, V rows, [2][US][threads] x 16 bytes (16-byte aligned)
@@ -459,10 +404,7 @@ __device__ __forceinline__ void paged_attention_body(PA_ARGS) {
     for (int gg = 0; gg < G; ++gg)  // register arrays indexed by constants only
       if (gg == g) l = sum[gg], m = mx[gg];
     const size_t h = head0 + g;
-    if constexpr (CL > 1) {  // in place: only this thread reads red[g * D + d] (warp 0's slot); stat is dead
-      red[g * D + d] = o / l;
-      if (d == 0) stat[2 * g] = m, stat[2 * g + 1] = l;
-    } else if (n_splits == 1) {
+    if (n_splits == 1) {
       out[h * D + d] = from_float<T>(o / l);
     } else {
       part_out[(h * n_splits + split) * D + d] = o / l;
@@ -472,19 +414,5 @@ __device__ __forceinline__ void paged_attention_body(PA_ARGS) {
       }
     }
   }
-  if constexpr (CL > 1) {
-    merge_cluster<T, D, CL>(red, stat, out, head0, group);  // its cluster barrier orders the writes above
-  } else if (n_splits > 1) {
-    merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
-  }
-}
-
-template <typename T, int D, int G, int U, bool NEW_KV>
-__global__ void PA_BOUNDS paged_attention_kernel(PA_ARGS) {
-  paged_attention_body<T, D, G, U, NEW_KV, 1>(PA_PASS);
-}
-
-template <typename T, int D, int G, int U, bool NEW_KV, int CL>
-__global__ void PA_BOUNDS CUINFER_CLUSTER_DIMS(CL, 1) paged_attention_cluster_kernel(PA_ARGS) {
-  paged_attention_body<T, D, G, U, NEW_KV, CL>(PA_PASS);
+  if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
 }

@@ -53,7 +53,6 @@ GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 THREADS = 128
 MIN_PARTITION, MAX_PARTITION = 32, 1024  # tokens per split (multiples of 32)
-CLUSTER = 8  # splits of a short context merged in one thread-block cluster (sm_90; the portable maximum)
 LOG2E = 1.4426950408889634
 
 
@@ -78,16 +77,13 @@ def resident_ctas(group: int) -> int:
     return 5 if group <= 4 else 3
 
 
-def instantiation(dtype, head_dim: int, group: int, u=None, new_kv: bool = False, cluster: int = 1) -> str:
+def instantiation(dtype, head_dim: int, group: int, u=None, new_kv: bool = False) -> str:
     u = u or rows_in_flight(group, head_dim)
-    head = f"{runtime.ctype(dtype)}, {head_dim}, {group}, {u}, {str(new_kv).lower()}"
-    if cluster == 1:
-        return f"paged_attention_kernel<{head}>"
-    return f"paged_attention_cluster_kernel<{head}, {cluster}>"
+    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}, {str(new_kv).lower()}>"
 
 
-INSTANTIATIONS = [instantiation(dt, d, g, new_kv=f, cluster=c) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS
-                  for g in GROUPS for f in (False, True) for c in (1, CLUSTER)]
+INSTANTIATIONS = [instantiation(dt, d, g, new_kv=f) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS
+                  for g in GROUPS for f in (False, True)]
 
 
 def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int,
@@ -140,18 +136,6 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
     """(n_splits, partition) the op launches with on this device."""
     ctas = resident_ctas(padded_group(n_heads, n_kv_heads))
     return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
-
-
-def cluster_partition(n_splits: int, group: int, head_dim: int, max_context_len: int, arch: str) -> int:
-    """Tokens per split of a cluster launch (CLUSTER splits merged through distributed shared memory,
-    no workspace, no global round trip), or 0 for none: on sm_90 and newer, when the split policy
-    splits (n_splits > 1) and CLUSTER partitions of at most the rows one loop step of the kernel
-    covers (STEP * U: what the fused decode stages before pdl_wait) hold the context."""
-    if n_splits == 1 or int(arch[3:]) < 90:
-        return 0
-    partition = -(-max(1, max_context_len) // CLUSTER)
-    partition = -(-partition // 32) * 32
-    return partition if partition <= loop_step(head_dim) * rows_in_flight(group, head_dim) else 0
 
 
 def loop_step(head_dim: int) -> int:
@@ -218,11 +202,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
     n_splits, partition = decode_splits(num_seqs, n_heads, n_kv, max_context_len)
-    cluster = cluster_partition(n_splits, group, d, max_context_len, runtime.device_info()["arch"])
-    if cluster:
-        launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, CLUSTER, cluster,
-                      new_kv=new_kv, cluster=True)
-        return out
     if n_splits > 1 and workspace is None and runtime.capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
@@ -261,16 +240,13 @@ def _refuse_capture(names):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace=None, u=None, new_kv=None, cluster=False):
+                  partition, workspace=None, u=None, new_kv=None):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
-    context length, partition a multiple of 32; cluster: the n_splits == CLUSTER splits merge in one
-    cluster (sm_90, no workspace). Arguments are checked by the caller."""
+    context length, partition a multiple of 32. Arguments are checked by the caller."""
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
-    if cluster and n_splits != CLUSTER:
-        raise ValueError(f"n_splits: got {n_splits} for a cluster launch, need {CLUSTER}")
-    if n_splits > 1 and not cluster:
+    if n_splits > 1:
         need = split_workspace_elems(num_seqs, n_heads, n_kv, d, n_splits)
         if workspace is None:
             workspace = cp.zeros(need, dtype=cp.float32)
@@ -287,8 +263,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
         k, v, slot_mapping, inv_freq = q, q, context_lens, part_ml
     else:
         k, v, slot_mapping, inv_freq = new_kv
-    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None,
-                                                          CLUSTER if cluster else 1))
+    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None))
     args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,

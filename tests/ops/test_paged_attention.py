@@ -52,19 +52,6 @@ def test_split_config():
         assert all(split_config(seqs, kv, c, 132, ctas)[0] <= b for c, b in zip(range(1, 9000, 7), bounds))
 
 
-def test_cluster_partition():
-    from cuinfer.ops.paged_attention import CLUSTER, cluster_partition
-
-    assert CLUSTER == 8
-    assert cluster_partition(16, 4, 128, 384, "sm_90") == 64  # 8 x 64 rows: one staged loop step each
-    assert cluster_partition(16, 4, 128, 512, "sm_90") == 64
-    assert cluster_partition(16, 4, 128, 513, "sm_90") == 0  # 96 rows: past what d=128 stages
-    assert cluster_partition(16, 4, 64, 1024, "sm_90") == 128
-    assert cluster_partition(2, 4, 128, 33, "sm_90") == 32
-    assert cluster_partition(1, 4, 128, 384, "sm_90") == 0  # no split, no merge
-    assert cluster_partition(16, 4, 128, 384, "sm_80") == 0  # no clusters
-
-
 def test_argument_checks():
     q = np.zeros((2, 8, 64), np.float16)
     cache = np.zeros((4, 16, 2, 64), np.float16)
@@ -151,32 +138,6 @@ def test_split_arrival_counters_reset(cp, dtype, ratio, d):
                 got.append(cp.asnumpy(out))
             assert_close(got[0], decode_reference(q, k_cache, v_cache, tables, lens), dtype)
             np.testing.assert_array_equal(got[1], got[0])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("ratio", "d"), [(4, 128), (3, 64), (8, 256), (7, 80)])
-def test_cluster_merge_matches_arrival_merge(cp, dtype, ratio, d):
-    """The same 8 splits merged by one thread-block cluster and by the arrival counter, both against the
-    reference: full, partial and empty splits, an empty context."""
-    from cuinfer.ops.paged_attention import CLUSTER, launch_decode, padded_group, split_workspace_elems
-
-    if int(runtime.device_info()["arch"][3:]) < 90:
-        pytest.skip("thread-block clusters need sm_90")
-    rng = np.random.default_rng(ratio * d)
-    n_kv, partition = 2, 32
-    lens = np.array([CLUSTER * partition, 1, 0, 33, 200], np.int32)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    k, v = (rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype) for _ in range(2))
-    tables, k_cache, v_cache = scatter_paged(rng, cu, 16, k, v)
-    q = rng.standard_normal((len(lens), n_kv * ratio, d)).astype(np.float32).astype(dtype)
-    args = [cp.asarray(a) for a in (q, k_cache, v_cache, tables, lens)]
-    ref = decode_reference(q, k_cache, v_cache, tables, lens)
-    for cluster in (True, False):
-        out = poison(cp, q.shape, dtype)
-        ws = None if cluster else cp.zeros(split_workspace_elems(len(lens), n_kv * ratio, n_kv, d, CLUSTER), cp.float32)
-        launch_decode(*args, out, d ** -0.5, padded_group(n_kv * ratio, n_kv), CLUSTER, partition, ws, cluster=cluster)
-        assert_close(out, ref, dtype)
 
 
 @pytest.mark.gpu
