@@ -22,9 +22,10 @@
 // with A = ones), and the group ends with acc += scale (sum q x - zero sum x) in fp32.
 // The epilogue (EPI_*) stores y (optionally plus a residual), or silu(gate) * up of a stacked [gate; up] weight, or
 // per-block argmax partials; small grids split K over the blocks of a cluster (sm_90) that meet
-// in distributed shared memory. With NORM the x rows are the residual stream and every block
-// first writes their RMSNorm (as rms_norm.cu rounds it) to shared memory, read by the main loop:
-// the decoder's norm costs no launch of its own.
+// in distributed shared memory. With XS every block first copies the x rows to shared memory, read
+// by the main loop (no L1 misses in its dependent chain); given a norm weight it writes their
+// RMSNorm instead (x is the residual stream, normalized as rms_norm.cu rounds it): the decoder's
+// norm costs no launch of its own.
 #include "common.cuh"
 
 using namespace cuinfer;
@@ -176,11 +177,11 @@ __device__ __forceinline__ float load_cluster(const float* p, unsigned rank) {
 // the two rows of x one 8-lane phase of a 16-byte load reads fall in different banks.
 __host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64 + 32; }
 
-// xs[m, :] = RMSNorm of the M rows of s (the residual stream) with weight w, rounded as rms_norm.cu
-// rounds it (rms_inv, rms_normed); ends with a barrier. K % 8 == 0.
+// xs[m, :] = the M rows of s, or with a weight w their RMSNorm (s is the residual stream), rounded as
+// rms_norm.cu rounds it (rms_inv, rms_normed); ends with a barrier. K % 8 == 0.
 template <typename T, int THREADS>
-__device__ __forceinline__ void norm_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
-                                          int M, int K) {
+__device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
+                                           int M, int K) {
   __shared__ float scratch[32];
   const int ks = norm_stride(K);
   for (int m = 0; m < M; ++m) {
@@ -192,6 +193,7 @@ __device__ __forceinline__ void norm_rows(const T* __restrict__ s, const T* __re
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
     }
+    if (w == nullptr) continue;  // block-uniform
     const float inv_rms = rms_inv(block_reduce(sum_sq, scratch), K, eps);
 #pragma unroll 2
     for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {  // this thread's own elements
@@ -218,7 +220,7 @@ struct EpiIn {
 // blocks an SM holds). Warp kw of its half takes quad steps q_begin + (i * KW + kw) * U + u,
 // loading the next U quads (and their int4 scales / zeros) while it computes these; the warps
 // meet in shared memory.
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool NORM>
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
 __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
                                             const __half* __restrict__ scales, const __half* __restrict__ zeros,
                                             const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
@@ -335,15 +337,15 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 
   // x16(n, k): 16 bytes from column k of the x row of n-tile n, min(8 n + g4, M - 1) (a column
   // of B only reaches its own outputs, and those of rows past M are never stored): the global
-  // rows, or with NORM their RMSNorm in shared memory, written while the first weights load.
+  // rows, or with XS their copy (or RMSNorm) in shared memory, written while the first weights load.
   extern __shared__ uint4 norm_smem[];
   T* xs = reinterpret_cast<T*>(norm_smem);
-  if constexpr (NORM) norm_rows<T, 32 * WARPS>(x, norm_w, eps, xs, M, K);
+  if constexpr (XS) stage_rows<T, 32 * WARPS>(x, norm_w, eps, xs, M, K);
   const T* xrow[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int m = min(8 * n + g4, M - 1);
-    xrow[n] = NORM ? xs + pinned(m * norm_stride(K)) : pinned(x + (size_t)m * K);
+    xrow[n] = XS ? xs + pinned(m * norm_stride(K)) : pinned(x + (size_t)m * K);
   }
   auto x16 = [&](int n, int k) { return *reinterpret_cast<const uint4*>(xrow[n] + k); };
   for (int base = q_begin + kw * U; base < q_end; base += KW * U) {
@@ -540,23 +542,23 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
 // smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
-// NORM: 2 * M * norm_stride(K) bytes (the normalized x)
+// XS: 2 * M * norm_stride(K) bytes (the staged x)
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for EPI_SILU_AND_MUL) or null, all T;
 // w: see the formats above ([2N, K] for EPI_SILU_AND_MUL); scales: fp16 [rows] (WBITS 8) or
 // [rows, K / GS] (WBITS 4); zeros: fp16 [rows, K / GS] (WBITS 4); part_val / part_idx:
-// [M, gridDim.x] for EPI_ARGMAX, else null. NORM: norm_w [K] in T and eps, x is normalized
-// (K % 8 == 0); else norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing
+// [M, gridDim.x] for EPI_ARGMAX, else null. XS (K % 8 == 0): x staged in shared memory, normalized
+// with norm_w [K] in T and eps unless norm_w is null; without XS norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing
 // out. Every weight byte is read once (streamed).
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI, bool NORM>
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI, bool XS>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(LINEAR_ARGS) {
-  linear_body<T, WBITS, GS, NT, RT, U, WARPS, 1, EPI, NORM>(LINEAR_PASS);
+  linear_body<T, WBITS, GS, NT, RT, U, WARPS, 1, EPI, XS>(LINEAR_PASS);
 }
 
 // grid: (ceil(N / (16 RT)), SPLIT), clusters of (1, SPLIT, 1) · otherwise as linear_kernel:
 // the blocks of a cluster split K, the cluster's block 0 writes the epilogue. sm_90 and newer.
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool NORM>
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) LINEAR_CLUSTER(SPLIT) linear_split_kernel(LINEAR_ARGS) {
-  linear_body<T, WBITS, GS, NT, RT, U, WARPS, SPLIT, EPI, NORM>(LINEAR_PASS);
+  linear_body<T, WBITS, GS, NT, RT, U, WARPS, SPLIT, EPI, XS>(LINEAR_PASS);
 }
 
 // grid: (M) · block: 1024 · smem: static 256 bytes

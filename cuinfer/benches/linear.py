@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import bench, runtime
-from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, tile_config
+from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
 from ..quant import Int4Weight, Int8Weight
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
@@ -122,8 +122,8 @@ def _sweep(cp, preset, formats):
     from ..graph import capture
 
     gemvs = decode_gemvs(load_preset(preset))
-    exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, norm) for f in formats for _, k, n, e, norm, _ in gemvs
-             for t in sweep_tiles(SWEEP_BITS[f][0], k, n, e)}
+    exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, stages_x(1, k, np.float16, norm)) for f in formats
+             for _, k, n, e, norm, _ in gemvs for t in sweep_tiles(SWEEP_BITS[f][0], k, n, e)}
     with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
         list(ex.map(_compile, sorted(exprs)))  # NVRTC on every core; the runs below load the cubins
     rows = []

@@ -20,7 +20,8 @@ registers, every weight byte read once, epilogue fused) for M <= 16, and for qua
 to M = 64 in chunks of 16 rows (each chunk reads the weight again: still fewer bytes than the
 dequantized fp16 copy). With norm, every GEMV block first normalizes the rows of x into shared
 memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes; otherwise, and
-on the prefill path, ops.rms_norm runs first. Beyond that (prefill) the weight is dequantized to a
+on the prefill path, ops.rms_norm runs first. Without norm the rows are copied there all the same
+when they fit, so the main loop's x reads never miss L1. Beyond that (prefill) the weight is dequantized to a
 scratch [N, K] array (allocated: not for capture) and multiplied by cuBLAS gemmEx in fp32 (a bias
 pre-filled in an fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the
 GEMV (cupy.matmul under stream capture is refused by CuPy, gemmEx too); the SiLU epilogue then
@@ -86,10 +87,10 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     return Tile(nt, rt, u, warps, split)
 
 
-def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", norm=False) -> str:
+def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", staged=False) -> str:
     nt, rt, u, warps, split = tile
     head = f"{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {warps}"
-    tail = f"{EPILOGUES[epilogue]}, {'true' if norm else 'false'}"
+    tail = f"{EPILOGUES[epilogue]}, {'true' if staged else 'false'}"
     if split == 1:
         return f"linear_kernel<{head}, {tail}>"
     return f"linear_split_kernel<{head}, {split}, {tail}>"
@@ -103,6 +104,12 @@ def norm_stride(k: int) -> int:
 def norm_fits(m: int, k: int, dtype) -> bool:
     """Whether the GEMV normalizes x itself: the rows of one launch (<= GEMV_ROWS) fit NORM_SMEM."""
     return min(m, GEMV_ROWS) * norm_stride(k) * np.dtype(dtype).itemsize <= NORM_SMEM
+
+
+def stages_x(m: int, k: int, dtype, norm: bool) -> bool:
+    """Whether the GEMV reads x from shared memory (the XS kernels): with a norm (the caller checked
+    norm_fits), and without one whenever the rows fit too (K % 8 == 0: 16-byte rows)."""
+    return norm or (k % 8 == 0 and norm_fits(m, k, dtype))
 
 
 def dequant_instantiation(dtype, bits: int, group_size: int) -> str:
@@ -273,11 +280,13 @@ def _tile(bits, m, n, k, epilogue):
 
 def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None, residual=None):
     """Launch linear_kernel / linear_split_kernel with `tile` on checked arguments (M <= 8 tile.nt);
-    norm: (weight, eps) to normalize x in the kernel (norm_fits), residual: added by EPI_STORE."""
+    norm: (weight, eps) to normalize x in the kernel (norm_fits), residual: added by EPI_STORE. The
+    kernel stages x in shared memory whenever its rows fit (norm_fits), normalized or not."""
     (m, k), bits = x.shape, weight_bits(w)
     n = w.shape[0] // (2 if epilogue == "silu_and_mul" else 1)
+    staged = stages_x(m, k, x.dtype, norm is not None)
     kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue,
-                                                  norm is not None))
+                                                  staged))
     qweight = w if bits == 16 else w.qweight
     scales = w.scales if bits < 16 else NULL
     zeros = w.zeros if bits == 4 else NULL
@@ -285,7 +294,7 @@ def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None
     args = (x, qweight, scales, zeros, NULL if bias is None else bias, norm_w, np.float32(eps),
             NULL if residual is None else residual, NULL if out is None else out, *parts,
             np.int32(m), np.int32(n), np.int32(k))
-    smem = 0 if norm is None else m * norm_stride(k) * x.dtype.itemsize
+    smem = m * norm_stride(k) * x.dtype.itemsize if staged else 0
     runtime.launch(kern, (-(-n // (16 * tile.rt)), tile.split), (32 * tile.warps,), args, smem)
     return out
 
