@@ -1,65 +1,125 @@
-// Flash attention forward, FlashAttention-2 style, for prefill and chunked prefill.
+// Flash attention forward for prefill and chunked prefill, two kernels with one contract:
 //
-// One CTA computes BM query rows of one head of one sequence; each warp owns
-// BM / WARPS rows (MT m16 tiles). K/V tiles of BN keys are staged in shared memory
-// with cp.async (two stages: tile j+1 loads while tile j is computed), rows padded
-// by 8 elements so that ldmatrix's eight 16-byte row reads hit distinct banks.
-// S = Q K^T and O += P V run on mma.sync.m16n8k16 (fp32 accumulate); P is rounded
-// to T before the PV product, as FlashAttention does. Softmax is online in fp32: the row
-// max is taken on the raw scores (scale > 0) and each exponential is one FFMA and one
-// ex2: p = 2^(s * scale * log2(e) - max * scale * log2(e)).
-#include "common.cuh"
+// flash_attention_kernel (sm_80+), FlashAttention-2 style: one CTA computes BM query rows of one
+// head of one sequence; each warp owns BM / WARPS rows (MT m16 tiles). K/V tiles of BN keys are
+// staged in shared memory with cp.async (two stages: tile j+1 loads while tile j is computed), rows
+// padded by 8 elements so that ldmatrix's eight 16-byte row reads hit distinct banks. S = Q K^T and
+// O += P V run on mma.sync.m16n8k16 (fp32 accumulate).
+//
+// flash_attention_wgmma_kernel (sm_90a, D a multiple of 64): each warpgroup owns 64 query rows and
+// multiplies with wgmma straight from shared memory: S = Q K^T with Q and K as 128-byte-swizzled
+// K-major tiles, O += P V with P from registers and V read transposed (MN-major) from the same
+// swizzled layout; no ldmatrix, no register copies of K or V.
+//
+// Both round P to T before the PV product, as FlashAttention does. Softmax is online in fp32: the
+// row max is taken on the raw scores (scale > 0) and each exponential is one FFMA and one ex2:
+// p = 2^(s * scale * log2(e) - max * scale * log2(e)).
+#include "mma.cuh"
 
 namespace cuinfer {
 namespace fa {
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c += a (16x16, row) * b (16x8, col), fp32 accumulate.
-template <typename T> __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4],
-                                                              unsigned b0, unsigned b1);
-template <> __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const unsigned (&a)[4],
-                                                             unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const unsigned (&a)[4],
-                                                                    unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// What a CTA works on: the BM query rows from m0 of one head of one sequence, and its key range.
+struct Tile {
+  int m0, q_start, q_len, kv_len, offset, kv_head, n_tiles;
+  bool empty;  // no query rows: the CTA returns (uniformly, before any barrier)
+};
+template <int BM, int BN, bool PAGED>
+__device__ __forceinline__ Tile tile_of(const int* cu_seqlens_q, const int* context_lens, int n_heads,
+                                        int n_kv_heads, int causal) {
+  Tile t;
+  const int seq = blockIdx.z;
+  t.m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // x reversed: the heaviest causal blocks start first
+  t.q_start = cu_seqlens_q[seq];
+  t.q_len = cu_seqlens_q[seq + 1] - t.q_start;
+  t.empty = t.m0 >= t.q_len;
+  t.kv_len = PAGED ? context_lens[seq] : t.q_len;
+  t.offset = t.kv_len - t.q_len;  // query i sees keys <= i + offset
+  t.kv_head = blockIdx.y / (n_heads / n_kv_heads);
+  const int n_end = causal ? min(t.kv_len, t.m0 + BM + t.offset) : t.kv_len;
+  t.n_tiles = (n_end + BN - 1) / BN;
+  return t;
 }
 
-// 2^x on the SFU, denormal results flushed to zero (exp2f adds a rescale around MUFU.EX2 for them).
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
+// Element offset of the 16-byte chunk `col` (elements) of key `key` of this CTA's KV head; false
+// past the keys (the chunk is then zero-filled).
+template <int D, bool PAGED>
+__device__ __forceinline__ bool kv_chunk(const Tile& t, int key, int col, const int* table, int block_shift,
+                                         int n_kv_heads, size_t& off) {
+  const bool ok = key < t.kv_len;
+  size_t row = 0;
+  if (ok) {
+    if constexpr (PAGED) row = ((size_t)table[key >> block_shift] << block_shift) + (key & ((1 << block_shift) - 1));
+    else row = (size_t)t.q_start + key;
+  }
+  off = (row * n_kv_heads + t.kv_head) * D + col;
+  return ok;
 }
 
-// Two floats rounded to T and packed into one 32-bit register (lo = a).
-template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
-template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<unsigned*>(&h);
+// One m16 row tile of S (NT n8 tiles, mma.sync C layout: s[4 nt + 2 h + e] is row lane/4 + 8 h, key
+// n0 + 8 nt + 2 (lane % 4) + e) through the online softmax: masks keys past the sequence or (causal)
+// past each query's limit, updates the running max and this thread's part of the row sums, rescales
+// the DT n8 tiles of O, and leaves p in s. qrow0: the tile's first query row in the chunk.
+template <int NT, int DT>
+__device__ __forceinline__ void online_softmax(float (&s)[4 * NT], float (&o)[4 * DT], float (&row_max)[2],
+                                               float (&row_sum)[2], int n0, int qrow0, const Tile& t,
+                                               int causal, float scale_log2, int lane) {
+  const bool masked = n0 + 8 * NT > t.kv_len || (causal && n0 + 8 * NT - 1 > qrow0 + t.offset);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int qrow = qrow0 + lane / 4 + 8 * h;
+    float mx = row_max[h];  // raw (unscaled) scores
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = s[4 * nt + 2 * h + e];
+        const int key = n0 + nt * 8 + 2 * (lane % 4) + e;
+        if (masked && (key >= t.kv_len || (causal && key > qrow + t.offset))) x = Max::identity();
+        s[4 * nt + 2 * h + e] = x;
+        mx = fmaxf(mx, x);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_scaled = mx == Max::identity() ? 0.0f : mx * scale_log2;  // 0: no visible key yet
+    const float alpha = exp2_ftz(fmaf(row_max[h], scale_log2, -m_scaled));
+    row_max[h] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = exp2_ftz(fmaf(s[4 * nt + 2 * h + e], scale_log2, -m_scaled));
+        s[4 * nt + 2 * h + e] = p;
+        sum += p;
+      }
+    row_sum[h] = row_sum[h] * alpha + sum;  // this thread's part of the row; quad-summed at the end
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[4 * dt + 2 * h] *= alpha;
+      o[4 * dt + 2 * h + 1] *= alpha;
+    }
+  }
 }
-template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<unsigned*>(&h);
+
+// The A fragment of k16 step kk of P V: the accumulators of n8 tiles 2kk and 2kk + 1, rounded to T.
+template <typename T, int N>
+__device__ __forceinline__ void p_fragment(const float (&s)[N], int kk, unsigned (&a)[4]) {
+  a[0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
+  a[1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+  a[2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+  a[3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+}
+
+// 1 / (row sum) of rows lane/4 and lane/4 + 8 (0 for a row that saw no key).
+__device__ __forceinline__ void row_inverse(const float (&row_sum)[2], float (&inv)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
+  }
 }
 
 }  // namespace fa
@@ -93,17 +153,9 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   static_assert(MT >= 1 && BM == MT * 16 * WARPS, "BM must be a multiple of 16 * WARPS");
   static_assert(BN % 16 == 0 && D % 16 == 0, "BN and D must be multiples of 16");
 
-  const int seq = blockIdx.z, head = blockIdx.y;
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
-  const int q_start = cu_seqlens_q[seq];
-  const int q_len = cu_seqlens_q[seq + 1] - q_start;
-  if (m0 >= q_len) return;
-  const int kv_len = PAGED ? context_lens[seq] : q_len;
-  const int offset = kv_len - q_len;  // query i sees keys <= i + offset
-  const int kv_head = head / (n_heads / n_kv_heads);
-  const size_t row_stride = (size_t)n_kv_heads * D;
-  const int n_end = causal ? min(kv_len, m0 + BM + offset) : kv_len;
-  const int n_tiles = (n_end + BN - 1) / BN;
+  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
+  if (t.empty) return;
+  const int head = blockIdx.y, m0 = t.m0;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [BM][STRIDE]; reused for the output tile
@@ -113,23 +165,16 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 
   for (int c = tid; c < BM * CHUNKS; c += THREADS) {
     const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-    const bool ok = m0 + r < q_len;
-    const T* src = q + ((size_t)(q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + col;
+    const bool ok = m0 + r < t.q_len;
+    const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + col;
     cp_async16(smem_u32(sQ + r * STRIDE + col), src, ok);
   }
-  const int* table = PAGED ? block_tables + (size_t)seq * max_blocks : nullptr;
-  const int block_mask = (1 << block_shift) - 1;
+  const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
   auto load_kv = [&](int tile, int stage) {
     for (int c = tid; c < BN * CHUNKS; c += THREADS) {
       const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-      const int key = tile * BN + r;
-      const bool ok = key < kv_len;
-      size_t row = 0;
-      if (ok) {
-        if constexpr (PAGED) row = ((size_t)table[key >> block_shift] << block_shift) + (key & block_mask);
-        else row = (size_t)q_start + key;
-      }
-      const size_t off = row * row_stride + (size_t)kv_head * D + col;
+      size_t off;
+      const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r, col, table, block_shift, n_kv_heads, off);
       cp_async16(smem_u32(sK + (stage * BN + r) * STRIDE + col), k + off, ok);
       cp_async16(smem_u32(sV + (stage * BN + r) * STRIDE + col), v + off, ok);
     }
@@ -138,18 +183,18 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   cp_async_commit();
 
   unsigned qf[MT][Q_IN_REGS ? KS : 1][4];
-  float o[MT][DT][4];
+  float o[MT][4 * DT];
   float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.0f;
+    for (int i = 0; i < 4 * DT; ++i) o[mt][i] = 0.0f;
     row_max[mt][0] = row_max[mt][1] = Max::identity();
     row_sum[mt][0] = row_sum[mt][1] = 0.0f;
   }
   const int warp_row0 = m0 + warp * MT * 16;  // first query row (in the chunk) of this warp
 
-  for (int j = 0; j < n_tiles; ++j) {
+  for (int j = 0; j < t.n_tiles; ++j) {
     const int stage = j & 1;
     cp_async_wait_all();
     __syncthreads();  // tile j visible to all; every warp is done with tile j - 1's stage
@@ -162,15 +207,15 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
           ldmatrix_x4(qf[mt][Q_IN_REGS ? ks : 0], smem_u32(sQ + r * STRIDE + col));
         }
     }
-    if (j + 1 < n_tiles) load_kv(j + 1, stage ^ 1);
+    if (j + 1 < t.n_tiles) load_kv(j + 1, stage ^ 1);
     cp_async_commit();
 
     // S = Q K^T for this warp's rows and the BN keys of tile j
-    float s[MT][NT][4];
+    float s[MT][4 * NT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+      for (int i = 0; i < 4 * NT; ++i) s[mt][i] = 0.0f;
     const T* kt = sK + stage * BN * STRIDE;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -192,65 +237,23 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
         ldmatrix_x4(b, smem_u32(kt + key * STRIDE + col));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          mma16816<T>(&s[mt][8 * np], a[mt], b[0], b[1]);
+          mma16816<T>(&s[mt][8 * np + 4], a[mt], b[2], b[3]);
         }
       }
     }
-
-    // mask keys past the sequence or (causal) past each query's limit; online softmax
-    const int n0 = j * BN;
-    const bool masked = n0 + BN > kv_len || (causal && n0 + BN - 1 > warp_row0 + offset);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int qrow = warp_row0 + mt * 16 + lane / 4 + 8 * h;
-        float mx = row_max[mt][h];  // raw (unscaled) scores
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float x = s[mt][nt][2 * h + e];
-            const int key = n0 + nt * 8 + 2 * (lane % 4) + e;
-            if (masked && (key >= kv_len || (causal && key > qrow + offset))) x = Max::identity();
-            s[mt][nt][2 * h + e] = x;
-            mx = fmaxf(mx, x);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_scaled = mx == Max::identity() ? 0.0f : mx * scale_log2;  // 0: no visible key yet
-        const float alpha = exp2_ftz(fmaf(row_max[mt][h], scale_log2, -m_scaled));
-        row_max[mt][h] = mx;
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = exp2_ftz(fmaf(s[mt][nt][2 * h + e], scale_log2, -m_scaled));
-            s[mt][nt][2 * h + e] = p;
-            sum += p;
-          }
-        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;  // this thread's part of the row; quad-summed at the end
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          o[mt][dt][2 * h] *= alpha;
-          o[mt][dt][2 * h + 1] *= alpha;
-        }
-      }
+      online_softmax<NT, DT>(s[mt], o[mt], row_max[mt], row_sum[mt], j * BN, warp_row0 + mt * 16, t, causal,
+                             scale_log2, lane);
 
-    // O += P V: the S accumulators of n8 tiles 2kk, 2kk+1 are the A fragment of k16 step kk
+    // O += P V
     const T* vt = sV + stage * BN * STRIDE;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       unsigned pa[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
+      for (int mt = 0; mt < MT; ++mt) p_fragment<T>(s[mt], kk, pa[mt]);
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         unsigned b[4];
@@ -258,40 +261,152 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
         ldmatrix_x4_trans(b, smem_u32(vt + key * STRIDE + col));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(o[mt][2 * dp], pa[mt], b[0], b[1]);
-          mma16816<T>(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+          mma16816<T>(&o[mt][8 * dp], pa[mt], b[0], b[1]);
+          mma16816<T>(&o[mt][8 * dp + 4], pa[mt], b[2], b[3]);
         }
       }
     }
   }
 
   // normalise, stage this warp's rows in its own part of sQ, store 16-byte rows
-  __syncwarp();  // this warp's last ldmatrix reads of its sQ rows precede the writes below
+  cp_async_wait_all();  // no copy into sQ is left in flight (n_tiles may be 0)
+  __syncwarp();         // this warp's last ldmatrix reads of its sQ rows precede the writes below
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = row_sum[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
-    }
+    row_inverse(row_sum[mt], inv);
     const int r = warp * MT * 16 + mt * 16 + lane / 4;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       const int col = dt * 8 + 2 * (lane % 4);
-      *reinterpret_cast<unsigned*>(sQ + r * STRIDE + col) = pack2<T>(o[mt][dt][0] * inv[0], o[mt][dt][1] * inv[0]);
+      *reinterpret_cast<unsigned*>(sQ + r * STRIDE + col) = pack2<T>(o[mt][4 * dt] * inv[0], o[mt][4 * dt + 1] * inv[0]);
       *reinterpret_cast<unsigned*>(sQ + (r + 8) * STRIDE + col) =
-          pack2<T>(o[mt][dt][2] * inv[1], o[mt][dt][3] * inv[1]);
+          pack2<T>(o[mt][4 * dt + 2] * inv[1], o[mt][4 * dt + 3] * inv[1]);
     }
   }
   __syncwarp();
   for (int c = lane; c < MT * 16 * CHUNKS; c += 32) {
     const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
     const int row = warp_row0 + r;
-    if (row < q_len)
+    if (row < t.q_len)
       Vec<T, 8>::load(sQ + (warp * MT * 16 + r) * STRIDE + col)
-          .store(out + ((size_t)(q_start + row) * n_heads + head) * D + col);
+          .store(out + ((size_t)(t.q_start + row) * n_heads + head) * D + col);
   }
+}
+
+// grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * WG
+//   (WG warpgroups of 64 query rows) · smem: (64 * WG + 4 * BN) * D * sizeof(T) + 1024 (alignment)
+// Arguments, layouts and results as flash_attention_kernel. sm_90a only (wgmma); D % 64 == 0.
+// Shared memory: Q [D/64][64 * WG][64], K and V [2 stages][D/64][BN][64], 128-byte swizzled.
+template <typename T, int D, int BN, int WG, bool PAGED>
+__global__ void __launch_bounds__(128 * WG, 1) flash_attention_wgmma_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
+    const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
+    int n_kv_heads, float scale_log2, int causal) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
+  cuinfer::pdl_trigger();
+  using namespace cuinfer;
+  using namespace cuinfer::fa;
+  constexpr int BM = 64 * WG, THREADS = 128 * WG, CHUNKS = D / 8;
+  constexpr unsigned Q_BLOCK = BM * 128, KV_BLOCK = BN * 128, KV_STAGE = BN * D * 2;  // bytes
+  static_assert(D % 64 == 0 && BN % 16 == 0 && sizeof(T) == 2, "D: multiple of 64; BN: of 16; T: 16-bit");
+
+  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
+  if (t.empty) return;
+  const int head = blockIdx.y, m0 = t.m0;
+
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = smem_u32(smem_raw), sQ = (raw + 1023) & ~1023u;  // swizzle atoms: 1024-aligned
+  const unsigned sK = sQ + BM * D * 2, sV = sK + 2 * KV_STAGE;
+  unsigned char* gQ = smem_raw + (sQ - raw);  // generic pointer to sQ, for the output staging
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  auto at = [](unsigned tile, unsigned block_bytes, int r, int c) {  // chunk c of row r of a tile
+    return tile + (c / 8) * block_bytes + wgmma::swizzle128(r, c % 8);
+  };
+
+  for (int c = tid; c < BM * CHUNKS; c += THREADS) {
+    const int r = c / CHUNKS, ch = c % CHUNKS;
+    const bool ok = m0 + r < t.q_len;
+    const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + ch * 8;
+    cp_async16(at(sQ, Q_BLOCK, r, ch), src, ok);
+  }
+  const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
+  auto load_kv = [&](int tile, int stage) {
+    for (int c = tid; c < BN * CHUNKS; c += THREADS) {
+      const int r = c / CHUNKS, ch = c % CHUNKS;
+      size_t off;
+      const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r, ch * 8, table, block_shift, n_kv_heads, off);
+      cp_async16(at(sK + stage * KV_STAGE, KV_BLOCK, r, ch), k + off, ok);
+      cp_async16(at(sV + stage * KV_STAGE, KV_BLOCK, r, ch), v + off, ok);
+    }
+  };
+  load_kv(0, 0);
+  cp_async_commit();
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  float row_max[2] = {Max::identity(), Max::identity()}, row_sum[2] = {0.0f, 0.0f};
+  const int warp_row0 = m0 + wg * 64 + warp * 16;  // first query row (in the chunk) of this warp
+  const unsigned q_rows = sQ + wg * 64 * 128;      // this warpgroup's 64 rows of each Q column block
+
+  for (int j = 0; j < t.n_tiles; ++j) {
+    const int stage = j & 1;
+    cp_async_wait_all();
+    wgmma::fence_proxy_async();  // this thread's copies, visible to the tensor cores
+    __syncthreads();             // tile j complete; every warpgroup is done with tile j - 1's stage
+    if (j + 1 < t.n_tiles) load_kv(j + 1, stage ^ 1);
+    cp_async_commit();
+
+    // S = Q K^T: 64 rows x BN keys per warpgroup, D / 16 k-steps
+    float s[BN / 2];
+    const unsigned kt = sK + stage * KV_STAGE;
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      wgmma::mma_ss<BN, T>(s, wgmma::desc128(q_rows + (ks / 4) * Q_BLOCK + (ks % 4) * 32, 16, 1024),
+                           wgmma::desc128(kt + (ks / 4) * KV_BLOCK + (ks % 4) * 32, 16, 1024), ks);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(s);
+
+    online_softmax<BN / 8, D / 8>(s, o, row_max, row_sum, j * BN, warp_row0, t, causal, scale_log2, lane);
+
+    // O += P V: P from registers, V [keys][D] as the transposed B, k16 steps of 16 keys
+    const unsigned vt = sV + stage * KV_STAGE;
+    unsigned p[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
+    wgmma::fence_regs(o);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma::mma_rs<D, T>(o, p[kk], wgmma::desc128(vt + kk * 16 * 128, KV_BLOCK, 1024));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(o);
+  }
+
+  // normalise; stage this warpgroup's rows in its own rows of sQ (same swizzle), store 16-byte rows
+  cp_async_wait_all();  // no copy into sQ is left in flight (n_tiles may be 0)
+  float inv[2];
+  row_inverse(row_sum, inv);
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;
+      *reinterpret_cast<unsigned*>(gQ + (at(0, Q_BLOCK, r, dt) + 4 * (lane % 4))) =
+          pack2<T>(o[4 * dt + 2 * h] * inv[h], o[4 * dt + 2 * h + 1] * inv[h]);
+    }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's staging is complete
+  for (int c = tid % 128; c < 64 * CHUNKS; c += 128) {
+    const int r = c / CHUNKS, ch = c % CHUNKS, row = m0 + wg * 64 + r;
+    if (row < t.q_len)
+      *reinterpret_cast<uint4*>(out + ((size_t)(t.q_start + row) * n_heads + head) * D + ch * 8) =
+          *reinterpret_cast<const uint4*>(gQ + at(0, Q_BLOCK, wg * 64 + r, ch));
+  }
+#endif
 }

@@ -203,8 +203,11 @@ def nvrtc_version() -> tuple:
 
 def compile_options(arch: str, pdl: bool = False) -> list:
     """NVRTC options; pdl compiles the programmatic-dependent-launch waits and triggers in
-    (CUINFER_PDL in common.cuh), for kernels that `launch` starts with the PDL attribute."""
-    return ["-std=c++17", f"-arch={arch}", "-lineinfo", f"-I{source_dir()}",
+    (CUINFER_PDL in common.cuh), for kernels that `launch` starts with the PDL attribute.
+    sm_90 builds for sm_90a, Hopper's arch-specific target (wgmma; a cubin that runs on every
+    compute capability 9.0 device)."""
+    target = "sm_90a" if arch == "sm_90" else arch
+    return ["-std=c++17", f"-arch={target}", "-lineinfo", f"-I{source_dir()}",
             f"-I{cuda_include_dir()}"] + (["-DCUINFER_PDL=1"] if pdl else [])
 
 

@@ -39,6 +39,7 @@ def add_arguments(parser):
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--sweep", action="store_true", help="decode split / rows-in-flight and prefill tile variants")
     parser.add_argument("--no-prefill", action="store_true", help="decode and write_kv rows only")
+    parser.add_argument("--no-decode", action="store_true", help="prefill rows only")
 
 
 def _sdpa(torch, b, s, d, causal, kv_len=None):
@@ -93,8 +94,12 @@ def prefill_rows(cp, torch, tokens, seq_lens):
     return rows
 
 
-def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=((128, 32, 4), (128, 64, 8), (64, 64, 4))):
-    """--sweep: d=128 prefill at 4x4096 with other (BLOCK_M, BLOCK_N, warps) tiles, direct launches."""
+SWEEP_TILES = (("mma", 64, 64, 4), ("mma", 128, 32, 4), ("wgmma", 128, 128, 8), ("wgmma", 128, 64, 8))
+
+
+def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=SWEEP_TILES):
+    """--sweep: d=128 prefill at 4x4096 with other (kernel, BLOCK_M, BLOCK_N, warps) tiles, direct
+    launches (wgmma tiles on sm_90 only)."""
     b = tokens // s
     q = cp.random.standard_normal((b * s, N_HEADS, d), dtype=cp.float32).astype(cp.float16)
     k = cp.random.standard_normal((b * s, N_KV, d), dtype=cp.float32).astype(cp.float16)
@@ -102,7 +107,10 @@ def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=((128, 32, 4), (128
     cu = cp.arange(0, b * s + 1, s, dtype=cp.int32)
     out = cp.empty_like(q)
     rows = []
+    arch = int(runtime.device_info()["arch"][3:])
     for tile in tiles:
+        if tile[0] == "wgmma" and arch != 90:
+            continue
         for causal in (True, False):
             call = functools.partial(launch_kernel, q, k, v, out, cu, None, None, 0, b, s, d ** -0.5, causal, tile)
             rows.append({"name": f"  prefill{' causal' if causal else ''} tile {'x'.join(map(str, tile))}",
@@ -161,8 +169,10 @@ def run(args):
     cp = runtime.require_cupy()
     torch = bench.torch_or_none()
     seq_lens = (2048,) if args.quick else (512, 2048, 4096, 16384)
-    rows = decode_rows(cp, torch, ((1, 32768), (16, 4096), (64, 1024)), args.sweep)
-    rows += write_kv_rows(cp)
+    rows = []
+    if not args.no_decode:
+        rows += decode_rows(cp, torch, ((1, 32768), (16, 4096), (64, 1024)), args.sweep)
+        rows += write_kv_rows(cp)
     if not args.no_prefill:
         rows += prefill_rows(cp, torch, args.tokens, seq_lens)
         if args.sweep:

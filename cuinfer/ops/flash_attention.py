@@ -8,9 +8,10 @@ flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     are its last q_len_i positions and attend causally to keys 0 .. context_len - q_len + j.
 
 numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
-cuda_src/flash_attention.cu: FlashAttention-2 forward with mma.sync m16n8k16, ldmatrix,
-cp.async double-buffered K/V tiles, online softmax in fp32. GQA is native: the kernel
-maps query head h to KV head h // (n_heads // n_kv_heads).
+cuda_src/flash_attention.cu: FlashAttention-2 forward with cp.async double-buffered K/V
+tiles and online softmax in fp32, on wgmma (sm_90, head_dim 64 / 128 / 256) or mma.sync
+m16n8k16 with ldmatrix (the rest). GQA is native: the kernel maps query head h to KV
+head h // (n_heads // n_kv_heads).
 
 The launcher needs the longest query chunk to size the grid; pass `max_seqlen_q` to
 avoid reading cu_seqlens back to the host (a device sync).
@@ -29,31 +30,45 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 LOG2E = 1.4426950408889634
 
 
-def tile_config(head_dim: int) -> tuple:
-    """(BLOCK_M, BLOCK_N, warps) per head dim, O and S accumulators in registers without spills
-    (ptxas -v, sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q re-read from shared
-    memory). d=128, H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240, 128x32x4 228 / 241
-    (24 B spill since the FFMA softmax), 128x64x8 222 / 234."""
+WGMMA_HEAD_DIMS = (64, 128, 256)  # multiples of 64: whole 128-byte swizzle blocks
+
+
+def tile_config(head_dim: int, arch: int = 80) -> tuple:
+    """(kernel, BLOCK_M, BLOCK_N, warps) for a head dim on compute capability `arch` (90 for sm_90).
+
+    "wgmma" (sm_90, head_dim 64 / 128 / 256): flash_attention_wgmma_kernel, 64 query rows per
+    warpgroup, two warpgroups. "mma" (mma.sync) otherwise: O and S accumulators in registers
+    without spills (ptxas -v, sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q
+    re-read from shared memory). d=128, H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240,
+    128x32x4 228 / 241 (24 B spill since the FFMA softmax), 128x64x8 222 / 234."""
+    if arch >= 90 and arch < 100 and head_dim in WGMMA_HEAD_DIMS:
+        return ("wgmma", 128, 64 if head_dim > 128 else 128, 8)
     if head_dim <= 64:
-        return 128, 64, 4  # 2 m16 tiles per warp
+        return ("mma", 128, 64, 4)  # 2 m16 tiles per warp
     if head_dim <= 128:
-        return 64, 64, 4
-    return 64, 32, 4
+        return ("mma", 64, 64, 4)
+    return ("mma", 64, 32, 4)
 
 
-def instantiation(dtype, head_dim: int, paged: bool, tile=None) -> str:
-    bm, bn, warps = tile or tile_config(head_dim)
-    return (f"flash_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {bm}, {bn}, {warps}, "
-            f"{'true' if paged else 'false'}>")
+def instantiation(dtype, head_dim: int, paged: bool, tile) -> str:
+    kind, bm, bn, warps = tile
+    t, p = runtime.ctype(dtype), "true" if paged else "false"
+    if kind == "wgmma":
+        return f"flash_attention_wgmma_kernel<{t}, {head_dim}, {bn}, {warps // 4}, {p}>"
+    return f"flash_attention_kernel<{t}, {head_dim}, {bm}, {bn}, {warps}, {p}>"
 
 
-INSTANTIATIONS = [instantiation(dt, d, p) for dt in (np.float16, runtime.bfloat16)
-                  for d in HEAD_DIMS for p in (False, True)]
+INSTANTIATIONS = [instantiation(dt, d, p, tile_config(d, arch)) for dt in (np.float16, runtime.bfloat16)
+                  for p in (False, True) for arch in (80, 90) for d in HEAD_DIMS
+                  if arch == 80 or d in WGMMA_HEAD_DIMS]
 
 
-def smem_bytes(head_dim: int, itemsize: int = 2, tile=None) -> int:
-    """Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes)."""
-    bm, bn, _ = tile or tile_config(head_dim)
+def smem_bytes(head_dim: int, tile, itemsize: int = 2) -> int:
+    """Q tile + 2 stages of K and V tiles: mma rows padded by 8 elements (16 bytes); wgmma rows
+    swizzled in place, plus 1 KB to align the swizzle atoms."""
+    kind, bm, bn, _ = tile
+    if kind == "wgmma":
+        return (bm + 4 * bn) * head_dim * itemsize + 1024
     return (bm + 4 * bn) * (head_dim + 8) * itemsize
 
 
@@ -136,13 +151,20 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     return out
 
 
+def device_tile(head_dim: int) -> tuple:
+    """tile_config for the current device."""
+    return tile_config(head_dim, int(runtime.device_info()["arch"][3:]))
+
+
 def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
                   scale, causal, tile=None):
-    """Launch on checked arguments; `tile` (BLOCK_M, BLOCK_N, warps) overrides tile_config (bench sweeps)."""
+    """Launch on checked arguments; `tile` (kernel, BLOCK_M, BLOCK_N, warps) overrides device_tile
+    (tests of both kernels, bench sweeps)."""
     paged = block_tables is not None
     n_heads, d = q.shape[1], q.shape[2]
     n_kv = k.shape[-2]
-    bm, _, warps = tile or tile_config(d)
+    tile = tile or device_tile(d)
+    _, bm, _, warps = tile
     kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged, tile))
     if paged:
         extra = (context_lens, block_tables, np.int32(block_tables.shape[1]),
@@ -152,4 +174,4 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     grid = (-(-max_seqlen_q // bm), n_heads, num_seqs)
     args = (q, k, v, out, cu_q) + extra + (np.int32(n_heads), np.int32(n_kv),
                                            np.float32(scale * LOG2E), np.int32(bool(causal)))
-    runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, q.dtype.itemsize, tile))
+    runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, tile, q.dtype.itemsize))

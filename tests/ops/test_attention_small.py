@@ -2,7 +2,7 @@
 
 Small enough to run under compute-sanitizer (memcheck, racecheck) in a minute or two:
     compute-sanitizer --tool racecheck python -m pytest -q tests/ops/test_attention_small.py
-Shapes cover a partial last tile, a partial last KV block, GQA, an empty sequence and, for
+Shapes cover a partial last tile, several K/V tiles, a partial last KV block, GQA, an empty sequence and, for
 decode, both the single-pass and the split + merge paths.
 """
 import numpy as np
@@ -29,8 +29,8 @@ def _rand(rng, shape, dtype):
 @pytest.mark.parametrize(("d", "dtype"), CASES)
 def test_flash_attention_small(cp, d, dtype, causal):
     rng = np.random.default_rng(d)
-    cu = np.array([0, 1, 1, 71], np.int32)  # lengths 1, 0, 70
-    q, k, v = _rand(rng, (71, 4, d), dtype), _rand(rng, (71, 1, d), dtype), _rand(rng, (71, 1, d), dtype)
+    cu = np.array([0, 1, 1, 71, 371], np.int32)  # lengths 1, 0, 70, 300 (several K/V tiles: both stages)
+    q, k, v = _rand(rng, (371, 4, d), dtype), _rand(rng, (371, 1, d), dtype), _rand(rng, (371, 1, d), dtype)
     out = poison(cp, q.shape, dtype)
     flash_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu), causal, out=out)
     assert_close(out, varlen_attention(q, k, v, cu, causal), dtype)
@@ -40,7 +40,7 @@ def test_flash_attention_small(cp, d, dtype, causal):
 @pytest.mark.parametrize(("d", "dtype"), CASES)
 def test_flash_attention_paged_small(cp, d, dtype):
     rng = np.random.default_rng(d + 1)
-    ctx, q_lens = np.array([17, 90], np.int32), np.array([1, 40], np.int32)
+    ctx, q_lens = np.array([17, 90, 333], np.int32), np.array([1, 40, 150], np.int32)
     cu_kv = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
     k, v = _rand(rng, (cu_kv[-1], 2, d), dtype), _rand(rng, (cu_kv[-1], 2, d), dtype)
     tables, k_cache, v_cache = scatter_paged(rng, cu_kv, 16, k, v)

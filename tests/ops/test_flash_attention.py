@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from cuinfer import runtime
 from cuinfer.ops.attention_ref import causal_attention, paged_prefix_attention, varlen_attention
-from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged
+from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged, launch_kernel, tile_config
 from tests.conftest import assert_close, poison
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
@@ -125,16 +125,31 @@ def _rand(cp, rng, shape, dtype, mag=1.0):
     return x, cp.asarray(x)
 
 
+def run_contiguous(cp, kernel, q, k, v, cu, causal, out):
+    """flash_attention with the device's kernel (kernel None) or the sm_80 one ("mma", on any device)."""
+    if kernel is None:
+        return flash_attention(q, k, v, cp.asarray(cu), causal, out=out)
+    d = q.shape[-1]
+    launch_kernel(q, k, v, out, cp.asarray(cu), None, None, 0, len(cu) - 1, int(np.diff(cu).max()), d ** -0.5,
+                  causal, tile_config(d, 80))
+
+
+# None: the kernel the device gets (wgmma on sm_90 for head_dim 64 / 128 / 256); "mma": the mma.sync
+# kernel, which other devices and head dims get, tested on every device.
+KERNELS = pytest.mark.parametrize("kernel", [None, "mma"])
+
+
 seq_len = st.one_of(st.sampled_from([0, 1, 2, 15, 16, 17, 63, 64, 65, 111, 127, 128, 129, 989]),
                     st.integers(1, 700))
 
 
 @pytest.mark.gpu
+@KERNELS
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(seq_len, min_size=1, max_size=5), ratio=st.sampled_from([1, 3, 4, 7, 8]),
        n_kv=st.sampled_from([1, 2]), d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES),
        causal=st.booleans(), mag=st.sampled_from([0.5, 1.0, 4.0]), seed=st.integers(0, 2**31))
-def test_flash_attention_kernel(cp, lens, ratio, n_kv, d, dtype, causal, mag, seed):
+def test_flash_attention_kernel(cp, kernel, lens, ratio, n_kv, d, dtype, causal, mag, seed):
     rng = np.random.default_rng(seed)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t = int(cu[-1])
@@ -142,30 +157,32 @@ def test_flash_attention_kernel(cp, lens, ratio, n_kv, d, dtype, causal, mag, se
     k, k_d = _rand(cp, rng, (t, n_kv, d), dtype)
     v, v_d = _rand(cp, rng, (t, n_kv, d), dtype)
     out = poison(cp, q.shape, dtype)
-    flash_attention(q_d, k_d, v_d, cp.asarray(cu), causal, out=out)
+    run_contiguous(cp, kernel, q_d, k_d, v_d, cu, causal, out)
     assert_close(out, varlen_attention(q, k, v, cu, causal), dtype)
 
 
 @pytest.mark.gpu
+@KERNELS
 @pytest.mark.parametrize("s,d,dtype", [(8191, 128, np.float16), (8193, 64, runtime.bfloat16),
                                        (4097, 256, np.float16)])
-def test_flash_attention_long(cp, s, d, dtype):
+def test_flash_attention_long(cp, kernel, s, d, dtype):
     rng = np.random.default_rng(s)
     q, q_d = _rand(cp, rng, (s, 2, d), dtype)
     k, k_d = _rand(cp, rng, (s, 1, d), dtype)
     v, v_d = _rand(cp, rng, (s, 1, d), dtype)
     cu = np.array([0, s], np.int32)
     out = poison(cp, q.shape, dtype)
-    flash_attention(q_d, k_d, v_d, cp.asarray(cu), True, out=out)
+    run_contiguous(cp, kernel, q_d, k_d, v_d, cu, True, out)
     assert_close(out, varlen_attention(q, k, v, cu, True), dtype)
 
 
 @pytest.mark.gpu
+@KERNELS
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ctx=st.lists(seq_len, min_size=1, max_size=4), data=st.data(), ratio=st.sampled_from([1, 4, 7, 8]),
        d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
        seed=st.integers(0, 2**31))
-def test_flash_attention_paged_kernel(cp, ctx, data, ratio, d, dtype, block_size, seed):
+def test_flash_attention_paged_kernel(cp, kernel, ctx, data, ratio, d, dtype, block_size, seed):
     rng = np.random.default_rng(seed)
     q_lens = [data.draw(st.sampled_from(sorted({0, 1, min(n, 3), n, n // 2}))) for n in ctx]
     cu_kv = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
@@ -176,8 +193,12 @@ def test_flash_attention_paged_kernel(cp, ctx, data, ratio, d, dtype, block_size
     q, q_d = _rand(cp, rng, (int(cu_q[-1]), 2 * ratio, d), dtype)
     lens = np.array(ctx, np.int32)
     out = poison(cp, q.shape, dtype)
-    flash_attention_paged(q_d, cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
-                          cp.asarray(cu_q), cp.asarray(lens), out=out)
+    args = (q_d, cp.asarray(k_cache), cp.asarray(v_cache))
+    if kernel is None:
+        flash_attention_paged(*args, cp.asarray(tables), cp.asarray(cu_q), cp.asarray(lens), out=out)
+    else:
+        launch_kernel(*args, out, cp.asarray(cu_q), cp.asarray(lens), cp.asarray(tables), block_size, len(ctx),
+                      max(q_lens), d ** -0.5, True, tile_config(d, 80))
     assert_close(out, paged_prefix_attention(q, k_cache, v_cache, tables, cu_q, lens), dtype)
 
 

@@ -1,0 +1,159 @@
+// Tensor-core helpers: mma.sync m16n8k16 and ldmatrix (sm_80+), and wgmma (sm_90a) with its
+// shared-memory descriptors. Included by the families that multiply tiles (flash_attention).
+#pragma once
+#include "common.cuh"
+
+namespace cuinfer {
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a (16x16, row) * b (16x8, col), fp32 accumulate.
+// c: 4 consecutive accumulators (the C fragment of one n8 tile).
+template <typename T> __device__ __forceinline__ void mma16816(float* c, const unsigned (&a)[4], unsigned b0,
+                                                              unsigned b1);
+template <> __device__ __forceinline__ void mma16816<__half>(float* c, const unsigned (&a)[4], unsigned b0,
+                                                             unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const unsigned (&a)[4], unsigned b0,
+                                                                    unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x on the SFU, denormal results flushed to zero (exp2f adds a rescale around MUFU.EX2 for them).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats rounded to T and packed into one 32-bit register (lo = a).
+template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// ------------------------------------------------------------------ wgmma (sm_90a only)
+// A warpgroup (4 consecutive warps, the first one's index a multiple of 4) multiplies a 64-row A by
+// a K=16 x N B held in shared memory. The fp32 accumulator d[N/2] of thread t holds, for the warp
+// w = t/32 and its lane l, rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1): d[4j + 0, 1] row l/4,
+// d[4j + 2, 3] row l/4 + 8, the mma.sync m16n8 C layout repeated over the n8 tiles j.
+//
+// Operand tiles in shared memory use the 128-byte swizzle: a tile of R rows x 64 columns (16-bit)
+// is R rows of 128 bytes, the 16-byte chunk c of row r stored at chunk c ^ (r % 8); wider tiles are
+// several such column blocks one after another. Every block starts 1024-byte aligned.
+namespace wgmma {
+
+template <typename T> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<__half> { static constexpr bool value = true; };
+
+__device__ __forceinline__ unsigned swizzle128(int row, int chunk) {  // byte offset in a column block
+  return row * 128 + ((chunk ^ (row & 7)) << 4);
+}
+// Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride byte
+// offsets (16-byte units), layout 1 = 128-byte swizzle. K-major operand: sbo = 1024 (the next 8
+// rows), lbo unused; the k16 steps inside a column block start 32 bytes apart. MN-major operand
+// (transposed B): lbo = the byte distance between 64-column blocks, sbo = 1024 (the next 8 k rows).
+__device__ __forceinline__ unsigned long long desc128(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((addr & 0x3ffff) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler's reads and writes of accumulator registers on their side of fence / wait.
+template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Shared memory written by ordinary stores or cp.async, read next by wgmma (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#define CUINFER_ACC32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+  "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUINFER_ACC64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+  "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+  "%59, %60, %61, %62, %63}"
+#define CUINFER_ACC128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+  "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
+  "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
+  "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, " \
+  "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, " \
+  "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define CUINFER_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define CUINFER_F16(d, i) CUINFER_F4(d, i), CUINFER_F4(d, i + 4), CUINFER_F4(d, i + 8), CUINFER_F4(d, i + 12)
+#define CUINFER_F32(d) CUINFER_F16(d, 0), CUINFER_F16(d, 16)
+#define CUINFER_F64(d) CUINFER_F32(d), CUINFER_F16(d, 32), CUINFER_F16(d, 48)
+#define CUINFER_F128(d) CUINFER_F64(d), CUINFER_F16(d, 64), CUINFER_F16(d, 80), CUINFER_F16(d, 96), CUINFER_F16(d, 112)
+// A from shared memory (descriptor a), B from shared memory, K-major. %S = first input operand.
+#define CUINFER_WGMMA_SS(N, TY, ACC, OPS, A, B, S)                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " ACC ", %" A ", %" B     \
+               ", p, 1, 1, 0, 0;\n}\n"                                                                  \
+               : OPS : "l"(a), "l"(b), "r"(scale_d))
+// A from registers (the mma.sync A fragment of each warp's 16 rows), B from shared memory, MN-major.
+#define CUINFER_WGMMA_RS(N, TY, ACC, OPS, A, B, S)                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " ACC ", " A ", %" B       \
+               ", p, 1, 1, 1;\n}\n"                                                                  \
+               : OPS : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
+
+// d (64 x N) = (scale_d ? d : 0) + A (64 x 16, K-major, descriptor a) * B (16 x N, K-major, descriptor b)
+template <int N, typename T>
+__device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int scale_d) {
+  constexpr bool H = is_half<T>::value;
+  if constexpr (N == 64) {
+    if constexpr (H) CUINFER_WGMMA_SS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
+    else CUINFER_WGMMA_SS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
+  } else {
+    static_assert(N == 128, "mma_ss: N is 64 or 128");
+    if constexpr (H) CUINFER_WGMMA_SS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
+    else CUINFER_WGMMA_SS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
+  }
+}
+// d (64 x N) += A (64 x 16, registers a) * B (16 x N, MN-major: row k of B is 16-bit row k of the tile)
+template <int N, typename T>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b) {
+  constexpr bool H = is_half<T>::value;
+  const int scale_d = 1;
+  if constexpr (N == 64) {
+    if constexpr (H) CUINFER_WGMMA_RS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37");
+    else CUINFER_WGMMA_RS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37");
+  } else if constexpr (N == 128) {
+    if constexpr (H) CUINFER_WGMMA_RS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69");
+    else CUINFER_WGMMA_RS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69");
+  } else {
+    static_assert(N == 256, "mma_rs: N is 64, 128 or 256");
+    if constexpr (H) CUINFER_WGMMA_RS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133");
+    else CUINFER_WGMMA_RS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133");
+  }
+}
+
+}  // namespace wgmma
+}  // namespace cuinfer
