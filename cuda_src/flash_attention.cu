@@ -58,48 +58,57 @@ __device__ __forceinline__ bool kv_chunk(const Tile& t, int key, int col, const 
 
 // One m16 row tile of S (NT n8 tiles, mma.sync C layout: s[4 nt + 2 h + e] is row lane/4 + 8 h, key
 // n0 + 8 nt + 2 (lane % 4) + e) through the online softmax: masks keys past the sequence or (causal)
-// past each query's limit, updates the running max and this thread's part of the row sums, rescales
-// the DT n8 tiles of O, and leaves p in s. qrow0: the tile's first query row in the chunk.
-template <int NT, int DT>
-__device__ __forceinline__ void online_softmax(float (&s)[4 * NT], float (&o)[4 * DT], float (&row_max)[2],
-                                               float (&row_sum)[2], int n0, int qrow0, const Tile& t,
-                                               int causal, float scale_log2, int lane) {
+// past each query's limit, updates the running max and this thread's part of the row sums, leaves p
+// in s and in alpha the factor by which O must be rescaled (rescale()). qrow0: the tile's first query
+// row in the chunk.
+template <int NT>
+__device__ __forceinline__ void online_softmax(float (&s)[4 * NT], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&alpha)[2], int n0, int qrow0, const Tile& t, int causal,
+                                               float scale_log2, int lane) {
   const bool masked = n0 + 8 * NT > t.kv_len || (causal && n0 + 8 * NT - 1 > qrow0 + t.offset);
+  if (masked) {  // tiles at the sequence end or across the diagonal only
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) {
+      const int key = n0 + (i / 4) * 8 + 2 * (lane % 4) + i % 2, qrow = qrow0 + lane / 4 + 8 * ((i / 2) % 2);
+      if (key >= t.kv_len || (causal && key > qrow + t.offset)) s[i] = Max::identity();
+    }
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int qrow = qrow0 + lane / 4 + 8 * h;
-    float mx = row_max[h];  // raw (unscaled) scores
+    // raw (unscaled) row max: a tree over the n8 tiles, not a chain of 2 NT dependent steps
+    float m[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt) m[nt] = fmaxf(s[4 * nt + 2 * h], s[4 * nt + 2 * h + 1]);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float x = s[4 * nt + 2 * h + e];
-        const int key = n0 + nt * 8 + 2 * (lane % 4) + e;
-        if (masked && (key >= t.kv_len || (causal && key > qrow + t.offset))) x = Max::identity();
-        s[4 * nt + 2 * h + e] = x;
-        mx = fmaxf(mx, x);
-      }
+    for (int w = 1; w < NT; w *= 2)
+#pragma unroll
+      for (int nt = 0; nt + w < NT; nt += 2 * w) m[nt] = fmaxf(m[nt], m[nt + w]);
+    float mx = fmaxf(row_max[h], m[0]);
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_scaled = mx == Max::identity() ? 0.0f : mx * scale_log2;  // 0: no visible key yet
-    const float alpha = exp2_ftz(fmaf(row_max[h], scale_log2, -m_scaled));
+    alpha[h] = exp2_ftz(fmaf(row_max[h], scale_log2, -m_scaled));
     row_max[h] = mx;
-    float sum = 0.0f;
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four independent sum chains
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float p = exp2_ftz(fmaf(s[4 * nt + 2 * h + e], scale_log2, -m_scaled));
         s[4 * nt + 2 * h + e] = p;
-        sum += p;
+        part[(2 * nt + e) % 4] += p;
       }
-    row_sum[h] = row_sum[h] * alpha + sum;  // this thread's part of the row; quad-summed at the end
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      o[4 * dt + 2 * h] *= alpha;
-      o[4 * dt + 2 * h + 1] *= alpha;
-    }
+    const float sum = (part[0] + part[1]) + (part[2] + part[3]);
+    row_sum[h] = row_sum[h] * alpha[h] + sum;  // this thread's part of the row; quad-summed at the end
   }
+}
+
+// O (DT n8 tiles, the same rows as S) times online_softmax's alpha.
+template <int DT> __device__ __forceinline__ void rescale(float (&o)[4 * DT], const float (&alpha)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[4 * dt + e] *= alpha[e / 2];
 }
 
 // The A fragment of k16 step kk of P V: the accumulators of n8 tiles 2kk and 2kk + 1, rounded to T.
@@ -243,9 +252,12 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
       }
     }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      online_softmax<NT, DT>(s[mt], o[mt], row_max[mt], row_sum[mt], j * BN, warp_row0 + mt * 16, t, causal,
-                             scale_log2, lane);
+    for (int mt = 0; mt < MT; ++mt) {
+      float alpha[2];
+      online_softmax<NT>(s[mt], row_max[mt], row_sum[mt], alpha, j * BN, warp_row0 + mt * 16, t, causal,
+                         scale_log2, lane);
+      rescale<DT>(o[mt], alpha);
+    }
 
     // O += P V
     const T* vt = sV + stage * BN * STRIDE;
@@ -295,9 +307,12 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 }
 
 // grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * WG
-//   (WG warpgroups of 64 query rows) · smem: (64 * WG + 4 * BN) * D * sizeof(T) + 1024 (alignment)
+//   (WG warpgroups of 64 query rows) · smem: (64 * WG + 5 * BN) * D * sizeof(T) + 1024 (alignment)
 // Arguments, layouts and results as flash_attention_kernel. sm_90a only (wgmma); D % 64 == 0.
-// Shared memory: Q [D/64][64 * WG][64], K and V [2 stages][D/64][BN][64], 128-byte swizzled.
+// Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64], K [2][D/64][BN][64], V [3][D/64][BN][64].
+// Iteration j issues S = Q K_{j+1}^T and O += P_j V_j back to back, so that the softmax of S_{j+1}
+// runs while the tensor cores multiply P_j V_j; tile j + 2 streams in meanwhile. K tile j + 1 and V
+// tile j are in use, so K needs two stages and V three.
 template <typename T, int D, int BN, int WG, bool PAGED>
 __global__ void __launch_bounds__(128 * WG, 1) flash_attention_wgmma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
@@ -333,58 +348,84 @@ __global__ void __launch_bounds__(128 * WG, 1) flash_attention_wgmma_kernel(
     cp_async16(at(sQ, Q_BLOCK, r, ch), src, ok);
   }
   const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
-  auto load_kv = [&](int tile, int stage) {
-    for (int c = tid; c < BN * CHUNKS; c += THREADS) {
-      const int r = c / CHUNKS, ch = c % CHUNKS;
-      size_t off;
-      const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r, ch * 8, table, block_shift, n_kv_heads, off);
-      cp_async16(at(sK + stage * KV_STAGE, KV_BLOCK, r, ch), k + off, ok);
-      cp_async16(at(sV + stage * KV_STAGE, KV_BLOCK, r, ch), v + off, ok);
-    }
-  };
-  load_kv(0, 0);
-  cp_async_commit();
-
-  float o[D / 2];
+  // Each thread copies chunk ch of rows r0, r0 + RSTEP, ...: one swizzled offset serves them all.
+  constexpr int RSTEP = THREADS / CHUNKS;
+  static_assert(THREADS % CHUNKS == 0 && RSTEP % 8 == 0 && BN % RSTEP == 0, "K/V copy: whole 8-row groups");
+  const int ch = tid % CHUNKS, r0 = tid / CHUNKS;
+  const unsigned kv_off = at(0, KV_BLOCK, r0, ch);
+  auto load_kv = [&](int tile) {  // K tile -> stage tile % 2, V tile -> stage tile % 3; one commit group
+    if (tile < t.n_tiles) {
+      const unsigned ks = sK + (tile % 2) * KV_STAGE + kv_off, vs = sV + (tile % 3) * KV_STAGE + kv_off;
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  float row_max[2] = {Max::identity(), Max::identity()}, row_sum[2] = {0.0f, 0.0f};
+      for (int i = 0; i < BN / RSTEP; ++i) {
+        size_t off;
+        const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r0 + i * RSTEP, ch * 8, table, block_shift, n_kv_heads, off);
+        cp_async16(ks + i * RSTEP * 128, k + off, ok);
+        cp_async16(vs + i * RSTEP * 128, v + off, ok);
+      }
+    }
+    cp_async_commit();
+  };
   const int warp_row0 = m0 + wg * 64 + warp * 16;  // first query row (in the chunk) of this warp
   const unsigned q_rows = sQ + wg * 64 * 128;      // this warpgroup's 64 rows of each Q column block
-
-  for (int j = 0; j < t.n_tiles; ++j) {
-    const int stage = j & 1;
-    cp_async_wait_all();
-    wgmma::fence_proxy_async();  // this thread's copies, visible to the tensor cores
-    __syncthreads();             // tile j complete; every warpgroup is done with tile j - 1's stage
-    if (j + 1 < t.n_tiles) load_kv(j + 1, stage ^ 1);
-    cp_async_commit();
-
-    // S = Q K^T: 64 rows x BN keys per warpgroup, D / 16 k-steps
-    float s[BN / 2];
-    const unsigned kt = sK + stage * KV_STAGE;
-    wgmma::fence();
+  float s[BN / 2], alpha[2];
+  auto issue_s = [&](int tile) {  // S = Q K_tile^T: 64 rows x BN keys per warpgroup, D / 16 k-steps
+    const unsigned kt = sK + (tile % 2) * KV_STAGE;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
       wgmma::mma_ss<BN, T>(s, wgmma::desc128(q_rows + (ks / 4) * Q_BLOCK + (ks % 4) * 32, 16, 1024),
                            wgmma::desc128(kt + (ks / 4) * KV_BLOCK + (ks % 4) * 32, 16, 1024), ks);
     wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(s);
+  };
 
-    online_softmax<BN / 8, D / 8>(s, o, row_max, row_sum, j * BN, warp_row0, t, causal, scale_log2, lane);
-
-    // O += P V: P from registers, V [keys][D] as the transposed B, k16 steps of 16 keys
-    const unsigned vt = sV + stage * KV_STAGE;
-    unsigned p[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
-    wgmma::fence_regs(o);
-    wgmma::fence();
+  float o[D / 2];
+  auto issue_pv = [&](const unsigned (&p)[BN / 16][4], int tile) {  // O += P V_tile, V as the transposed B
+    const unsigned vt = sV + (tile % 3) * KV_STAGE;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       wgmma::mma_rs<D, T>(o, p[kk], wgmma::desc128(vt + kk * 16 * 128, KV_BLOCK, 1024));
     wgmma::commit();
+  };
+
+  load_kv(0);
+  load_kv(1);
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  float row_max[2] = {Max::identity(), Max::identity()}, row_sum[2] = {0.0f, 0.0f};
+  if (t.n_tiles > 0) {
+    cp_async_wait_all();
+    wgmma::fence_proxy_async();  // this thread's copies, visible to the tensor cores
+    __syncthreads();             // Q and tiles 0, 1 complete
+    wgmma::fence();
+    issue_s(0);
+    wgmma::wait<0>();
+    wgmma::fence_regs(s);
+    online_softmax<BN / 8>(s, row_max, row_sum, alpha, 0, warp_row0, t, causal, scale_log2, lane);
+    unsigned p[BN / 16][4];  // P of the tile whose P V is next
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
+
+    for (int j = 0; j + 1 < t.n_tiles; ++j) {
+      cp_async_wait_all();
+      wgmma::fence_proxy_async();
+      __syncthreads();  // tile j + 1 complete; both warpgroups are done with K_j (S_j) and V_{j-1}
+      load_kv(j + 2);   // into the stages of K_j and V_{j-1}
+      wgmma::fence_regs(o);
+      wgmma::fence();
+      issue_s(j + 1);
+      issue_pv(p, j);
+      wgmma::wait<1>();  // S_{j+1} done: its softmax runs while P_j V_j is multiplied
+      wgmma::fence_regs(s);
+      online_softmax<BN / 8>(s, row_max, row_sum, alpha, (j + 1) * BN, warp_row0, t, causal, scale_log2, lane);
+      wgmma::wait<0>();
+      wgmma::fence_regs(o);
+      rescale<D / 8>(o, alpha);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
+    }
+    wgmma::fence_regs(o);
+    wgmma::fence();
+    issue_pv(p, t.n_tiles - 1);  // V of the last tile arrived with the wait before the last S
     wgmma::wait<0>();
     wgmma::fence_regs(o);
   }

@@ -64,11 +64,11 @@ INSTANTIATIONS = [instantiation(dt, d, p, tile_config(d, arch)) for dt in (np.fl
 
 
 def smem_bytes(head_dim: int, tile, itemsize: int = 2) -> int:
-    """Q tile + 2 stages of K and V tiles: mma rows padded by 8 elements (16 bytes); wgmma rows
-    swizzled in place, plus 1 KB to align the swizzle atoms."""
+    """mma: Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes); wgmma: Q tile,
+    2 K stages and 3 V stages, rows swizzled in place, plus 1 KB to align the swizzle atoms."""
     kind, bm, bn, _ = tile
     if kind == "wgmma":
-        return (bm + 4 * bn) * head_dim * itemsize + 1024
+        return (bm + 5 * bn) * head_dim * itemsize + 1024
     return (bm + 4 * bn) * (head_dim + 8) * itemsize
 
 
