@@ -306,15 +306,18 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   }
 }
 
-// grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * WG
-//   (WG warpgroups of 64 query rows) · smem: (64 * WG + 5 * BN) * D * sizeof(T) + 1024 (alignment)
+// grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * (WG + 1):
+//   warpgroup 0 loads, warpgroups 1..WG (WG <= 2) compute 64 query rows each
+//   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 64 (barriers)
 // Arguments, layouts and results as flash_attention_kernel. sm_90a only (wgmma); D % 64 == 0.
-// Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64], K [2][D/64][BN][64], V [3][D/64][BN][64].
-// Iteration j issues S = Q K_{j+1}^T and O += P_j V_j back to back, so that the softmax of S_{j+1}
-// runs while the tensor cores multiply P_j V_j; tile j + 2 streams in meanwhile. K tile j + 1 and V
-// tile j are in use, so K needs two stages and V three.
+// Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64] and a ring of 3 tiles, K [3][D/64][BN][64] and
+// V [3][D/64][BN][64], with mbarriers full[3] (the producer's 128 threads arrive once their copies of the
+// tile have landed) and empty[3] (every consumer warp arrives once it is done with the tile).
+// Consumer iteration j issues S_{j+1} = Q K_{j+1}^T and O += P_j V_j back to back and runs the softmax
+// of S_{j+1} under P_j V_j. Two consumer warpgroups take turns to issue (named barriers, "pingpong"),
+// so one's softmax runs while the tensor cores multiply for the other.
 template <typename T, int D, int BN, int WG, bool PAGED>
-__global__ void __launch_bounds__(128 * WG, 1) flash_attention_wgmma_kernel(
+__global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
@@ -324,9 +327,11 @@ __global__ void __launch_bounds__(128 * WG, 1) flash_attention_wgmma_kernel(
   cuinfer::pdl_trigger();
   using namespace cuinfer;
   using namespace cuinfer::fa;
-  constexpr int BM = 64 * WG, THREADS = 128 * WG, CHUNKS = D / 8;
+  constexpr int BM = 64 * WG, STAGES = 3, CHUNKS = D / 8, RSTEP = 128 / CHUNKS;
   constexpr unsigned Q_BLOCK = BM * 128, KV_BLOCK = BN * 128, KV_STAGE = BN * D * 2;  // bytes
   static_assert(D % 64 == 0 && BN % 16 == 0 && sizeof(T) == 2, "D: multiple of 64; BN: of 16; T: 16-bit");
+  static_assert(WG == 1 || WG == 2, "one or two consumer warpgroups");
+  static_assert(128 % CHUNKS == 0 && BN % RSTEP == 0, "the producer copies whole rows");
 
   const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
   if (t.empty) return;
@@ -334,70 +339,90 @@ __global__ void __launch_bounds__(128 * WG, 1) flash_attention_wgmma_kernel(
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw), sQ = (raw + 1023) & ~1023u;  // swizzle atoms: 1024-aligned
-  const unsigned sK = sQ + BM * D * 2, sV = sK + 2 * KV_STAGE;
-  unsigned char* gQ = smem_raw + (sQ - raw);  // generic pointer to sQ, for the output staging
-  const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  const unsigned sK = sQ + BM * D * 2, sV = sK + STAGES * KV_STAGE, bars = sV + STAGES * KV_STAGE;
+  auto full = [&](int tile) { return bars + 8 * (tile % STAGES); };
+  auto empty = [&](int tile) { return bars + 8 * (STAGES + tile % STAGES); };
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   auto at = [](unsigned tile, unsigned block_bytes, int r, int c) {  // chunk c of row r of a tile
     return tile + (c / 8) * block_bytes + wgmma::swizzle128(r, c % 8);
   };
+  if (tid == 0)
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(full(i), 128);
+      mbar_init(empty(i), 4 * WG);
+    }
+  __syncthreads();  // barriers initialised; the only CTA-wide barrier
 
-  for (int c = tid; c < BM * CHUNKS; c += THREADS) {
-    const int r = c / CHUNKS, ch = c % CHUNKS;
-    const bool ok = m0 + r < t.q_len;
-    const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + ch * 8;
-    cp_async16(at(sQ, Q_BLOCK, r, ch), src, ok);
-  }
-  const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
-  // Each thread copies chunk ch of rows r0, r0 + RSTEP, ...: one swizzled offset serves them all.
-  constexpr int RSTEP = THREADS / CHUNKS;
-  static_assert(THREADS % CHUNKS == 0 && RSTEP % 8 == 0 && BN % RSTEP == 0, "K/V copy: whole 8-row groups");
-  const int ch = tid % CHUNKS, r0 = tid / CHUNKS;
-  const unsigned kv_off = at(0, KV_BLOCK, r0, ch);
-  auto load_kv = [&](int tile) {  // K tile -> stage tile % 2, V tile -> stage tile % 3; one commit group
-    if (tile < t.n_tiles) {
-      const unsigned ks = sK + (tile % 2) * KV_STAGE + kv_off, vs = sV + (tile % 3) * KV_STAGE + kv_off;
-#pragma unroll
+  if (wg == 0) {  // producer: Q with tile 0, then K/V tile by tile into the ring
+    if constexpr (WG > 1) regs_dec<40>();
+    for (int c = tid; c < BM * CHUNKS; c += 128) {
+      const int r = c / CHUNKS, ch = c % CHUNKS;
+      const bool ok = m0 + r < t.q_len;
+      const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + ch * 8;
+      cp_async16(at(sQ, Q_BLOCK, r, ch), src, ok);
+    }
+    const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
+    const int ch = tid % CHUNKS, r0 = tid / CHUNKS;  // chunk ch of rows r0, r0 + RSTEP, ...
+    for (int tile = 0; tile < t.n_tiles; ++tile) {
+      if (tile >= STAGES) mbar_wait(empty(tile), (tile / STAGES - 1) & 1);
+      const unsigned ks = sK + (tile % STAGES) * KV_STAGE, vs = sV + (tile % STAGES) * KV_STAGE;
+#pragma unroll 4
       for (int i = 0; i < BN / RSTEP; ++i) {
+        const int r = r0 + i * RSTEP;
         size_t off;
-        const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r0 + i * RSTEP, ch * 8, table, block_shift, n_kv_heads, off);
-        cp_async16(ks + i * RSTEP * 128, k + off, ok);
-        cp_async16(vs + i * RSTEP * 128, v + off, ok);
+        const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r, ch * 8, table, block_shift, n_kv_heads, off);
+        cp_async16(at(ks, KV_BLOCK, r, ch), k + off, ok);
+        cp_async16(at(vs, KV_BLOCK, r, ch), v + off, ok);
+      }
+      cp_async_commit();
+      if (tile > 0) {  // the previous tile has landed: visible to the tensor cores, then announced
+        cp_async_wait<1>();
+        wgmma::fence_proxy_async();
+        mbar_arrive(full(tile - 1));
       }
     }
-    cp_async_commit();
-  };
-  const int warp_row0 = m0 + wg * 64 + warp * 16;  // first query row (in the chunk) of this warp
-  const unsigned q_rows = sQ + wg * 64 * 128;      // this warpgroup's 64 rows of each Q column block
-  float s[BN / 2], alpha[2];
-  auto issue_s = [&](int tile) {  // S = Q K_tile^T: 64 rows x BN keys per warpgroup, D / 16 k-steps
-    const unsigned kt = sK + (tile % 2) * KV_STAGE;
+    if (t.n_tiles > 0) {
+      cp_async_wait_all();
+      wgmma::fence_proxy_async();
+      mbar_arrive(full(t.n_tiles - 1));
+    }
+    return;
+  }
+
+  if constexpr (WG > 1) regs_inc<232>();
+  const int cw = wg - 1, warp = (tid / 32) % 4;
+  const int warp_row0 = m0 + cw * 64 + warp * 16;  // first query row (in the chunk) of this warp
+  const unsigned q_rows = sQ + cw * 64 * 128;      // this warpgroup's 64 rows of each Q column block
+  // Turns: warpgroup cw issues after the other's previous issue (barrier 1 + cw), then lets it go.
+  auto turn_begin = [&]() { if constexpr (WG > 1) named_sync(1 + cw, 256); };
+  auto turn_end = [&](bool last) { if constexpr (WG > 1) if (!(last && cw == 1)) named_arrive(2 - cw, 256); };
+  float s[BN / 2], alpha[2], o[D / 2];
+  auto issue_s = [&](int tile) {  // S = Q K_tile^T: 64 rows x BN keys, D / 16 k-steps
+    const unsigned kt = sK + (tile % STAGES) * KV_STAGE;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
       wgmma::mma_ss<BN, T>(s, wgmma::desc128(q_rows + (ks / 4) * Q_BLOCK + (ks % 4) * 32, 16, 1024),
                            wgmma::desc128(kt + (ks / 4) * KV_BLOCK + (ks % 4) * 32, 16, 1024), ks);
     wgmma::commit();
   };
-
-  float o[D / 2];
   auto issue_pv = [&](const unsigned (&p)[BN / 16][4], int tile) {  // O += P V_tile, V as the transposed B
-    const unsigned vt = sV + (tile % 3) * KV_STAGE;
+    const unsigned vt = sV + (tile % STAGES) * KV_STAGE;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       wgmma::mma_rs<D, T>(o, p[kk], wgmma::desc128(vt + kk * 16 * 128, KV_BLOCK, 1024));
     wgmma::commit();
   };
 
-  load_kv(0);
-  load_kv(1);
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float row_max[2] = {Max::identity(), Max::identity()}, row_sum[2] = {0.0f, 0.0f};
   if (t.n_tiles > 0) {
-    cp_async_wait_all();
-    wgmma::fence_proxy_async();  // this thread's copies, visible to the tensor cores
-    __syncthreads();             // Q and tiles 0, 1 complete
+    if (WG > 1 && cw == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
+    mbar_wait(full(0), 0);
+    turn_begin();
     wgmma::fence();
     issue_s(0);
+    turn_end(false);
     wgmma::wait<0>();
     wgmma::fence_regs(s);
     online_softmax<BN / 8>(s, row_max, row_sum, alpha, 0, warp_row0, t, causal, scale_log2, lane);
@@ -406,48 +431,50 @@ __global__ void __launch_bounds__(128 * WG, 1) flash_attention_wgmma_kernel(
     for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
 
     for (int j = 0; j + 1 < t.n_tiles; ++j) {
-      cp_async_wait_all();
-      wgmma::fence_proxy_async();
-      __syncthreads();  // tile j + 1 complete; both warpgroups are done with K_j (S_j) and V_{j-1}
-      load_kv(j + 2);   // into the stages of K_j and V_{j-1}
+      mbar_wait(full(j + 1), ((j + 1) / STAGES) & 1);
       wgmma::fence_regs(o);
+      turn_begin();
       wgmma::fence();
       issue_s(j + 1);
       issue_pv(p, j);
+      turn_end(false);
       wgmma::wait<1>();  // S_{j+1} done: its softmax runs while P_j V_j is multiplied
       wgmma::fence_regs(s);
       online_softmax<BN / 8>(s, row_max, row_sum, alpha, (j + 1) * BN, warp_row0, t, causal, scale_log2, lane);
       wgmma::wait<0>();
       wgmma::fence_regs(o);
+      if (lane == 0) mbar_arrive(empty(j));  // K_j and V_j are no longer read
       rescale<D / 8>(o, alpha);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
     }
     wgmma::fence_regs(o);
+    turn_begin();
     wgmma::fence();
-    issue_pv(p, t.n_tiles - 1);  // V of the last tile arrived with the wait before the last S
+    issue_pv(p, t.n_tiles - 1);
+    turn_end(true);
     wgmma::wait<0>();
     wgmma::fence_regs(o);
   }
 
   // normalise; stage this warpgroup's rows in its own rows of sQ (same swizzle), store 16-byte rows
-  cp_async_wait_all();  // no copy into sQ is left in flight (n_tiles may be 0)
+  unsigned char* gQ = smem_raw + (sQ - raw);  // generic pointer to sQ
   float inv[2];
   row_inverse(row_sum, inv);
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;
+      const int r = cw * 64 + warp * 16 + lane / 4 + 8 * h;
       *reinterpret_cast<unsigned*>(gQ + (at(0, Q_BLOCK, r, dt) + 4 * (lane % 4))) =
           pack2<T>(o[4 * dt + 2 * h] * inv[h], o[4 * dt + 2 * h + 1] * inv[h]);
     }
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's staging is complete
+  named_sync(3 + cw, 128);  // this warpgroup's staging is complete
   for (int c = tid % 128; c < 64 * CHUNKS; c += 128) {
-    const int r = c / CHUNKS, ch = c % CHUNKS, row = m0 + wg * 64 + r;
+    const int r = c / CHUNKS, ch = c % CHUNKS, row = m0 + cw * 64 + r;
     if (row < t.q_len)
       *reinterpret_cast<uint4*>(out + ((size_t)(t.q_start + row) * n_heads + head) * D + ch * 8) =
-          *reinterpret_cast<const uint4*>(gQ + at(0, Q_BLOCK, wg * 64 + r, ch));
+          *reinterpret_cast<const uint4*>(gQ + at(0, Q_BLOCK, cw * 64 + r, ch));
   }
 #endif
 }

@@ -55,6 +55,36 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, fl
   return *reinterpret_cast<unsigned*>(&h);
 }
 
+// ------------------------------------------------------------- Hopper pipelines (sm_90)
+// mbarrier in shared memory (sm_90 forms), for producer / consumer pipelines. arrive releases the
+// thread's earlier writes; a wait that sees the phase complete acquires them.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Until the phase of the given parity (0 for phases 0, 2, ..., 1 for 1, 3, ...) has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+// Named barrier `id` (1..15) over `threads` threads: sync waits for all of them, arrive only counts.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Warpgroup register budgets (sm_90a; the kernel needs a register cap at entry: __launch_bounds__).
+template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
 // ------------------------------------------------------------------ wgmma (sm_90a only)
 // A warpgroup (4 consecutive warps, the first one's index a multiple of 4) multiplies a 64-row A by
 // a K=16 x N B held in shared memory. The fp32 accumulator d[N/2] of thread t holds, for the warp

@@ -36,13 +36,13 @@ WGMMA_HEAD_DIMS = (64, 128, 256)  # multiples of 64: whole 128-byte swizzle bloc
 def tile_config(head_dim: int, arch: int = 80) -> tuple:
     """(kernel, BLOCK_M, BLOCK_N, warps) for a head dim on compute capability `arch` (90 for sm_90).
 
-    "wgmma" (sm_90, head_dim 64 / 128 / 256): flash_attention_wgmma_kernel, 64 query rows per
-    warpgroup, two warpgroups. "mma" (mma.sync) otherwise: O and S accumulators in registers
+    "wgmma" (sm_90, head_dim 64 / 128 / 256): flash_attention_wgmma_kernel, a producer warpgroup and
+    one (d=256) or two consumer warpgroups of 64 query rows. "mma" (mma.sync) otherwise: O and S accumulators in registers
     without spills (ptxas -v, sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q
     re-read from shared memory). d=128, H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240,
     128x32x4 228 / 241 (24 B spill since the FFMA softmax), 128x64x8 222 / 234."""
     if arch >= 90 and arch < 100 and head_dim in WGMMA_HEAD_DIMS:
-        return ("wgmma", 128, 64 if head_dim > 128 else 128, 8)
+        return ("wgmma", 64, 64, 8) if head_dim > 128 else ("wgmma", 128, 128, 12)
     if head_dim <= 64:
         return ("mma", 128, 64, 4)  # 2 m16 tiles per warp
     if head_dim <= 128:
@@ -54,7 +54,7 @@ def instantiation(dtype, head_dim: int, paged: bool, tile) -> str:
     kind, bm, bn, warps = tile
     t, p = runtime.ctype(dtype), "true" if paged else "false"
     if kind == "wgmma":
-        return f"flash_attention_wgmma_kernel<{t}, {head_dim}, {bn}, {warps // 4}, {p}>"
+        return f"flash_attention_wgmma_kernel<{t}, {head_dim}, {bn}, {warps // 4 - 1}, {p}>"
     return f"flash_attention_kernel<{t}, {head_dim}, {bm}, {bn}, {warps}, {p}>"
 
 
@@ -64,11 +64,11 @@ INSTANTIATIONS = [instantiation(dt, d, p, tile_config(d, arch)) for dt in (np.fl
 
 
 def smem_bytes(head_dim: int, tile, itemsize: int = 2) -> int:
-    """mma: Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes); wgmma: Q tile,
-    2 K stages and 3 V stages, rows swizzled in place, plus 1 KB to align the swizzle atoms."""
+    """mma: Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes); wgmma: Q tile and
+    a ring of 3 K/V tiles, rows swizzled in place, 1 KB to align the swizzle atoms, the ring's barriers."""
     kind, bm, bn, _ = tile
     if kind == "wgmma":
-        return (bm + 5 * bn) * head_dim * itemsize + 1024
+        return (bm + 6 * bn) * head_dim * itemsize + 1024 + 64
     return (bm + 4 * bn) * (head_dim + 8) * itemsize
 
 
