@@ -311,8 +311,9 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 //   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 64 (barriers)
 // Arguments, layouts and results as flash_attention_kernel. sm_90a only (wgmma); D % 64 == 0.
 // Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64] and a ring of 3 tiles, K [3][D/64][BN][64] and
-// V [3][D/64][BN][64], with mbarriers full[3] (the producer's 128 threads arrive once their copies of the
-// tile have landed) and empty[3] (every consumer warp arrives once it is done with the tile).
+// V [3][D/64][BN][64], with mbarriers full[3] and empty[3]. The producer's two halves take alternate
+// tiles; each waits for its own copies of a tile (cp.async, then a proxy fence) and arrives on the tile's
+// full barrier, so two tiles are in flight. Every consumer warp arrives on empty once done with a tile.
 // Consumer iteration j issues S_{j+1} = Q K_{j+1}^T and O += P_j V_j back to back and runs the softmax
 // of S_{j+1} under P_j V_j. Two consumer warpgroups take turns to issue (named barriers, "pingpong"),
 // so one's softmax runs while the tensor cores multiply for the other.
@@ -327,11 +328,11 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
   cuinfer::pdl_trigger();
   using namespace cuinfer;
   using namespace cuinfer::fa;
-  constexpr int BM = 64 * WG, STAGES = 3, CHUNKS = D / 8, RSTEP = 128 / CHUNKS;
+  constexpr int BM = 64 * WG, STAGES = 3, CHUNKS = D / 8, RSTEP = 64 / CHUNKS;
   constexpr unsigned Q_BLOCK = BM * 128, KV_BLOCK = BN * 128, KV_STAGE = BN * D * 2;  // bytes
   static_assert(D % 64 == 0 && BN % 16 == 0 && sizeof(T) == 2, "D: multiple of 64; BN: of 16; T: 16-bit");
   static_assert(WG == 1 || WG == 2, "one or two consumer warpgroups");
-  static_assert(128 % CHUNKS == 0 && BN % RSTEP == 0, "the producer copies whole rows");
+  static_assert(64 % CHUNKS == 0 && BN % RSTEP == 0, "a producer half copies whole rows");
 
   const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
   if (t.empty) return;
@@ -348,22 +349,24 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
   };
   if (tid == 0)
     for (int i = 0; i < STAGES; ++i) {
-      mbar_init(full(i), 128);
+      mbar_init(full(i), 64);
       mbar_init(empty(i), 4 * WG);
     }
   __syncthreads();  // barriers initialised; the only CTA-wide barrier
 
-  if (wg == 0) {  // producer: Q with tile 0, then K/V tile by tile into the ring
+  if (wg == 0) {  // producer: two halves of 64 threads take alternate tiles (half 0: Q with tile 0)
     if constexpr (WG > 1) regs_dec<40>();
-    for (int c = tid; c < BM * CHUNKS; c += 128) {
-      const int r = c / CHUNKS, ch = c % CHUNKS;
-      const bool ok = m0 + r < t.q_len;
-      const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + ch * 8;
-      cp_async16(at(sQ, Q_BLOCK, r, ch), src, ok);
-    }
+    const int half = tid / 64, pt = tid % 64;
+    if (half == 0)
+      for (int c = pt; c < BM * CHUNKS; c += 64) {
+        const int r = c / CHUNKS, ch = c % CHUNKS;
+        const bool ok = m0 + r < t.q_len;
+        const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + ch * 8;
+        cp_async16(at(sQ, Q_BLOCK, r, ch), src, ok);
+      }
     const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
-    const int ch = tid % CHUNKS, r0 = tid / CHUNKS;  // chunk ch of rows r0, r0 + RSTEP, ...
-    for (int tile = 0; tile < t.n_tiles; ++tile) {
+    const int ch = pt % CHUNKS, r0 = pt / CHUNKS;  // chunk ch of rows r0, r0 + RSTEP, ...
+    for (int tile = half; tile < t.n_tiles; tile += 2) {
       if (tile >= STAGES) mbar_wait(empty(tile), (tile / STAGES - 1) & 1);
       const unsigned ks = sK + (tile % STAGES) * KV_STAGE, vs = sV + (tile % STAGES) * KV_STAGE;
 #pragma unroll 4
@@ -375,16 +378,9 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
         cp_async16(at(vs, KV_BLOCK, r, ch), v + off, ok);
       }
       cp_async_commit();
-      if (tile > 0) {  // the previous tile has landed: visible to the tensor cores, then announced
-        cp_async_wait<1>();
-        wgmma::fence_proxy_async();
-        mbar_arrive(full(tile - 1));
-      }
-    }
-    if (t.n_tiles > 0) {
-      cp_async_wait_all();
-      wgmma::fence_proxy_async();
-      mbar_arrive(full(t.n_tiles - 1));
+      cp_async_wait_all();         // this half's copies of the tile have landed
+      wgmma::fence_proxy_async();  // visible to the tensor cores
+      mbar_arrive(full(tile));
     }
     return;
   }
