@@ -306,23 +306,26 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   }
 }
 
-// grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * (WG + 1):
-//   warpgroup 0 loads, warpgroups 1..WG (WG <= 2) compute 64 query rows each
-//   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 64 (barriers)
-// Arguments, layouts and results as flash_attention_kernel. sm_90a only (wgmma); D % 64 == 0.
-// Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64] and a ring of 3 tiles, K [3][D/64][BN][64] and
-// V [3][D/64][BN][64], with mbarriers full[3] and empty[3]. The producer's two halves take alternate
-// tiles; each waits for its own copies of a tile (cp.async, then a proxy fence) and arrives on the tile's
-// full barrier, so two tiles are in flight. Every consumer warp arrives on empty once done with a tile.
+// The warp-specialized wgmma forward (sm_90a; D % 64 == 0), behind two entry points that differ in how
+// K/V tiles arrive: flash_attention_wgmma_kernel copies them with cp.async (paged caches, where the
+// rows past the context are zero-filled: an unwritten slot may hold NaN, and 0 * NaN poisons P V), and
+// flash_attention_tma_kernel (contiguous) with TMA, one thread issuing boxes that complete on the
+// tile's full mbarrier by byte count.
+// Block: 128 * (WG + 1) threads: warpgroup 0 loads, warpgroups 1..WG (WG <= 2) compute 64 query rows
+// each. Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64] and a ring of 3 tiles, K [3][D/64][BN][64]
+// and V [3][D/64][BN][64], with mbarriers full[3] and empty[3]; every consumer warp arrives on empty
+// once done with a tile. The cp.async producer's two halves take alternate tiles; each waits for its
+// own copies of a tile (then a proxy fence) and arrives on the tile's full barrier.
 // Consumer iteration j issues S_{j+1} = Q K_{j+1}^T and O += P_j V_j back to back and runs the softmax
 // of S_{j+1} under P_j V_j. Two consumer warpgroups take turns to issue (named barriers, "pingpong"),
 // so one's softmax runs while the tensor cores multiply for the other.
-template <typename T, int D, int BN, int WG, bool PAGED>
-__global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kernel(
+template <typename T, int D, int BN, int WG, bool PAGED, bool TMA>
+__device__ __forceinline__ void flash_attention_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
-    const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal) {
+    const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads, int n_kv_heads,
+    float scale_log2, int causal, const cuinfer::TensorMap* q_map, const cuinfer::TensorMap* k_map,
+    const cuinfer::TensorMap* v_map) {  // the kernel parameters themselves, when TMA
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
   cuinfer::pdl_trigger();
@@ -333,6 +336,7 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
   static_assert(D % 64 == 0 && BN % 16 == 0 && sizeof(T) == 2, "D: multiple of 64; BN: of 16; T: 16-bit");
   static_assert(WG == 1 || WG == 2, "one or two consumer warpgroups");
   static_assert(64 % CHUNKS == 0 && BN % RSTEP == 0, "a producer half copies whole rows");
+  static_assert(!(TMA && PAGED), "TMA loads contiguous K/V only");
 
   const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
   if (t.empty) return;
@@ -349,11 +353,26 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
   };
   if (tid == 0)
     for (int i = 0; i < STAGES; ++i) {
-      mbar_init(full(i), 64);
+      mbar_init(full(i), TMA ? 1 : 64);
       mbar_init(empty(i), 4 * WG);
     }
   __syncthreads();  // barriers initialised; the only CTA-wide barrier
 
+  if (wg == 0 && TMA) {  // producer: one thread, Q with tile 0
+    if constexpr (WG > 1) regs_dec<40>();
+    if (tid == 0)
+      for (int tile = 0; tile < t.n_tiles; ++tile) {
+        if (tile >= STAGES) mbar_wait(empty(tile), (tile / STAGES - 1) & 1);
+        mbar_expect_tx(full(tile), 2 * KV_STAGE + (tile == 0 ? BM * D * 2 : 0));
+        for (int b = 0; b < D / 64; ++b) {
+          if (tile == 0) tma_load_3d(sQ + b * Q_BLOCK, q_map, 64 * b, head, t.q_start + m0, full(0));
+          const unsigned off = (tile % STAGES) * KV_STAGE + b * KV_BLOCK;
+          tma_load_3d(sK + off, k_map, 64 * b, t.kv_head, t.q_start + tile * BN, full(tile));
+          tma_load_3d(sV + off, v_map, 64 * b, t.kv_head, t.q_start + tile * BN, full(tile));
+        }
+      }
+    return;
+  }
   if (wg == 0) {  // producer: two halves of 64 threads take alternate tiles (half 0: Q with tile 0)
     if constexpr (WG > 1) regs_dec<40>();
     const int half = tid / 64, pt = tid % 64;
@@ -473,4 +492,30 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
           *reinterpret_cast<const uint4*>(gQ + at(0, Q_BLOCK, cw * 64 + r, ch));
   }
 #endif
+}
+
+// grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * (WG + 1)
+//   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 64 (barriers)
+// Arguments, layouts and results as flash_attention_kernel (paged or contiguous, K/V by cp.async).
+template <typename T, int D, int BN, int WG, bool PAGED>
+__global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
+    const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
+    int n_kv_heads, float scale_log2, int causal) {
+  flash_attention_wgmma<T, D, BN, WG, PAGED, false>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
+                                                   max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
+                                                   causal, nullptr, nullptr, nullptr);
+}
+
+// As flash_attention_wgmma_kernel, contiguous K/V only, loaded by TMA through tensor maps (runtime.tensor_map)
+// of q [tokens, n_heads, D] in boxes [64 * WG][1][64] and k, v [tokens, n_kv_heads, D] in [BN][1][64].
+template <typename T, int D, int BN, int WG>
+__global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_tma_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+    const int* __restrict__ cu_seqlens_q, int n_heads, int n_kv_heads, float scale_log2, int causal,
+    const __grid_constant__ cuinfer::TensorMap q_map, const __grid_constant__ cuinfer::TensorMap k_map,
+    const __grid_constant__ cuinfer::TensorMap v_map) {
+  flash_attention_wgmma<T, D, BN, WG, false, true>(q, k, v, out, cu_seqlens_q, nullptr, nullptr, 0, 0, n_heads,
+                                                  n_kv_heads, scale_log2, causal, &q_map, &k_map, &v_map);
 }

@@ -74,6 +74,23 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
                  : "memory");
   } while (!done);
 }
+// mbarrier arrival that also expects `bytes` more from asynchronous copies (TMA) in this phase.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// A CUtensorMap (runtime.tensor_map), passed to kernels by value as `const __grid_constant__ TensorMap`.
+struct alignas(64) TensorMap {
+  unsigned long long raw[16];
+};
+// TMA: the box at element coordinates (c0 innermost, c1, c2) of `map` into shared memory at dst (its
+// swizzle as encoded), completing its bytes on the mbarrier bar.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, int c0, int c1, int c2,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
 // Named barrier `id` (1..15) over `threads` threads: sync waits for all of them, arrive only counts.
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

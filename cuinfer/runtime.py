@@ -291,15 +291,17 @@ def launch(k, grid, block, args, smem: int = 0):
     sm_90 (and CUINFER_PDL is not 0) it launches through cuLaunchKernelEx with programmatic stream
     serialization, so in the graph's replays a kernel may start while the previous one finishes
     (the kernels are compiled with their pdl_wait / pdl_trigger calls, see common.cuh). Eager
-    launches keep CuPy's path: the ctypes one costs ~50 us of host time (notes/decode.md)."""
+    launches keep CuPy's path: the ctypes one costs ~50 us of host time (notes/decode.md), taken
+    only by kernels with a by-value blob argument (`bytes`: a tensor_map), which CuPy cannot pass."""
     if smem and smem + k.shared_size_bytes > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if min(grid) <= 0:
         return  # empty problem: nothing to launch
-    if _pdl_driver() is not None and capturing():
-        _launch_pdl(k, grid + (1,) * (3 - len(grid)), block + (1,) * (3 - len(block)), args, smem)
+    pdl = _pdl_driver() is not None and capturing()
+    if pdl or any(isinstance(a, bytes) for a in args):
+        _launch_ex(k, grid + (1,) * (3 - len(grid)), block + (1,) * (3 - len(block)), args, smem, pdl)
     else:
         k(grid, block, args, shared_mem=smem)
 
@@ -321,48 +323,92 @@ _PARAM_FORMATS = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtyp
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_driver():
-    """(libcuda, its cuLaunchKernelEx, the attribute) when programmatic dependent launch is on:
-    an sm_90+ device, the driver entry point found and CUINFER_PDL not 0; else None."""
-    if os.environ.get("CUINFER_PDL", "1") == "0" or int(device_arch()[3:]) < 90:
-        return None
+def _libcuda():
+    """The CUDA driver library, or None where it cannot be loaded."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernelEx
-    except (OSError, AttributeError):
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
         return None
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
+
+
+def _driver_call(name, *args):
+    lib = _libcuda()
+    if lib is None:
+        raise CuinferError(f"{name}: the CUDA driver (libcuda.so.1) could not be loaded")
+    err = getattr(lib, name)(*args)
+    if err:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(msg))
+        raise CuinferError(f"{name} failed: {msg.value.decode() if msg.value else err}")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_driver():
+    """The programmatic-stream-serialization launch attribute when programmatic dependent launch is
+    on: an sm_90+ device, the driver found and CUINFER_PDL not 0; else None."""
+    if os.environ.get("CUINFER_PDL", "1") == "0" or int(device_arch()[3:]) < 90 or _libcuda() is None:
+        return None
     attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    return lib, fn, attr
+    return attr
 
 
-def _launch_pdl(k, grid, block, args, smem):
-    """cuLaunchKernelEx of k on the current stream: every argument is a device array (its pointer)
-    or a numpy scalar, each in its own 8-byte slot of one parameter buffer."""
+def _launch_ex(k, grid, block, args, smem, pdl):
+    """cuLaunchKernelEx of k on the current stream, with programmatic stream serialization when pdl:
+    a device array passes its pointer, a numpy scalar its value (each in an 8-byte slot of one
+    parameter buffer), a bytes object its bytes (a struct passed by value)."""
     cp = require_cupy()
-    lib, fn, attr = _pdl_driver()
-    fmt, values = ["<"], []
-    for a in args:
+    fmt, values, blobs = ["<"], [], {}
+    for i, a in enumerate(args):
         if isinstance(a, cp.ndarray):
             fmt.append("Q")
             values.append(a.data.ptr)
         elif isinstance(a, np.generic) and a.dtype in _PARAM_FORMATS:
             fmt.append(_PARAM_FORMATS[a.dtype])
             values.append(a.item())
+        elif isinstance(a, bytes):
+            blobs[i] = ctypes.create_string_buffer(a, len(a))
+            fmt.append("Q")
+            values.append(0)
         else:
-            raise TypeError(f"kernel argument {a!r}: need a cupy array or a numpy scalar of "
+            raise TypeError(f"kernel argument {a!r}: need a cupy array, bytes or a numpy scalar of "
                             f"{', '.join(map(str, _PARAM_FORMATS))}")
     buf = ctypes.create_string_buffer(struct.pack("".join(fmt), *values))
     base = ctypes.addressof(buf)
-    params = (ctypes.c_void_p * len(values))(*range(base, base + 8 * len(values), 8))
-    config = _LaunchConfig(grid, block, smem, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
-    err = fn(ctypes.byref(config), k.kernel.ptr, params, None)
-    if err:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(err, ctypes.byref(name))
-        raise CuinferError(f"cuLaunchKernelEx of {k.name} failed: {name.value.decode() if name.value else err}")
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(blobs[i]) if i in blobs else base + 8 * i
+                                               for i in range(len(values))))
+    attr = _pdl_driver() if pdl else None
+    config = _LaunchConfig(grid, block, smem, cp.cuda.get_current_stream().ptr,
+                           ctypes.pointer(attr) if attr is not None else None, 1 if attr is not None else 0)
+    lib = _libcuda()
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p]
+    _driver_call("cuLaunchKernelEx", ctypes.byref(config), k.kernel.ptr, params, None)
+
+
+def tensor_map(a, box) -> bytes:
+    """A CUtensorMap (128 bytes) for TMA copies of `box`-shaped tiles (element counts, outermost
+    first, as a shape) out of the C-contiguous 16-bit device array `a`, with the 128-byte swizzle
+    (the innermost box side must be 64 elements) and zeros past the array's bounds. Passed to a
+    kernel by value (launch takes bytes) as a `const __grid_constant__ TensorMap`."""
+    if a.dtype.itemsize != 2 or not a.flags.c_contiguous or box[-1] * 2 != 128 or len(box) != a.ndim:
+        raise ValueError(f"tensor_map: need a C-contiguous 16-bit array and a box of its rank ending in 64 "
+                         f"(got {a.dtype}, shape {a.shape}, box {box})")
+    rank = a.ndim
+    dims = (ctypes.c_uint64 * rank)(*reversed(a.shape))
+    strides = (ctypes.c_uint64 * max(rank - 1, 1))(*reversed(a.strides[:-1]))
+    boxes = (ctypes.c_uint32 * rank)(*reversed(box))
+    ones = (ctypes.c_uint32 * rank)(*([1] * rank))
+    out = (ctypes.c_uint64 * 24)()  # 192 bytes: a 64-byte aligned 128-byte map inside
+    addr = -(-ctypes.addressof(out) // 64) * 64
+    lib = _libcuda()
+    if lib is not None:
+        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    # UINT16 data (bytes are bytes), no interleave, 128-byte swizzle, 256-byte L2 promotion, zero fill
+    _driver_call("cuTensorMapEncodeTiled", addr, 1, rank, a.data.ptr, dims, strides, boxes, ones, 0, 3, 3, 0)
+    return ctypes.string_at(addr, 128)
 
 
 @functools.lru_cache(maxsize=None)

@@ -307,8 +307,8 @@ def test_gpu_pdl_attribute_only_on_captured_launches(cp, monkeypatch):
     if runtime._pdl_driver() is None:
         pytest.skip("programmatic dependent launch needs sm_90 and CUINFER_PDL not 0")
     calls = []
-    real = runtime._launch_pdl
-    monkeypatch.setattr(runtime, "_launch_pdl", lambda *a: (calls.append(a[0].name), real(*a)))
+    real = runtime._launch_ex
+    monkeypatch.setattr(runtime, "_launch_ex", lambda *a: (calls.append(a[0].name) if a[-1] else None, real(*a)))
     x = cp.random.standard_normal((3, 256), dtype=cp.float32).astype(cp.float16)
     w = cp.random.standard_normal(256, dtype=cp.float32).astype(cp.float16)
     eager = rms_norm(x, w, 1e-5)

@@ -94,7 +94,7 @@ def prefill_rows(cp, torch, tokens, seq_lens):
     return rows
 
 
-SWEEP_TILES = (("mma", 64, 64, 4), ("wgmma", 128, 128, 12), ("wgmma", 128, 64, 12), ("wgmma", 64, 64, 8), ("wgmma", 64, 128, 8))
+SWEEP_TILES = (("mma", 64, 64, 4), ("wgmma", 128, 128, 12), ("tma", 128, 128, 12), ("tma", 128, 64, 12))
 
 
 def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=SWEEP_TILES):
