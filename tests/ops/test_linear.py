@@ -31,8 +31,11 @@ def make_weight(rng, n, k, fmt, group_size=128):
 
 def reference_rounded(x, w, bias, prefill):
     """float32 reference mirroring the kernels' roundings: the GEMV multiplies by the exact
-    dequantized weight (in fp32 sums); the prefill path rounds it to T. Both add the bias in fp32
-    and round y once (the prefill's cuBLAS gemmEx adds it with beta = 1 in its fp32 compute)."""
+    dequantized weight; the prefill path rounds it to T. Both add the bias and round y once (the
+    prefill's cuBLAS gemmEx adds it with beta = 1 in its fp32 compute). The sums are float64,
+    rounded to float32 once: a float32 matmul's own summation error is as large as the kernel's
+    (on the H100, m=5 k=4104 magnitude 30 seed 146415: 7.8e-4 off the exact silu(gate) * up where
+    the kernel was 5.2e-4 off), and the two together exceeded the table."""
     t = x.dtype
     if isinstance(w, (quant.Int8Weight, quant.Int4Weight)):
         wf = w.dequantize()
@@ -40,7 +43,8 @@ def reference_rounded(x, w, bias, prefill):
             wf = wf.astype(t).astype(np.float32)  # dequantize-to-scratch writes T
     else:
         wf = w.astype(np.float32)
-    return linear_reference(x, wf, bias)
+    y = np.asarray(x, dtype=np.float64) @ np.asarray(wf, dtype=np.float64).T
+    return (y if bias is None else y + np.asarray(bias, dtype=np.float64)).astype(np.float32)
 
 
 # ------------------------------------------------------------------------ CPU
@@ -341,6 +345,8 @@ def test_fused_epilogues_match_reference(fmt, gs, dtype):
 
     if fmt == "float":  # found on the H100: cuBLAS rounded the bf16 product before adding the bias
         check = example(m=64, n=2096, k=8, use_bias=True, magnitude=30.0, seed=0)(check)
+        # found on the H100: a float32 reference's own summation error (reference_rounded)
+        check = example(m=5, n=2096, k=4104, use_bias=False, magnitude=30.0, seed=146415)(check)
     check()
 
 
