@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import bench, runtime
 from ..graph import capture
-from ..ops.flash_attention import flash_attention, launch_kernel
+from ..ops.flash_attention import flash_attention, flash_attention_paged, launch_kernel
 from ..ops.paged_attention import (
     decode_splits,
     launch_decode,
@@ -91,7 +91,30 @@ def prefill_rows(cp, torch, tokens, seq_lens):
                 if torch is not None:
                     row.update(peer="sdpa", peer_ms=bench.time_ms(_sdpa(torch, b, s, d, causal)))
                 rows.append(row)
+            if d == 128 and s == 4096:
+                rows.append(paged_prefill_row(cp, torch, q, k, v, b, s, d))
     return rows
+
+
+def paged_prefill_row(cp, torch, q, k, v, b, s, d, block_size=16):
+    """The engine's prefill form: the same causal problem with K/V in a paged cache (blocks in a
+    random order), through flash_attention_paged."""
+    n_blocks = b * s // block_size
+    perm = cp.asarray(np.random.default_rng(0).permutation(n_blocks).astype(np.int32))
+    k_cache, v_cache = (cp.empty((n_blocks, block_size, N_KV, d), dtype=cp.float16) for _ in range(2))
+    k_cache[perm] = k.reshape(n_blocks, block_size, N_KV, d)
+    v_cache[perm] = v.reshape(n_blocks, block_size, N_KV, d)
+    tables = perm.reshape(b, s // block_size)
+    cu = cp.arange(0, b * s + 1, s, dtype=cp.int32)
+    lens = cp.full((b,), s, dtype=cp.int32)
+    out = cp.empty_like(q)
+    ms = bench.time_ms(functools.partial(flash_attention_paged, q, k_cache, v_cache, tables, cu, lens, out=out,
+                                         max_seqlen_q=s))
+    row = {"name": "prefill paged causal", "shape": f"{b}x{s} d={d} bs={block_size}", "dtype": "float16",
+           "ms": ms, "flops": 2 * b * s * s * N_HEADS * d}
+    if torch is not None:
+        row.update(peer="sdpa", peer_ms=bench.time_ms(_sdpa(torch, b, s, d, True)))
+    return row
 
 
 SWEEP_TILES = (("mma", 64, 64, 4), ("wgmma", 128, 128, 12), ("tma", 128, 128, 12), ("tma", 128, 64, 12))
