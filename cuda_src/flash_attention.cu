@@ -336,7 +336,6 @@ __device__ __forceinline__ void flash_attention_wgmma(
   static_assert(D % 64 == 0 && BN % 16 == 0 && sizeof(T) == 2, "D: multiple of 64; BN: of 16; T: 16-bit");
   static_assert(WG == 1 || WG == 2, "one or two consumer warpgroups");
   static_assert(64 % CHUNKS == 0 && BN % RSTEP == 0, "a producer half copies whole rows");
-  static_assert(!(TMA && PAGED), "TMA loads contiguous K/V only");
 
   const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
   if (t.empty) return;
@@ -347,6 +346,7 @@ __device__ __forceinline__ void flash_attention_wgmma(
   const unsigned sK = sQ + BM * D * 2, sV = sK + STAGES * KV_STAGE, bars = sV + STAGES * KV_STAGE;
   auto full = [&](int tile) { return bars + 8 * (tile % STAGES); };
   auto empty = [&](int tile) { return bars + 8 * (STAGES + tile % STAGES); };
+  auto landed = [&](int tile) { return bars + 8 * (2 * STAGES + tile % STAGES); };  // paged TMA: last tile
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   auto at = [](unsigned tile, unsigned block_bytes, int r, int c) {  // chunk c of row r of a tile
     return tile + (c / 8) * block_bytes + wgmma::swizzle128(r, c % 8);
@@ -355,22 +355,59 @@ __device__ __forceinline__ void flash_attention_wgmma(
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(full(i), TMA ? 1 : 64);
       mbar_init(empty(i), 4 * WG);
+      mbar_init(landed(i), 1);
     }
   __syncthreads();  // barriers initialised; the only CTA-wide barrier
 
-  if (wg == 0 && TMA) {  // producer: one thread, Q with tile 0
+  if (wg == 0 && TMA) {  // producer: one warp, Q with tile 0 (BN / block_size <= 32 pages a tile)
     if constexpr (WG > 1) regs_dec<40>();
-    if (tid == 0)
+    if (tid < 32) {
+      const int block_size = 1 << block_shift;
+      const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
       for (int tile = 0; tile < t.n_tiles; ++tile) {
+        const int s = tile % STAGES, key0 = tile * BN;
+        // paged: the pages holding keys of the context (none past its last block); the last tile, when
+        // it runs past the context, completes on landed[s] so that its V rows past the end can be zeroed
+        const int pages = PAGED ? min(BN, t.kv_len - key0 + block_size - 1) >> block_shift : 0;
+        const bool fix = PAGED && key0 + BN > t.kv_len;
+        const unsigned bar = fix ? landed(tile) : full(tile);
+        // paged: lane i reads the tile's i-th block-table entry (all in one round trip) and copies that page
+        const int blk = PAGED && lane < pages ? table[(key0 >> block_shift) + lane] : 0;
         if (tile >= STAGES) mbar_wait(empty(tile), (tile / STAGES - 1) & 1);
-        mbar_expect_tx(full(tile), 2 * KV_STAGE + (tile == 0 ? BM * D * 2 : 0));
-        for (int b = 0; b < D / 64; ++b) {
-          if (tile == 0) tma_load_3d(sQ + b * Q_BLOCK, q_map, 64 * b, head, t.q_start + m0, full(0));
-          const unsigned off = (tile % STAGES) * KV_STAGE + b * KV_BLOCK;
-          tma_load_3d(sK + off, k_map, 64 * b, t.kv_head, t.q_start + tile * BN, full(tile));
-          tma_load_3d(sV + off, v_map, 64 * b, t.kv_head, t.q_start + tile * BN, full(tile));
+        if (lane == 0) {
+          const unsigned kv_bytes = PAGED ? 2 * pages * block_size * 128 * (D / 64) : 2 * KV_STAGE;
+          mbar_expect_tx(bar, kv_bytes + (tile == 0 ? BM * D * 2 : 0));
+          for (int b = 0; b < D / 64; ++b) {
+            if (tile == 0) tma_load_3d(sQ + b * Q_BLOCK, q_map, 64 * b, head, t.q_start + m0, bar);
+            if (!PAGED) {
+              const unsigned off = s * KV_STAGE + b * KV_BLOCK;
+              tma_load_3d(sK + off, k_map, 64 * b, t.kv_head, t.q_start + key0, bar);
+              tma_load_3d(sV + off, v_map, 64 * b, t.kv_head, t.q_start + key0, bar);
+            }
+          }
+        }
+        if constexpr (PAGED) {
+          __syncwarp();  // the expected bytes are armed before any page lands
+          if (lane < pages)
+            for (int b = 0; b < D / 64; ++b) {
+              const unsigned off = s * KV_STAGE + b * KV_BLOCK + lane * block_size * 128;
+              tma_load_4d(sK + off, k_map, 64 * b, t.kv_head, 0, blk, bar);
+              tma_load_4d(sV + off, v_map, 64 * b, t.kv_head, 0, blk, bar);
+            }
+        }
+        if (fix) {  // zero the V rows past the context (an unwritten slot may hold NaN; P is 0 there)
+          mbar_wait(bar, 0);  // a CTA has one such tile: landed[s] completes once
+          unsigned char* gv = smem_raw + (sV - raw) + s * KV_STAGE;
+          for (int c = lane; c < BN * 8 * (D / 64); c += 32) {
+            const int b = c / (BN * 8), r = (c / 8) % BN;  // 16-byte chunk c % 8 of row r, column block b
+            if (r >= t.kv_len - key0) *reinterpret_cast<uint4*>(gv + b * KV_BLOCK + r * 128 + (c % 8) * 16) = uint4{};
+          }
+          wgmma::fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(full(tile));
         }
       }
+    }
     return;
   }
   if (wg == 0) {  // producer: two halves of 64 threads take alternate tiles (half 0: Q with tile 0)
@@ -495,7 +532,7 @@ __device__ __forceinline__ void flash_attention_wgmma(
 }
 
 // grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * (WG + 1)
-//   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 64 (barriers)
+//   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 128 (barriers)
 // Arguments, layouts and results as flash_attention_kernel (paged or contiguous, K/V by cp.async).
 template <typename T, int D, int BN, int WG, bool PAGED>
 __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kernel(
@@ -508,14 +545,17 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
                                                    causal, nullptr, nullptr, nullptr);
 }
 
-// As flash_attention_wgmma_kernel, contiguous K/V only, loaded by TMA through tensor maps (runtime.tensor_map)
-// of q [tokens, n_heads, D] in boxes [64 * WG][1][64] and k, v [tokens, n_kv_heads, D] in [BN][1][64].
-template <typename T, int D, int BN, int WG>
+// As flash_attention_wgmma_kernel, K/V loaded by TMA through tensor maps (runtime.tensor_map): q [tokens,
+// n_heads, D] in boxes [64 * WG][1][64]; contiguous k, v [tokens, n_kv_heads, D] in [BN][1][64], paged k, v
+// [num_blocks, block_size, n_kv_heads, D] in pages [1][block_size][1][64] (block_size >= 8, dividing BN).
+template <typename T, int D, int BN, int WG, bool PAGED>
 __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_tma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-    const int* __restrict__ cu_seqlens_q, int n_heads, int n_kv_heads, float scale_log2, int causal,
-    const __grid_constant__ cuinfer::TensorMap q_map, const __grid_constant__ cuinfer::TensorMap k_map,
-    const __grid_constant__ cuinfer::TensorMap v_map) {
-  flash_attention_wgmma<T, D, BN, WG, false, true>(q, k, v, out, cu_seqlens_q, nullptr, nullptr, 0, 0, n_heads,
-                                                  n_kv_heads, scale_log2, causal, &q_map, &k_map, &v_map);
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
+    const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
+    int n_kv_heads, float scale_log2, int causal, const __grid_constant__ cuinfer::TensorMap q_map,
+    const __grid_constant__ cuinfer::TensorMap k_map, const __grid_constant__ cuinfer::TensorMap v_map) {
+  flash_attention_wgmma<T, D, BN, WG, PAGED, true>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
+                                                  max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
+                                                  causal, &q_map, &k_map, &v_map);
 }

@@ -9,7 +9,7 @@ flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
 
 numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
 cuda_src/flash_attention.cu: on sm_90 with head_dim 64 / 128 / 256 a warp-specialized wgmma
-kernel (a producer warpgroup filling a ring of K/V tiles, by TMA when K/V are contiguous;
+kernel (a producer warpgroup filling a ring of K/V tiles by TMA, or cp.async for pages under 8 rows;
 consumer warpgroups taking turns on the tensor cores), elsewhere a FlashAttention-2 kernel on
 mma.sync m16n8k16 with cp.async double-buffered K/V tiles. Online softmax in fp32. GQA is
 native: the kernel maps query head h to KV head h // (n_heads // n_kv_heads).
@@ -34,18 +34,21 @@ LOG2E = 1.4426950408889634
 WGMMA_HEAD_DIMS = (64, 128, 256)  # multiples of 64: whole 128-byte swizzle blocks
 
 
-def tile_config(head_dim: int, arch: int = 80, paged: bool = False) -> tuple:
-    """(kernel, BLOCK_M, BLOCK_N, warps) for a head dim on compute capability `arch` (90 for sm_90).
+def tile_config(head_dim: int, arch: int = 80, block_size: int = 0) -> tuple:
+    """(kernel, BLOCK_M, BLOCK_N, warps) for a head dim on compute capability `arch` (90 for sm_90),
+    contiguous K/V (block_size 0) or a paged cache of that block size.
 
     sm_90, head_dim 64 / 128 / 256: the warp-specialized wgmma kernel, a producer warpgroup and one
-    (d=256) or two consumer warpgroups of 64 query rows; "tma" (contiguous K/V: TMA copies) or
-    "wgmma" (paged: cp.async, zero-filling rows past the context). "mma" (mma.sync) otherwise: O and
-    S accumulators in registers without spills (ptxas -v, sm_90: d=64 254 regs, d=80/96 168, d=128
-    173, d=256 242 with Q re-read from shared memory). d=128, H100, 4x4096 causal / full TFLOP/s:
-    64x64x4 240 / 240, 128x32x4 228 / 241 (24 B spill since the FFMA softmax), 128x64x8 222 / 234."""
+    (d=256) or two consumer warpgroups of 64 query rows; "tma" (K/V copied by TMA: contiguous, or
+    pages of at least 8 rows that divide BLOCK_N) or "wgmma" (cp.async with zero fill: smaller
+    pages). "mma" (mma.sync) otherwise: O and S accumulators in registers without spills (ptxas -v,
+    sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q re-read from shared memory). d=128,
+    H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240, 128x32x4 228 / 241 (24 B spill since the
+    FFMA softmax), 128x64x8 222 / 234."""
     if 90 <= arch < 100 and head_dim in WGMMA_HEAD_DIMS:
-        kind = "wgmma" if paged else "tma"
-        return (kind, 64, 64, 8) if head_dim > 128 else (kind, 128, 128, 12)
+        bm, bn, warps = (64, 64, 8) if head_dim > 128 else (128, 128, 12)
+        tma = block_size == 0 or (block_size >= 8 and bn % block_size == 0)
+        return ("tma" if tma else "wgmma", bm, bn, warps)
     if head_dim <= 64:
         return ("mma", 128, 64, 4)  # 2 m16 tiles per warp
     if head_dim <= 128:
@@ -56,15 +59,13 @@ def tile_config(head_dim: int, arch: int = 80, paged: bool = False) -> tuple:
 def instantiation(dtype, head_dim: int, paged: bool, tile) -> str:
     kind, bm, bn, warps = tile
     t, p = runtime.ctype(dtype), "true" if paged else "false"
-    if kind == "tma":
-        return f"flash_attention_tma_kernel<{t}, {head_dim}, {bn}, {warps // 4 - 1}>"
-    if kind == "wgmma":
-        return f"flash_attention_wgmma_kernel<{t}, {head_dim}, {bn}, {warps // 4 - 1}, {p}>"
+    if kind in ("tma", "wgmma"):
+        return f"flash_attention_{kind}_kernel<{t}, {head_dim}, {bn}, {warps // 4 - 1}, {p}>"
     return f"flash_attention_kernel<{t}, {head_dim}, {bm}, {bn}, {warps}, {p}>"
 
 
-INSTANTIATIONS = sorted({instantiation(dt, d, p, tile_config(d, arch, p)) for dt in (np.float16, runtime.bfloat16)
-                         for p in (False, True) for arch in (80, 90) for d in HEAD_DIMS})
+INSTANTIATIONS = sorted({instantiation(dt, d, bs > 0, tile_config(d, arch, bs)) for dt in (np.float16, runtime.bfloat16)
+                         for bs in (0, 4, 16) for arch in (80, 90) for d in HEAD_DIMS})
 
 
 def smem_bytes(head_dim: int, tile, itemsize: int = 2) -> int:
@@ -73,7 +74,7 @@ def smem_bytes(head_dim: int, tile, itemsize: int = 2) -> int:
     barriers."""
     kind, bm, bn, _ = tile
     if kind in ("wgmma", "tma"):
-        return (bm + 6 * bn) * head_dim * itemsize + 1024 + 64
+        return (bm + 6 * bn) * head_dim * itemsize + 1024 + 128
     return (bm + 4 * bn) * (head_dim + 8) * itemsize
 
 
@@ -156,9 +157,9 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     return out
 
 
-def device_tile(head_dim: int, paged: bool = False) -> tuple:
-    """tile_config for the current device."""
-    return tile_config(head_dim, int(runtime.device_info()["arch"][3:]), paged)
+def device_tile(head_dim: int, block_size: int = 0) -> tuple:
+    """tile_config for the current device (block_size 0: contiguous K/V)."""
+    return tile_config(head_dim, int(runtime.device_info()["arch"][3:]), block_size)
 
 
 def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
@@ -170,18 +171,17 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     n_kv = k.shape[-2]
     if num_seqs == 0 or max_seqlen_q == 0 or q.shape[0] == 0:
         return  # nothing to compute (and no tensor map of an empty array)
-    tile = tile or device_tile(d, paged)
+    tile = tile or device_tile(d, block_size if paged else 0)
     kind, bm, bn, warps = tile
     kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged, tile))
     grid = (-(-max_seqlen_q // bm), n_heads, num_seqs)
-    tail = (np.int32(n_heads), np.int32(n_kv), np.float32(scale * LOG2E), np.int32(bool(causal)))
-    if kind == "tma":
-        maps = (runtime.tensor_map(q, (bm, 1, 64)), runtime.tensor_map(k, (bn, 1, 64)),
-                runtime.tensor_map(v, (bn, 1, 64)))
-        args = (q, k, v, out, cu_q) + tail + maps
-    elif paged:
+    if paged:
         args = (q, k, v, out, cu_q, context_lens, block_tables, np.int32(block_tables.shape[1]),
-                np.int32(int(math.log2(block_size)))) + tail
+                np.int32(int(math.log2(block_size))))
     else:
-        args = (q, k, v, out, cu_q, cu_q, cu_q, np.int32(0), np.int32(0)) + tail  # no context / table
+        args = (q, k, v, out, cu_q, cu_q, cu_q, np.int32(0), np.int32(0))  # no context / table
+    args += (np.int32(n_heads), np.int32(n_kv), np.float32(scale * LOG2E), np.int32(bool(causal)))
+    if kind == "tma":
+        kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
+        args += (runtime.tensor_map(q, (bm, 1, 64)), runtime.tensor_map(k, kv_box), runtime.tensor_map(v, kv_box))
     runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, tile, q.dtype.itemsize))
