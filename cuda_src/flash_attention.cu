@@ -307,15 +307,16 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 }
 
 // The warp-specialized wgmma forward (sm_90a; D % 64 == 0), behind two entry points that differ in how
-// K/V tiles arrive: flash_attention_wgmma_kernel copies them with cp.async (paged caches, where the
-// rows past the context are zero-filled: an unwritten slot may hold NaN, and 0 * NaN poisons P V), and
-// flash_attention_tma_kernel (contiguous) with TMA, one thread issuing boxes that complete on the
-// tile's full mbarrier by byte count.
+// K/V tiles arrive. flash_attention_tma_kernel: one producer warp issues TMA boxes (contiguous K/V, or one
+// box a page of a paged cache) that complete on the tile's full mbarrier by byte count; a last tile that
+// runs past the context lands on landed[] instead, and the warp zeroes its V rows past the end (an
+// unwritten slot may hold NaN, and 0 * NaN poisons P V) before arriving on full. flash_attention_wgmma_
+// kernel (pages under 8 rows): the producer's two halves take alternate tiles, copy them with cp.async
+// (zero fill past the context), wait for their own copies, fence the proxy and arrive on full.
 // Block: 128 * (WG + 1) threads: warpgroup 0 loads, warpgroups 1..WG (WG <= 2) compute 64 query rows
 // each. Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64] and a ring of 3 tiles, K [3][D/64][BN][64]
-// and V [3][D/64][BN][64], with mbarriers full[3] and empty[3]; every consumer warp arrives on empty
-// once done with a tile. The cp.async producer's two halves take alternate tiles; each waits for its
-// own copies of a tile (then a proxy fence) and arrives on the tile's full barrier.
+// and V [3][D/64][BN][64], then mbarriers full[3], empty[3], landed[3]; every consumer warp arrives on
+// empty once done with a tile.
 // Consumer iteration j issues S_{j+1} = Q K_{j+1}^T and O += P_j V_j back to back and runs the softmax
 // of S_{j+1} under P_j V_j. Two consumer warpgroups take turns to issue (named barriers, "pingpong"),
 // so one's softmax runs while the tensor cores multiply for the other.
@@ -400,7 +401,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
           unsigned char* gv = smem_raw + (sV - raw) + s * KV_STAGE;
           for (int c = lane; c < BN * 8 * (D / 64); c += 32) {
             const int b = c / (BN * 8), r = (c / 8) % BN;  // 16-byte chunk c % 8 of row r, column block b
-            if (r >= t.kv_len - key0) *reinterpret_cast<uint4*>(gv + b * KV_BLOCK + r * 128 + (c % 8) * 16) = uint4{};
+            if (r >= t.kv_len - key0)
+              *reinterpret_cast<uint4*>(gv + b * KV_BLOCK + r * 128 + (c % 8) * 16) = uint4{};
           }
           wgmma::fence_proxy_async();
           __syncwarp();
@@ -533,7 +535,7 @@ __device__ __forceinline__ void flash_attention_wgmma(
 
 // grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * (WG + 1)
 //   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 128 (barriers)
-// Arguments, layouts and results as flash_attention_kernel (paged or contiguous, K/V by cp.async).
+// Arguments, layouts and results as flash_attention_kernel (K/V by cp.async: any power-of-two page).
 template <typename T, int D, int BN, int WG, bool PAGED>
 __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
