@@ -324,11 +324,16 @@ _PARAM_FORMATS = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtyp
 
 @functools.lru_cache(maxsize=None)
 def _libcuda():
-    """The CUDA driver library, or None where it cannot be loaded."""
+    """The CUDA driver library (the entry points runtime calls declared), or None where it cannot be loaded."""
+    p = ctypes.c_void_p
     try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), p, p, p]
+        lib.cuTensorMapEncodeTiled.argtypes = [p, ctypes.c_int, ctypes.c_uint32, p, p, p, p, p,
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    except (OSError, AttributeError):  # no driver, or one older than CUDA 12
         return None
+    return lib
 
 
 def _driver_call(name, *args):
@@ -380,9 +385,6 @@ def _launch_ex(k, grid, block, args, smem, pdl):
     attr = _pdl_driver() if pdl else None
     config = _LaunchConfig(grid, block, smem, cp.cuda.get_current_stream().ptr,
                            ctypes.pointer(attr) if attr is not None else None, 1 if attr is not None else 0)
-    lib = _libcuda()
-    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_void_p]
     _driver_call("cuLaunchKernelEx", ctypes.byref(config), k.kernel.ptr, params, None)
 
 
@@ -401,11 +403,6 @@ def tensor_map(a, box) -> bytes:
     ones = (ctypes.c_uint32 * rank)(*([1] * rank))
     out = (ctypes.c_uint64 * 24)()  # 192 bytes: a 64-byte aligned 128-byte map inside
     addr = -(-ctypes.addressof(out) // 64) * 64
-    lib = _libcuda()
-    if lib is not None:
-        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     # UINT16 data (bytes are bytes), no interleave, 128-byte swizzle, 256-byte L2 promotion, zero fill
     _driver_call("cuTensorMapEncodeTiled", addr, 1, rank, a.data.ptr, dims, strides, boxes, ones, 0, 3, 3, 0)
     return ctypes.string_at(addr, 128)

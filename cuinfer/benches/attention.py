@@ -122,7 +122,7 @@ SWEEP_TILES = (("mma", 64, 64, 4), ("wgmma", 128, 128, 12), ("tma", 128, 128, 12
 
 def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=SWEEP_TILES):
     """--sweep: d=128 prefill at 4x4096 with other (kernel, BLOCK_M, BLOCK_N, warps) tiles, direct
-    launches (wgmma tiles on sm_90 only)."""
+    launches (wgmma / tma tiles on sm_90 only)."""
     b = tokens // s
     q = cp.random.standard_normal((b * s, N_HEADS, d), dtype=cp.float32).astype(cp.float16)
     k = cp.random.standard_normal((b * s, N_KV, d), dtype=cp.float32).astype(cp.float16)
@@ -132,7 +132,7 @@ def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=SWEEP_TILES):
     rows = []
     arch = int(runtime.device_info()["arch"][3:])
     for tile in tiles:
-        if tile[0] == "wgmma" and arch != 90:
+        if tile[0] != "mma" and arch != 90:  # wgmma and tma: sm_90 only
             continue
         for causal in (True, False):
             call = functools.partial(launch_kernel, q, k, v, out, cu, None, None, 0, b, s, d ** -0.5, causal, tile)
