@@ -144,8 +144,9 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
   }
 }
 
-// grid: (n_splits, n_kv_heads, num_seqs) · block: 128
-// smem: 4 * (G * partition + 4 * G * D + 8 * G + partition / block_size + 2), with NEW_KV and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 128 * 16
+// grid: (n_splits, n_kv_heads, num_seqs) · block: 32 * WARPS
+// smem: 4 * (G * partition + WARPS * G * D + 2 * WARPS * G + partition / block_size + 2), with NEW_KV
+// and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 32 * WARPS * 16
 // q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D]
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
 // n_splits > 1 only (16-byte aligned): part_out: [num_seqs, n_heads, n_splits, D] fp32;
@@ -156,11 +157,14 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
 // write); inv_freq: [D / 2] fp32. Without NEW_KV these are unused and q is contiguous.
 // G: query heads per KV head, padded (the real count is n_heads / n_kv_heads <= G).
 // U: K/V rows each lane loads before it uses the first (bytes in flight).
-// Launch bounds: the CTAs per SM resident_ctas in the op assumes, 5 (<= 102 registers) for G <= 4 and 3
-// (<= 168) for G = 8, without spills; the plain G = 8 kernel fits 168 unbounded (and is left unbounded,
-// which schedules it better), the NEW_KV one would take up to 182 registers (bf16, D = 80 / 96).
-template <typename T, int D, int G, int U, bool NEW_KV>
-__global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_attention_kernel(
+// WARPS: warps per CTA (4 to 8; 4 for G = 8), chosen by the op so that one wave of the grid holds as
+// many warps as the SMs' registers allow.
+// Launch bounds: the warps per SM resident_warps in the op assumes, 20 (<= 102 registers: 5 CTAs of 4
+// warps, 4 of 5, 3 of 6, 2 of 8) for G <= 4 and 3 CTAs of 4 (<= 168) for G = 8, without spills; the
+// plain G = 8 kernel fits 168 unbounded (and is left unbounded, which schedules it better), the NEW_KV
+// one would take up to 182 registers (bf16, D = 80 / 96).
+template <typename T, int D, int G, int U, int WARPS, bool NEW_KV>
+__global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 : 1)) paged_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, int* __restrict__ arrivals,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
@@ -171,7 +175,8 @@ __global__ void __launch_bounds__(128, G <= 4 ? 5 : (NEW_KV ? 3 : 1)) paged_atte
     pdl_wait();  // every input of this kernel may come from the previous one
     pdl_trigger();
   }
-  constexpr int WARPS = 4, THREADS = 32 * WARPS;
+  static_assert(WARPS >= 4 && WARPS <= 8 && (G <= 4 || WARPS == 4), "4..8 warps, G = 8 with 4 only");
+  constexpr int THREADS = 32 * WARPS;
   constexpr int CHUNKS = D / 8;
   constexpr int KL = CHUNKS <= 8 ? 8 : (CHUNKS <= 16 ? 16 : 32);  // lanes per row
   constexpr int RPW = 32 / KL;                                      // rows per warp step

@@ -21,6 +21,8 @@ from .. import bench, runtime
 from ..graph import capture
 from ..ops.flash_attention import flash_attention, flash_attention_paged, launch_kernel
 from ..ops.paged_attention import (
+    WARPS,
+    cta_warps,
     decode_splits,
     launch_decode,
     padded_group,
@@ -155,17 +157,18 @@ def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
         out = cp.empty_like(q)
         group = padded_group(N_HEADS, N_KV)
         n_splits, partition = decode_splits(b, N_HEADS, N_KV, ctx)
-        variants = [(n_splits, partition, rows_in_flight(group, d))]
+        warps = cta_warps(n_splits * N_KV * b, group, runtime.device_info()["sm_count"])
+        variants = [(n_splits, partition, rows_in_flight(group, d), warps)]
         if sweep:
-            variants += [(-(-ctx // p), p, u) for p in (256, 512, 1024, 2048) for u in (4, 8)
-                         if p <= ctx and (-(-ctx // p), p, u) != variants[0]]
-        for i, (n, p, u) in enumerate(variants):
+            variants += [(-(-ctx // p), p, u, w) for p in (256, 512, 1024, 2048) for u in (4, 8) for w in WARPS
+                         if p <= ctx and (-(-ctx // p), p, u, w) != variants[0]]
+        for i, (n, p, u, w) in enumerate(variants):
             ws = cp.zeros(split_workspace_elems(b, N_HEADS, N_KV, d, n), dtype=cp.float32)
             call = (functools.partial(paged_attention, q, k_cache, v_cache, tables, lens, out=out,
                                       max_context_len=ctx, workspace=ws) if i == 0 else
                     functools.partial(launch_decode, q, k_cache, v_cache, tables, lens, out, d ** -0.5,
-                                      group, n, p, ws, u))
-            row = {"name": f"decode paged {n}x{p} U={u}" if i == 0 else f"  split {n}x{p} U={u}",
+                                      group, n, p, ws, u, warps=w))
+            row = {"name": f"decode paged {n}x{p} U={u} W={w}" if i == 0 else f"  split {n}x{p} U={u} W={w}",
                    "shape": f"{b}x{ctx} bs={block_size}", "dtype": "float16", "ms": graph_ms(cp, call),
                    "bytes": 2 * b * ctx * N_KV * d * 2}
             if i == 0 and torch is not None:

@@ -51,7 +51,7 @@ from .attention_ref import default_scale, paged_prefix_attention
 HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
-THREADS = 128
+WARPS = (4, 5, 6, 8)  # warps per CTA (7 would fit no more CTAs per SM than 8)
 MIN_PARTITION, MAX_PARTITION = 32, 1024  # tokens per split (multiples of 32)
 LOG2E = 1.4426950408889634
 
@@ -77,13 +77,31 @@ def resident_ctas(group: int) -> int:
     return 5 if group <= 4 else 3
 
 
-def instantiation(dtype, head_dim: int, group: int, u=None, new_kv: bool = False) -> str:
+def resident_warps(group: int) -> int:
+    """Warps per SM the decode kernel's registers allow (its launch bounds ask for them)."""
+    return 4 * resident_ctas(group)
+
+
+def cta_warps(ctas: int, group: int, sm_count: int) -> int:
+    """Warps per CTA (4 to 8): the most that still fit the grid in one wave, so that the wave holds
+    as many warps (bytes in flight) as the registers allow. 64 sequences x 8 KV heads at 1k tokens
+    launch 512 CTAs: 4 warps fill 3.9 of an SM's 5 CTA slots (15.5 of its 20 warps), 5 warps 3.9
+    of 4 (19.4 of 20). Grids over one wave of 4-warp CTAs, and G = 8 (whose 168 registers leave
+    room for 12 warps only), keep 4."""
+    if group > 4:
+        return 4
+    fits = [w for w in WARPS if ctas <= sm_count * (resident_warps(group) // w)]
+    return max(fits, default=WARPS[0])
+
+
+def instantiation(dtype, head_dim: int, group: int, u=None, new_kv: bool = False, warps: int = 4) -> str:
     u = u or rows_in_flight(group, head_dim)
-    return f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}, {str(new_kv).lower()}>"
+    return (f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}, {warps}, "
+            f"{str(new_kv).lower()}>")
 
 
-INSTANTIATIONS = [instantiation(dt, d, g, new_kv=f) for dt in (np.float16, runtime.bfloat16) for d in HEAD_DIMS
-                  for g in GROUPS for f in (False, True)]
+INSTANTIATIONS = [instantiation(dt, d, g, new_kv=f, warps=w) for dt in (np.float16, runtime.bfloat16)
+                  for d in HEAD_DIMS for g in GROUPS for f in (False, True) for w in WARPS if g <= 4 or w == 4]
 
 
 def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int,
@@ -93,9 +111,10 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     (a merge costs more than the missing occupancy), else slots // pairs splits; partitions of
     32..1024 tokens, a multiple of 32 (short contexts at small batches split finely too: llama3-8b
     at batch 1 and context 512 launched 16 CTAs with 256-token partitions, 25 us a layer).
-    H100, graph replay, d=128, G=4, against partitions of 256..2048 tokens and U=4/8 in the same
-    run: it picks 16x4k 5x832 (85 % of copy, best),
-    64x1k 1x1024 (80 %, best), 1x32k 79x416 (72 %; 64x512 70 %)."""
+    H100, graph replay, d=128, G=4, against partitions of 256..2048 tokens, U=4/8 and 4-8 warps in
+    the same run (`bench attention --sweep`, 2026-11-24): it picks 16x4k 5x832 with 4 warps (85.6 %
+    of copy, best), 64x1k 1x1024 with 5 warps (85.5 %, best; 72.7 % with 4), 1x32k 79x416 with 4
+    warps (71.1 %; 32x1024 with 8 warps the same, 64x512 with 5 72.4 %)."""
     ctx = max(1, max_context_len)
     partition = -(-ctx // split_bound(num_seqs, n_kv_heads, max_context_len, sm_count, ctas_per_sm))
     partition = -(-partition // 32) * 32
@@ -138,24 +157,23 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
     return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
 
 
-def loop_step(head_dim: int) -> int:
-    """K/V rows the kernel's 4 warps cover per step (STEP of the kernel: 16-byte chunks of a row
+def loop_step(head_dim: int, warps: int = 4) -> int:
+    """K/V rows the kernel's warps cover per step (STEP of the kernel: 16-byte chunks of a row
     on 8, 16 or 32 lanes)."""
     lanes = next(n for n in (8, 16, 32) if head_dim // 8 <= n)
-    return THREADS // 32 * (32 // lanes)
+    return warps * (32 // lanes)
 
 
 def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
-               u: int = None, new_kv: bool = False) -> int:
+               u: int = None, new_kv: bool = False, warps: int = 4) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
     partition // block_size + 2 blocks). With new_kv and a split of one loop step (partition <=
     STEP * U) the stage of its K and V rows follows, 16-byte aligned: [2][ceil(partition / STEP)]
-    [THREADS] x 16 bytes."""
-    warps = THREADS // 32
+    [threads] x 16 bytes."""
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
-    step, u = loop_step(head_dim), u or rows_in_flight(group, head_dim)
-    stage = 2 * -(-partition // step) * THREADS * 16 if new_kv and partition <= step * u else 0
+    step, u = loop_step(head_dim, warps), u or rows_in_flight(group, head_dim)
+    stage = 2 * -(-partition // step) * 32 * warps * 16 if new_kv and partition <= step * u else 0
     return -(-4 * attend // 16) * 16 + stage
 
 
@@ -240,12 +258,14 @@ def _refuse_capture(names):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace=None, u=None, new_kv=None):
+                  partition, workspace=None, u=None, new_kv=None, warps=None):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
-    context length, partition a multiple of 32. Arguments are checked by the caller."""
+    context length, partition a multiple of 32; warps per CTA from cta_warps unless given.
+    Arguments are checked by the caller."""
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    warps = warps or cta_warps(n_splits * n_kv * num_seqs, group, runtime.device_info()["sm_count"])
     if n_splits > 1:
         need = split_workspace_elems(num_seqs, n_heads, n_kv, d, n_splits)
         if workspace is None:
@@ -263,10 +283,10 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
         k, v, slot_mapping, inv_freq = q, q, context_lens, part_ml
     else:
         k, v, slot_mapping, inv_freq = new_kv
-    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None))
+    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None, warps))
     args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
             *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)))
-    runtime.launch(kern, (n_splits, n_kv, num_seqs), (THREADS,), args,
-                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None))
+    runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
+                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps))

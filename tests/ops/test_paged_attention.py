@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from cuinfer import runtime
 from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
-from cuinfer.ops.paged_attention import HEAD_DIMS, paged_attention, split_bound, split_config
+from cuinfer.ops import family_module
+from cuinfer.ops.paged_attention import HEAD_DIMS, WARPS, paged_attention, split_bound, split_config
 from tests.conftest import assert_close, poison
 from tests.ops.test_flash_attention import attention_loops, scatter_paged
 from tests.ops.test_write_kv import inv_freq_for
@@ -50,6 +51,16 @@ def test_split_config():
         bounds = [split_bound(seqs, kv, c, 132, ctas) for c in range(1, 9000, 7)]
         assert bounds == sorted(bounds)
         assert all(split_config(seqs, kv, c, 132, ctas)[0] <= b for c, b in zip(range(1, 9000, 7), bounds))
+
+
+def test_cta_warps():
+    from cuinfer.ops.paged_attention import cta_warps
+
+    assert cta_warps(512, 4, 132) == 5  # 64 x 1k x 8 KV heads: 4 CTAs of 5 warps an SM, one wave
+    assert cta_warps(640, 4, 132) == 4  # 5 CTAs of 4 warps
+    assert cta_warps(396, 2, 132) == 6 and cta_warps(397, 2, 132) == 5
+    assert cta_warps(48, 4, 132) == 8 and cta_warps(2000, 1, 132) == 4
+    assert cta_warps(48, 8, 132) == 4  # G = 8: 168 registers, 4 warps only
 
 
 def test_argument_checks():
@@ -348,6 +359,28 @@ def test_new_kv_matches_write_kv_then_decode(cp, lens, ratio, n_kv, d, dtype, bl
                                              seed):
     case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop)
     check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, strided)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", WARPS)
+@pytest.mark.parametrize(("ratio", "d", "dtype"), [(4, 128, np.float16), (3, 64, runtime.bfloat16),
+                                                   (2, 256, np.float16)])
+def test_cta_widths(cp, monkeypatch, warps, ratio, d, dtype):
+    """Every CTA width (cta_warps picks it from the grid, so small tests would see one), plain and fused,
+    one split (staged rows when fused) and several."""
+    monkeypatch.setattr(family_module("paged_attention"), "cta_warps", lambda *_: warps)
+    rng = np.random.default_rng(warps * d)
+    for lens in ([33, 1, 0, 70], [1300, 5]):
+        lens_a = np.array(lens, np.int32)
+        cu = np.concatenate([[0], np.cumsum(lens_a)]).astype(np.int32)
+        k, v = (rng.standard_normal((cu[-1], 2, d)).astype(np.float32).astype(dtype) for _ in range(2))
+        tables, k_cache, v_cache = scatter_paged(rng, cu, 16, k, v)
+        q = rng.standard_normal((len(lens), 2 * ratio, d)).astype(np.float32).astype(dtype)
+        out = poison(cp, q.shape, dtype)
+        paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
+                        cp.asarray(lens_a), out=out)
+        assert_close(out, decode_reference(q, k_cache, v_cache, tables, lens_a), dtype)
+        check_fused_matches_write_kv(cp, new_token_case(rng, lens, ratio, 2, d, dtype, 16, pad=8))
 
 
 @pytest.mark.gpu
