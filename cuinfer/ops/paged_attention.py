@@ -113,7 +113,7 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     at batch 1 and context 512 launched 16 CTAs with 256-token partitions, 25 us a layer).
     H100, graph replay, d=128, G=4, against partitions of 256..2048 tokens, U=4/8 and 4-8 warps in
     the same run (`bench attention --sweep`, 2026-11-24): it picks 16x4k 5x832 with 4 warps (85.6 %
-    of copy, best), 64x1k 1x1024 with 5 warps (85.5 %, best; 72.7 % with 4), 1x32k 79x416 with 4
+    of copy, best), 64x1k 1x1024 with 5 warps (85.5 %, best; 76.3 % with 4), 1x32k 79x416 with 4
     warps (71.1 %; 32x1024 with 8 warps the same, 64x512 with 5 72.4 %)."""
     ctx = max(1, max_context_len)
     partition = -(-ctx // split_bound(num_seqs, n_kv_heads, max_context_len, sm_count, ctas_per_sm))
