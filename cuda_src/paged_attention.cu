@@ -84,11 +84,12 @@ __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, in
 // The CTA that arrives last on *arrival merges its group's heads into out and resets *arrival to 0
 // for the next launch: out = sum_s w_s part_out_s / sum_s w_s, w_s = sum_s * exp2(max_s - max), an
 // empty split weighs 0 (and its part_out is 0). Release: the CTA's writes, bar.sync, then thread 0's
-// fence before its atomic; acquire: thread 0's fence after the atomic, then bar.sync (the pattern of
-// cooperative groups' grid sync). Other CTAs' partials are read with ld.global.cg (L2, never a stale
-// L1 line). Each thread merges 4 columns of one head on its own, CH splits at a time: their (max,
-// sum) pairs and partial outputs are loaded together (one round trip per CH splits), the running
-// sum rescaled by the new maximum (online softmax).
+// atomic with acq_rel semantics at gpu scope (cumulative: it releases what the barrier ordered before
+// it; two __threadfence() around a relaxed atomic cost ~0.6 us a call more, notes/decode.md);
+// acquire: the same atomic in the last CTA, then bar.sync. Other CTAs' partials are read with
+// ld.global.cg (L2, never a stale L1 line). Each thread merges 4 columns of one head on its own, CH
+// splits at a time: their (max, sum) pairs and partial outputs are loaded together (one round trip
+// per CH splits), the running sum rescaled by the new maximum (online softmax).
 template <typename T, int D>
 __device__ __forceinline__ void merge_if_last(const float* part_out, const float* part_ml, int* arrival, T* out,
                                               size_t head0, int group, int n_splits) {
@@ -96,10 +97,10 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
   __syncthreads();  // the CTA's partials are written
   int last = 0;
   if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(arrival, 1) == n_splits - 1;
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(arrival) : "memory");
+    last = before == n_splits - 1;
     if (last) *arrival = 0;  // every split has arrived: nothing else touches it in this launch
-    __threadfence();
   }
   if (!__syncthreads_or(last)) return;
 
