@@ -13,7 +13,8 @@ same config and the same fp16 weights (shared through DLPack), generate greedy w
 prompts, at batch 1 (its eager generate takes ~0.13 s a step at 8B: larger batches would
 not fit the run's time); its decode ms per step is (t(new) - t(1)) / (new - 1). Quantized rows
 are compared with the fp16 peer. Batch-1 rows also run the step eagerly (use_graphs=False): eager tok/s and whether
-its tokens equal the graph's. A smollm2-135m batch-1 row (the default model) closes a preset run.
+its tokens equal the graph's. A smollm2-135m batch-1 row (the default model) closes a preset run,
+and a last row measures the floor of a kernel chain (floor_row).
 """
 from __future__ import annotations
 
@@ -260,6 +261,38 @@ def model_rows(cp, torch, name, config, base, args, batches, quants):
     return rows
 
 
+def floor_row(cp, torch, hidden, n=150):
+    """The floor of a decode step's kernel chain: n dependent rms_norm calls on one [1, hidden] row
+    (each reads the row the previous one wrote, reduces it over the block and writes it), replayed
+    from one CUDA graph as a step's kernels are (programmatic dependent launch on sm_90); ms per
+    kernel. Peer: torch's rms_norm chained the same way in a torch CUDA graph."""
+    from ..ops.rms_norm import rms_norm
+
+    rows = [cp.random.standard_normal((1, hidden), dtype=cp.float32).astype(cp.float16),
+            cp.empty((1, hidden), cp.float16)]
+    weight = cp.ones(hidden, cp.float16)
+
+    def chain():
+        for i in range(n):
+            rms_norm(rows[i % 2], weight, 1e-5, out=rows[(i + 1) % 2])
+
+    cp.cuda.Device().synchronize()
+    graph, _, _ = capture(chain, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+    row = {"name": f"kernel floor: {n} chained rms_norm", "shape": f"1x{hidden}", "dtype": "float16",
+           "ms": bench.time_ms(graph.launch, warmup=3, iters=20) / n}
+    if torch is not None:
+        x = torch.randn(1, hidden, device="cuda", dtype=torch.float16)
+        w = torch.ones(hidden, device="cuda", dtype=torch.float16)
+        torch.cuda.synchronize()
+        tg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(tg):
+            y = x
+            for _ in range(n):
+                y = torch.nn.functional.rms_norm(y, (hidden,), w, 1e-5)
+        row.update(peer="torch rms_norm chain", peer_ms=bench.time_ms(tg.replay, warmup=3, iters=20) / n)
+    return row
+
+
 DETAIL = ("tok_s", "replay_ms", "gemv_ms", "attn_ms", "roofline_tok_s", "prefill_tok_s", "eager_tok_s",
           "graph_eq_eager", "hf_same_prefix")
 
@@ -296,4 +329,4 @@ def run(args):
             small = load_preset(DEFAULT_MODEL)
             rows += model_rows(cp, torch, DEFAULT_MODEL, small, random_weights(cp, small, dtype), args,
                                [1], ["none"])
-    return rows
+    return rows + [floor_row(cp, torch, config.hidden_size)]
