@@ -303,6 +303,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   __half2 sz[U][RT][2][GQ], sz_next[U][RT][2][GQ];
   load(a_raw, sz, q_begin + kw * U);
   pdl_wait();
+  pdl_trigger();  // at once, as every kernel here: the next one's loads before its wait overlap this one
 
   // Epilogue thread i finishes accumulator value i / 32 of lane i % 32 (of the gate or only half):
   // output row `row`, x row `m`. With NT = 1 fp16 / int4 weights its operands are loaded here, so
@@ -455,7 +456,6 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
         }
   }
 
-  pdl_trigger();  // the next kernel may start on SMs this grid frees: its main loop is done
   // Sum the warps' fragments into partial[0] (value v of lane l at [v][l]), then the cluster's blocks.
 #pragma unroll
   for (int r = 0; r < RT; ++r)
