@@ -18,10 +18,10 @@ paged_attention on the rotated q does, bit for bit, in one launch:
 
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
 reads each K/V row once for all query heads of its group (4 to 8 warps, as many as one wave of
-the grid allows: cta_warps); when sequences are few and
-long the context is split (flash-decoding): each split writes fp32 partials to the
-workspace and the last CTA of a (sequence, KV head) to finish, found with an atomic
-arrival counter, merges them (one launch either way). The grid and the split count
+the grid allows: cta_warps); when sequences are few and long the context is split
+(flash-decoding): each split writes fp32 partials to the workspace and the last CTA of a
+(sequence, KV head) to finish, found with an atomic arrival counter, merges them (one launch
+either way). The grid and the split count
 depend on the shapes and on max_context_len only, never on the values in context_lens.
 
 Under CUDA-graph capture (and to avoid a device sync per call) the caller passes, all
