@@ -268,13 +268,13 @@ def floor_row(cp, torch, hidden, n=150):
     kernel. Peer: torch's rms_norm chained the same way in a torch CUDA graph."""
     from ..ops.rms_norm import rms_norm
 
-    rows = [cp.random.standard_normal((1, hidden), dtype=cp.float32).astype(cp.float16),
+    bufs = [cp.random.standard_normal((1, hidden), dtype=cp.float32).astype(cp.float16),
             cp.empty((1, hidden), cp.float16)]
     weight = cp.ones(hidden, cp.float16)
 
     def chain():
         for i in range(n):
-            rms_norm(rows[i % 2], weight, 1e-5, out=rows[(i + 1) % 2])
+            rms_norm(bufs[i % 2], weight, 1e-5, out=bufs[(i + 1) % 2])
 
     cp.cuda.Device().synchronize()
     graph, _, _ = capture(chain, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())

@@ -21,8 +21,8 @@ reads each K/V row once for all query heads of its group (4 to 8 warps, as many 
 the grid allows: cta_warps); when sequences are few and long the context is split
 (flash-decoding): each split writes fp32 partials to the workspace and the last CTA of a
 (sequence, KV head) to finish, found with an atomic arrival counter, merges them (one launch
-either way). The grid and the split count
-depend on the shapes and on max_context_len only, never on the values in context_lens.
+either way). The grid and the split count depend on the shapes and on max_context_len only,
+never on the values in context_lens.
 
 Under CUDA-graph capture (and to avoid a device sync per call) the caller passes, all
 allocated before capture and kept alive as long as the graph:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from cuinfer import runtime
 from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
 from cuinfer.ops import family_module
-from cuinfer.ops.paged_attention import HEAD_DIMS, WARPS, paged_attention, split_bound, split_config
+from cuinfer.ops.paged_attention import HEAD_DIMS, WARPS, cta_warps, paged_attention, split_bound, split_config
 from tests.conftest import assert_close, poison
 from tests.ops.test_flash_attention import attention_loops, scatter_paged
 from tests.ops.test_write_kv import inv_freq_for
@@ -54,8 +54,6 @@ def test_split_config():
 
 
 def test_cta_warps():
-    from cuinfer.ops.paged_attention import cta_warps
-
     assert cta_warps(512, 4, 132) == 5  # 64 x 1k x 8 KV heads: 4 CTAs of 5 warps an SM, one wave
     assert cta_warps(640, 4, 132) == 4  # 5 CTAs of 4 warps
     assert cta_warps(396, 2, 132) == 6 and cta_warps(397, 2, 132) == 5
