@@ -70,13 +70,18 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     K over a cluster of up to 4 blocks (sm_90), each keeping >= two pipeline stages (2 WARPS U
     quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and M > 8 (run 3 tiles; the
     M <= 8 rule measured slower there in run 5): RT = 2 at M > 8 once the grid still has >= 4
-    blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8. With the SiLU
+    blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8; fp16 at M <= 8
+    with >= 6 blocks per SM and K < 1024 (< 32 quads) U = 1 and 4 warps (smollm2's lm_head, 576 x
+    49152: 23.1 us against 28.2 at U = 4 with 8 warps; llama3-8b's 4096 x 128256 keeps U = 4 with
+    8 warps, its best: notes/decode.md, session 19). With the SiLU
     epilogue half the warps take the gate rows and half the up rows, each warp as in a plain GEMV."""
     nt = 1 if m <= 8 else 2
     rt = 2 if nt == 2 and epilogue != "silu_and_mul" and n >= 16 * 2 * 4 * sms else 1
     blocks = -(-n // (16 * rt))
     quads = -(-k // QUAD_K[bits])
     if bits == 16 or nt == 2:
+        if bits == 16 and nt == 1 and blocks >= 6 * sms and quads < 32:
+            return Tile(1, 1, 1, 4, 1)  # short rows, many blocks (a small model's lm_head): run 37
         u = max(1, 4 // rt // (2 if bits == 4 else 1))
         return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
     u = 2 if bits == 8 or quads >= 64 else 1
@@ -124,8 +129,9 @@ def _formats():
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, tile_config(b, m, n, 4096, epi), epi, norm) for dt in KERNEL_DTYPES
-     for b, g in _formats() for m in (1, 16) for n in (1024, 1 << 20) for epi in EPILOGUES for norm in {False, m == 1}}
+    {instantiation(dt, b, g, tile_config(b, m, n, k, epi), epi, norm) for dt in KERNEL_DTYPES
+     for b, g in _formats() for m in (1, 16) for n in (1024, 1 << 20) for k in (576, 4096) for epi in EPILOGUES
+     for norm in {False, m == 1}}
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16}
     | {"linear_argmax_reduce_kernel"})
 
