@@ -253,21 +253,18 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 
   // Every format packs a quad of one weight row into 64 bytes: the lane's 16 bytes of quad q of
   // row (r, h) (row g4 + 8 h of row tile r of the warp's weight half) are at wrow[r][h] + 64 q,
-  // its int4 groups at srow[r][h] / zrow[r][h]. Rows past N read row N - 1: the epilogue
+  // its int4 groups at scales / zeros + grow[r][h]. Rows past N read row N - 1: the epilogue
   // stores no output of theirs, and a row of A only reaches its own outputs.
   const size_t row_bytes = WBITS == 4 ? (size_t)n_quads * 64 : (size_t)K * WBITS / 8;
   const char* wrow[RT][2];
-  const __half *srow[RT][2], *zrow[RT][2];  // int4: the row's scales and zeros
+  int grow[RT][2];  // int4: the row's first scale / zero
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = min(row0 + 16 * r + 8 * h + g4, N - 1) + half * N;
       wrow[r][h] = pinned(static_cast<const char*>(w) + row * row_bytes + 16 * c);
-      if constexpr (WBITS == 4) {  // pinned: held in registers (the main loop recomputed row * n_groups)
-        srow[r][h] = pinned(scales + (size_t)row * n_groups);
-        zrow[r][h] = pinned(zeros + (size_t)row * n_groups);
-      }
+      grow[r][h] = pinned(row * n_groups);  // pinned: held in a register (the main loop recomputed it)
     }
 
   // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1. fp16 / int8 lanes
@@ -288,7 +285,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
               for (int gi = 0; gi < GQ; ++gi) {
                 const int g = q * GQ + gi;
-                if (g < n_groups) sz[u][r][h][gi] = __halves2half2(srow[r][h][g], zrow[r][h][g]);
+                if (g < n_groups) sz[u][r][h][gi] = __halves2half2(scales[grow[r][h] + g], zeros[grow[r][h] + g]);
               }
             }
           } else {
