@@ -73,8 +73,8 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8; fp16 at M <= 8
     with >= 6 blocks per SM and K < 1024 (< 32 quads) U = 1 and 4 warps (smollm2's lm_head, 576 x
     49152: 23.1 us against 28.2 at U = 4 with 8 warps; llama3-8b's 4096 x 128256 keeps U = 4 with
-    8 warps, its best: notes/decode.md, session 19). With the SiLU
-    epilogue half the warps take the gate rows and half the up rows, each warp as in a plain GEMV."""
+    8 warps, its best: notes/decode.md, session 19). With the SiLU epilogue half the warps take the
+    gate rows and half the up rows, each warp as in a plain GEMV."""
     nt = 1 if m <= 8 else 2
     rt = 2 if nt == 2 and epilogue != "silu_and_mul" and n >= 16 * 2 * 4 * sms else 1
     blocks = -(-n // (16 * rt))
