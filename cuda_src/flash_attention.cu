@@ -172,7 +172,9 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   T* sV = sK + 2 * BN * STRIDE;            // [2][BN][STRIDE]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-  for (int c = tid; c < BM * CHUNKS; c += THREADS) {
+  // Q lands with tile 0. Without tiles no Q is copied: the rows a thread copies are staged by other
+  // warps, and the staging of the (zero) output below waits for this warp's copies only.
+  for (int c = tid; t.n_tiles > 0 && c < BM * CHUNKS; c += THREADS) {
     const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
     const bool ok = m0 + r < t.q_len;
     const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + col;
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   }
 
   // normalise, stage this warp's rows in its own part of sQ, store 16-byte rows
-  cp_async_wait_all();  // no copy into sQ is left in flight (n_tiles may be 0)
+  cp_async_wait_all();  // no copy is left in flight (n_tiles 0: tile 0's K / V)
   __syncwarp();         // this warp's last ldmatrix reads of its sQ rows precede the writes below
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -415,8 +417,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
   if (wg == 0) {  // producer: two halves of 64 threads take alternate tiles (half 0: Q with tile 0)
     if constexpr (WG > 1) regs_dec<40>();
     const int half = tid / 64, pt = tid % 64;
-    if (half == 0)
-      for (int c = pt; c < BM * CHUNKS; c += 64) {
+    if (half == 0 && t.n_tiles > 0)  // Q lands with tile 0; without tiles the consumers stage their zeros
+      for (int c = pt; c < BM * CHUNKS; c += 64) {  // in sQ, which no copy may then overwrite
         const int r = c / CHUNKS, ch = c % CHUNKS;
         const bool ok = m0 + r < t.q_len;
         const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + ch * 8;

@@ -4,8 +4,10 @@
 // Weight formats (cuinfer/quant.py documents the layouts):
 //   WBITS 16: W [N, K] in T (fp16 / bf16), row-major.
 //   WBITS 8 : q int8 [N, K] row-major, w = q * scale[n] (fp16 scales, per output channel).
-//   WBITS 4 : q uint32 [N, ceil(K/128) * 16], 8 nibbles per word in the interleaved order
-//             of quant.py, w = (q - zero[n, g]) * scale[n, g] for groups of GS along K.
+//   WBITS 4 : w = (q - zero[n, g]) * scale[n, g] for groups of GS along K, rows in tiles of 16:
+//             q uint32 [ceil(N/16), ceil(K/128), 16, 16] (each tile's 128 k as 1 KB, a row's
+//             64 bytes in the interleaved nibble order of quant.py), (scale, zero) fp16 pairs
+//             [ceil(N/16), K/GS, 16].
 //
 // The GEMV runs on tensor cores: mma.sync m16n8k16 with A = 16 weight rows and B = up to 8
 // rows of x per n-tile (NT = 2 n-tiles for M = 9..16), fp32 accumulators. A contraction
@@ -218,12 +220,11 @@ struct EpiIn {
 // Every warp holds RT row tiles: with the SiLU epilogue warps [0, WARPS / 2) take the gate tiles
 // and the others the up tiles (a warp's registers are those of a plain GEMV, which doubles the
 // blocks an SM holds). Warp kw of its half takes quad steps q_begin + (i * KW + kw) * U + u,
-// loading the next U quads (and their int4 scales / zeros) while it computes these; the warps
+// loading the next U quads (and their int4 (scale, zero) pairs) while it computes these; the warps
 // meet in shared memory.
 template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
 __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
-                                            const __half* __restrict__ scales, const __half* __restrict__ zeros,
-                                            const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
+                                            const __half* __restrict__ scales, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
                                             const T* __restrict__ residual, T* __restrict__ out,
                                             float* __restrict__ part_val, int* __restrict__ part_idx, int M, int N,
                                             int K) {
@@ -252,19 +253,22 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
 
   // Every format packs a quad of one weight row into 64 bytes: the lane's 16 bytes of quad q of
-  // row (r, h) (row g4 + 8 h of row tile r of the warp's weight half) are at wrow[r][h] + 64 q,
-  // its int4 groups at scales / zeros + grow[r][h]. Rows past N read row N - 1: the epilogue
-  // stores no output of theirs, and a row of A only reaches its own outputs.
-  const size_t row_bytes = WBITS == 4 ? (size_t)n_quads * 64 : (size_t)K * WBITS / 8;
+  // row (r, h) (row g4 + 8 h of row tile r of the warp's weight half) are at wrow[r][h] +
+  // kQuadStride q (int4: 16-row tiles, a tile's quad 1 KB), its int4 (scale, zero) of group g at
+  // pairs[grow[r][h] + 16 g]. Rows past N read row N - 1: the epilogue stores no output of theirs,
+  // and a row of A only reaches its own outputs.
+  constexpr int kQuadStride = WBITS == 4 ? 16 * 64 : 64;
+  const __half2* pairs = reinterpret_cast<const __half2*>(scales);
   const char* wrow[RT][2];
-  int grow[RT][2];  // int4: the row's first scale / zero
+  int grow[RT][2];  // int4: the row's first (scale, zero)
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = min(row0 + 16 * r + 8 * h + g4, N - 1) + half * N;
-      wrow[r][h] = pinned(static_cast<const char*>(w) + row * row_bytes + 16 * c);
-      grow[r][h] = pinned(row * n_groups);  // pinned: held in a register (the main loop recomputed it)
+      const size_t first = WBITS == 4 ? ((size_t)(row >> 4) * n_quads * 16 + (row & 15)) * 64 : (size_t)row * K * WBITS / 8;
+      wrow[r][h] = pinned(static_cast<const char*>(w) + first + 16 * c);
+      grow[r][h] = pinned((row >> 4) * n_groups * 16 + (row & 15));  // pinned: held in a register (the main loop recomputed it)
     }
 
   // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1. fp16 / int8 lanes
@@ -278,14 +282,14 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
       for (int r = 0; r < RT; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint4* src = reinterpret_cast<const uint4*>(wrow[r][h] + (size_t)q * 64);
+          const uint4* src = reinterpret_cast<const uint4*>(wrow[r][h] + (size_t)q * kQuadStride);
           if constexpr (WBITS == 4) {
             if (q < q_end) {
               a_raw[u][r][h] = __ldcs(src);
 #pragma unroll
               for (int gi = 0; gi < GQ; ++gi) {
                 const int g = q * GQ + gi;
-                if (g < n_groups) sz[u][r][h][gi] = __halves2half2(scales[grow[r][h] + g], zeros[grow[r][h] + g]);
+                if (g < n_groups) sz[u][r][h][gi] = pairs[grow[r][h] + 16 * g];
               }
             }
           } else {
@@ -533,19 +537,18 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   }
 }
 
-#define LINEAR_ARGS                                                                                          \
-  const T *__restrict__ x, const void *__restrict__ w, const __half *__restrict__ scales,                    \
-      const __half *__restrict__ zeros, const T *__restrict__ bias, const T *__restrict__ norm_w, float eps, \
-      const T *__restrict__ residual, T *__restrict__ out, float *__restrict__ part_val,                     \
-      int *__restrict__ part_idx, int M, int N, int K
-#define LINEAR_PASS x, w, scales, zeros, bias, norm_w, eps, residual, out, part_val, part_idx, M, N, K
+#define LINEAR_ARGS                                                                                            \
+  const T *__restrict__ x, const void *__restrict__ w, const __half *__restrict__ scales,                      \
+      const T *__restrict__ bias, const T *__restrict__ norm_w, float eps, const T *__restrict__ residual,     \
+      T *__restrict__ out, float *__restrict__ part_val, int *__restrict__ part_idx, int M, int N, int K
+#define LINEAR_PASS x, w, scales, bias, norm_w, eps, residual, out, part_val, part_idx, M, N, K
 
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
 // smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
 // XS: 2 * M * norm_stride(K) bytes (the staged x)
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for EPI_SILU_AND_MUL) or null, all T;
-// w: see the formats above ([2N, K] for EPI_SILU_AND_MUL); scales: fp16 [rows] (WBITS 8) or
-// [rows, K / GS] (WBITS 4); zeros: fp16 [rows, K / GS] (WBITS 4); part_val / part_idx:
+// w: see the formats above ([2N, K] for EPI_SILU_AND_MUL); scales: fp16 [rows] (WBITS 8) or the
+// (scale, zero) pairs [ceil(rows / 16), K / GS, 16, 2] (WBITS 4), null for fp16; part_val / part_idx:
 // [M, gridDim.x] for EPI_ARGMAX, else null. XS (K % 8 == 0): x staged in shared memory, normalized
 // with norm_w [K] in T and eps unless norm_w is null; without XS norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing
 // out. Every weight byte is read once (streamed).
@@ -586,12 +589,11 @@ __global__ void __launch_bounds__(1024) linear_argmax_reduce_kernel(const float*
 }
 
 // grid: (ceil(N * K / (8 * 256))) · block: 256 · smem: none
-// out: [N, K] T, the dequantized weight, w = T(scale * (q - zero)) (rounded once); thread i
-// writes out elements 8i .. 8i + 7 (K % 8 == 0 for int8, K % 32 == 0 for int4).
+// w, scales: as linear_kernel's; out: [N, K] T, the dequantized weight, w = T(scale * (q - zero))
+// (rounded once); thread i writes out elements 8i .. 8i + 7 (K % 8 == 0 for int8, K % 32 == 0 for int4).
 template <typename T, int WBITS, int GS>
 __global__ void __launch_bounds__(256) linear_dequant_kernel(const void* __restrict__ w,
                                                              const __half* __restrict__ scales,
-                                                             const __half* __restrict__ zeros,
                                                              T* __restrict__ out, int N, int K) {
   pdl_wait();  // every input of this kernel may come from the previous one
   pdl_trigger();
@@ -605,12 +607,14 @@ __global__ void __launch_bounds__(256) linear_dequant_kernel(const void* __restr
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = s * static_cast<float>(static_cast<i8>((j < 4 ? raw.x : raw.y) >> (8 * (j & 3))));
   } else {
-    // k .. k + 7 are the eight nibbles of one word: quad q, word j, lane c (k = 128 q + 32 j + 8 c).
+    // k .. k + 7 are the eight nibbles of one word: quad q, word j, lane c (k = 128 q + 32 j + 8 c)
+    // of row `row & 15` of tile `row >> 4`.
     const int n_quads = (K + 127) / 128, n_groups = K / GS;
     const int q = k / 128, j = (k % 128) / 32, c = (k % 32) / 8;
-    const u32 word = static_cast<const u32*>(w)[(size_t)row * n_quads * 16 + q * 16 + 4 * c + j];
-    const float s = __half2float(scales[(size_t)row * n_groups + k / GS]);
-    const float z = __half2float(zeros[(size_t)row * n_groups + k / GS]);
+    const size_t tile = row >> 4;
+    const u32 word = static_cast<const u32*>(w)[((tile * n_quads + q) * 16 + (row & 15)) * 16 + 4 * c + j];
+    const __half2 sz = reinterpret_cast<const __half2*>(scales)[(tile * n_groups + k / GS) * 16 + (row & 15)];
+    const float s = __low2float(sz), z = __high2float(sz);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int st = jj >> 2, o = jj & 3, nib = 2 * st + (o >> 1) + 4 * (o & 1);

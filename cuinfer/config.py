@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .quant import BITS, FITS, GROUP_SIZES, LINEAR_MODULES
+from .quant import BITS, FITS, GROUP_SIZES, INT4_LAYOUT, LINEAR_MODULES
 from .runtime import CuinferError, bfloat16
 
 # Hugging Face architecture name -> model_type written back by to_dict()
@@ -80,7 +80,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple = ()
     # None (float weights) or the entry cuinfer.quantize writes: {"method": "int8" | "int4", "bits",
-    # "group_size" (int4), "fit" (int4), "modules": quant.LINEAR_MODULES, "lm_head": "int8"}
+    # "group_size" (int4), "fit" (int4), "modules": quant.LINEAR_MODULES, "lm_head": "int8",
+    # "layout": quant.INT4_LAYOUT (int4)}
     quantization: dict | None = field(default=None, hash=False)
 
     @property
@@ -206,11 +207,14 @@ def _quantization(q: dict | None) -> dict | None:
         raise CuinferError(f"config: quantization method {method!r} is not supported: need one of {', '.join(BITS)}")
     int4 = method == "int4"
     allowed = {"bits": (BITS[method],), "group_size": GROUP_SIZES if int4 else (None,),
-               "fit": FITS + ("gptq",) if int4 else (None,), "modules": (list(LINEAR_MODULES),), "lm_head": ("int8",)}
+               "fit": FITS + ("gptq",) if int4 else (None,), "modules": (list(LINEAR_MODULES),), "lm_head": ("int8",),
+               "layout": (INT4_LAYOUT,) if int4 else (None,)}
     for key, values in allowed.items():
         if q.get(key) not in values:
+            hint = " (an int4 checkpoint of an earlier layout: quantize it again with python -m cuinfer.quantize)" \
+                if key == "layout" else ""
             raise CuinferError(f"config: quantization {key} {json.dumps(q.get(key))} for {method}: need "
-                               + " or ".join(map(json.dumps, values)))
+                               + " or ".join(map(json.dumps, values)) + hint)
     unknown = sorted(set(q) - set(allowed) - {"method"})
     if unknown:
         raise CuinferError(f"config: quantization has unknown key {unknown[0]!r}")

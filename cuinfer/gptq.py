@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 
 from . import runtime
-from .quant import GROUP_SIZES, QUANTIZED, Int4Weight, group_for, minmax_grid, pack_int4
+from .quant import GROUP_SIZES, QUANTIZED, Int4Weight, group_for, minmax_grid
 from .weights import LINEAR_FIELDS
 
 DAMP = 0.1  # of the mean diagonal of H, added to its diagonal (chosen on held-out text: notes/linear.md)
@@ -75,7 +75,7 @@ def gptq(w, hessian, group_size: int = 128, damp: float = DAMP, act_order: bool 
             Wb[:, i:] -= np.outer(e, Ub[i, i:])
             err[:, i] = e
         W[:, b1:] -= err @ U[b0:b1, b1:]
-    return Int4Weight(pack_int4(q), scales, zeros, group_size, (n, k))
+    return Int4Weight.pack(q, scales, zeros, group_size)
 
 
 def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, block_size: int = 16,

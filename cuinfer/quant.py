@@ -6,8 +6,16 @@ Int8Weight: w[n, k] = qweight[n, k] * scales[n]
     qweight int8 [N, K] (symmetric, -127..127), scales fp16 [N].
 
 Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_size
-    scales, zeros fp16 [N, K / group_size] (group_size 32, 64 or 128); q in 0..15, packed
-    into qweight uint32 [N, ceil(K / 128) * 16], 8 nibbles a word, in the order the GEMV's
+    q in 0..15, scales and zeros fp16 (group_size 32, 64 or 128), stored in tiles of 16 rows
+    (T = ceil(N / 16) tiles, rows past N zero), so that a GEMV warp reads each tile's next
+    128 k as one 1 KB run and a row's (scale, zero) in one 4-byte load:
+
+    qweight      uint32 [T, ceil(K / 128), 16, 16]: [t, Q, r] = the 16 words of row 16 t + r in
+                 quad Q (its k 128 Q .. 128 Q + 127), packed as pack_int4 packs a row;
+    scales_zeros fp16 [T, K / group_size, 16, 2]: [t, g, r] = (scale, zero) of row 16 t + r, group g.
+
+    Int4Weight.pack builds both from q, scales and zeros [N, ...]; the scales / zeros / unpack
+    accessors give them back. A row's words, 8 nibbles each, are in the order the GEMV's
     mma.sync fragments want (cuda_src/linear.cu), so a lane needs no shuffle:
 
     one row, one quad of 128 k (16 words = 64 bytes; k = 128 Q + 32 j + 8 c + 4 s + o):
@@ -30,14 +38,16 @@ Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_si
     fp32 sums, scale * (sum q x - zero * sum x), so the GEMV computes with w exactly as
     `dequantize` gives it, fractional zero points (GGUF Q4_1, the MSE fit) included.
 
-Saved form (python -m cuinfer.quantize; safetensors, AWQ-like names): a quantized weight
-`<prefix>.weight` is stored as the arrays of its object, in the layout above, so loading is a copy:
-`<prefix>.qweight` (I8 / U32), `<prefix>.scales` (F16) and, for int4, `<prefix>.zeros` (F16)
-(`saved_parts`). config.json gets a `quantization` entry (`quantization_config`), e.g.
-`{"method": "int4", "bits": 4, "group_size": 128, "fit": "gptq", "modules": [the LINEAR_MODULES],
-"lm_head": "int8"}`: every decoder linear layer in `method` (int4: each matrix in the group
-group_for picks, as at load), the lm_head in int8 (its own tensor even when the embeddings are
-tied), the rest in the checkpoint's float dtype.
+Saved form (python -m cuinfer.quantize; safetensors): a quantized weight `<prefix>.weight` is
+stored as the arrays of its object, in the layout above, so loading is a copy: int8
+`<prefix>.qweight` (I8) and `<prefix>.scales` (F16), int4 `<prefix>.qweight` (U32) and
+`<prefix>.scales_zeros` (F16) (`saved_parts`). config.json gets a `quantization` entry
+(`quantization_config`), e.g. `{"method": "int4", "bits": 4, "group_size": 128, "fit": "gptq",
+"modules": [the LINEAR_MODULES], "lm_head": "int8", "layout": "tiles16"}`: every decoder linear
+layer in `method` (int4: each matrix in the group group_for picks, as at load), the lm_head in int8
+(its own tensor even when the embeddings are tied), the rest in the checkpoint's float dtype.
+`layout` names the int4 tile layout above (int4 checkpoints of an earlier row-major layout have
+none and must be quantized again).
 GGUF Q4_0 / Q4_1 blocks import as int4 group 32 without a float round trip; Q8_0 (int8
 with a scale per 32) is re-quantized per channel (error <= scale / 2 on top of Q8_0's).
 """
@@ -52,6 +62,8 @@ from . import runtime
 
 GROUP_SIZES = (32, 64, 128)
 QUAD_K = 128  # k per packed quad (16 uint32 per row)
+TILE_ROWS = 16  # rows of an int4 tile
+INT4_LAYOUT = "tiles16"  # the `layout` of an int4 checkpoint's quantization entry
 BITS = {"int8": 8, "int4": 4}
 METHODS = tuple(BITS)
 
@@ -121,28 +133,62 @@ class Int8Weight:
         return self.qweight.nbytes + self.scales.nbytes
 
 
+def _tiled(a, xp):
+    """[N, X, ...] -> [ceil(N / 16), X, 16, ...]: rows in tiles of 16, zero rows past N."""
+    n = a.shape[0]
+    t = -(-n // TILE_ROWS)
+    padded = xp.zeros((t * TILE_ROWS,) + a.shape[1:], dtype=a.dtype)
+    padded[:n] = a
+    return xp.ascontiguousarray(padded.reshape(t, TILE_ROWS, *a.shape[1:]).swapaxes(1, 2))
+
+
 @dataclass(frozen=True)
 class Int4Weight:
-    qweight: object  # uint32 [N, ceil(K / 128) * 16]
-    scales: object  # fp16 [N, K / group_size]
-    zeros: object  # fp16 [N, K / group_size]
+    qweight: object  # uint32 [T, ceil(K / 128), 16, 16], T = ceil(N / 16)
+    scales_zeros: object  # fp16 [T, K / group_size, 16, 2]
     group_size: int
     shape: tuple  # (N, K)
 
+    @classmethod
+    def pack(cls, q, scales, zeros, group_size):
+        """From q uint8 [N, K] in 0..15 and fp16 scales, zeros [N, K / group_size] (numpy or cupy, as q)."""
+        xp = _xp(q)
+        sz = xp.stack([xp.asarray(scales, dtype=xp.float16), xp.asarray(zeros, dtype=xp.float16)], axis=-1)
+        n, k = q.shape
+        return cls(_tiled(pack_int4(q).reshape(n, -1, 16), xp), _tiled(sz, xp), group_size, (n, k))
+
+    def _rows(self, a):
+        """[T, X, 16, ...] -> [N, X, ...] (inverse of _tiled)."""
+        t, x = a.shape[:2]
+        return a.swapaxes(1, 2).reshape(t * TILE_ROWS, x, *a.shape[3:])[: self.shape[0]]
+
+    @property
+    def scales(self):
+        """fp16 [N, K / group_size]."""
+        return self._rows(self.scales_zeros)[..., 0]
+
+    @property
+    def zeros(self):
+        """fp16 [N, K / group_size]."""
+        return self._rows(self.scales_zeros)[..., 1]
+
+    def unpack(self):
+        """q: numpy uint8 [N, K]."""
+        n, k = self.shape
+        return unpack_int4(self._rows(_asnumpy(self.qweight)).reshape(n, -1), k)
+
     def to_device(self):
-        return Int4Weight(_to_device(self.qweight), _to_device(self.scales), _to_device(self.zeros),
-                          self.group_size, self.shape)
+        return Int4Weight(_to_device(self.qweight), _to_device(self.scales_zeros), self.group_size, self.shape)
 
     def dequantize(self):
         """float32 [N, K]: (q - zero) * scale, q - zero exact in float32."""
-        n, k = self.shape
-        q = unpack_int4(_asnumpy(self.qweight), k).astype(np.float32)
+        q = self.unpack().astype(np.float32)
         d = q - np.repeat(_asnumpy(self.zeros).astype(np.float32), self.group_size, axis=1)
         return d * np.repeat(_asnumpy(self.scales).astype(np.float32), self.group_size, axis=1)
 
     @property
     def nbytes(self):
-        return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
+        return self.qweight.nbytes + self.scales_zeros.nbytes
 
 
 QUANTIZED = (Int8Weight, Int4Weight)
@@ -195,7 +241,7 @@ def quantize(w, method, group_size=128, fit="minmax"):
         s, z = _mse_grid(g, xp)
     s32, z32 = s.astype(xp.float32), z.astype(xp.float32)
     q = xp.clip(xp.rint(g / s32[..., None] + z32[..., None]), 0, 15).astype(xp.uint8)
-    return Int4Weight(pack_int4(q.reshape(n, k)), s, z, group_size, (n, k))
+    return Int4Weight.pack(q.reshape(n, k), s, z, group_size)
 
 
 def minmax_grid(g, xp=np):
@@ -288,7 +334,7 @@ def int4_group(k, group_size, what):
 # as --quant quantizes them at load (weights.LINEAR_FIELDS fuses them); lm_head.weight is quantized too
 LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-_ARRAYS = {Int8Weight: ("qweight", "scales"), Int4Weight: ("qweight", "scales", "zeros")}
+_ARRAYS = {Int8Weight: ("qweight", "scales"), Int4Weight: ("qweight", "scales_zeros")}
 
 
 def quantization_config(spec, lm_head):
@@ -296,7 +342,8 @@ def quantization_config(spec, lm_head):
     method, group_size, fit = parse_spec(spec)
     int4 = method == "int4"
     return {"method": method, "bits": BITS[method], "group_size": group_size if int4 else None,
-            "fit": fit if int4 else None, "modules": list(LINEAR_MODULES), "lm_head": lm_head}
+            "fit": fit if int4 else None, "modules": list(LINEAR_MODULES), "lm_head": lm_head,
+            "layout": INT4_LAYOUT if int4 else None}
 
 
 def is_quantized(name, entry):
@@ -304,18 +351,25 @@ def is_quantized(name, entry):
     return name == "lm_head.weight" or name.endswith(tuple(f".{m}.weight" for m in entry["modules"]))
 
 
+def _method(entry, name):
+    """The method the quantized weight `name` is stored in under `entry`."""
+    return entry["lm_head"] if name == "lm_head.weight" else entry["method"]
+
+
 def saved_parts(entry, name, shape):
     """{stored name: (shape, dtype)} of the quantized weight `name` [N, K] (`<prefix>.weight`): the arrays
-    of its Int8Weight / Int4Weight in their in-memory layout, `<prefix>.qweight` (int8 [N, K] / uint32
-    [N, ceil(K / 128) * 16]), `.scales` (fp16 [N] / [N, K / group]) and, for int4, `.zeros` (as scales).
-    The int4 group of a matrix is group_for(K, entry's group_size)."""
+    of its Int8Weight / Int4Weight in their in-memory layout: int8 `<prefix>.qweight` (int8 [N, K]) and
+    `.scales` (fp16 [N]); int4 `<prefix>.qweight` (uint32 [T, ceil(K / 128), 16, 16]) and `.scales_zeros`
+    (fp16 [T, K / group, 16, 2]), T = ceil(N / 16). The int4 group of a matrix is group_for(K, entry's
+    group_size)."""
     prefix, (n, k) = name[: -len(".weight")], shape
     f16 = np.dtype(np.float16)
-    if (entry["lm_head"] if name == "lm_head.weight" else entry["method"]) == "int8":
+    if _method(entry, name) == "int8":
         return {f"{prefix}.qweight": ((n, k), np.dtype(np.int8)), f"{prefix}.scales": ((n,), f16)}
-    groups = (n, k // int4_group(k, entry["group_size"], name))
-    return {f"{prefix}.qweight": ((n, -(-k // QUAD_K) * 16), np.dtype(np.uint32)),
-            f"{prefix}.scales": (groups, f16), f"{prefix}.zeros": (groups, f16)}
+    t = -(-n // TILE_ROWS)
+    groups = k // int4_group(k, entry["group_size"], name)
+    return {f"{prefix}.qweight": ((t, -(-k // QUAD_K), TILE_ROWS, 16), np.dtype(np.uint32)),
+            f"{prefix}.scales_zeros": ((t, groups, TILE_ROWS, 2), f16)}
 
 
 def weight_arrays(name, weight):
@@ -328,9 +382,19 @@ def weight_from_arrays(entry, name, shape, arrays):
     """Inverse of weight_arrays: the Int8Weight / Int4Weight [N, K] = `shape` of `name` from arrays
     ({stored name: array}, as loaded: no copy)."""
     parts = [arrays[n] for n in saved_parts(entry, name, shape)]
-    if len(parts) == 2:
+    if _method(entry, name) == "int8":
         return Int8Weight(*parts, tuple(shape))
     return Int4Weight(*parts, int4_group(shape[1], entry["group_size"], name), tuple(shape))
+
+
+def _row_unit(weight, sizes, what):
+    """Rows per entry of axis 0 of the weight's arrays (int4: a tile of 16), checking that every size
+    but the last is a multiple of it (the tiles of a stack hold no padding between its parts)."""
+    unit = TILE_ROWS if isinstance(weight, Int4Weight) else 1
+    if any(n % unit for n in sizes[:-1]):
+        raise runtime.CuinferError(f"cannot {what} int4 weights of {list(sizes)} rows: int4 rows are stored in "
+                                   f"tiles of {TILE_ROWS}, so every part but the last needs a multiple of {TILE_ROWS}")
+    return unit
 
 
 def concat_rows(weights):
@@ -341,15 +405,16 @@ def concat_rows(weights):
     if len(formats) > 1:
         raise runtime.CuinferError(f"cannot stack the rows of weights of different formats "
                                    f"(format, in_features, group size): {sorted(formats, key=str)}")
+    _row_unit(first, [w.shape[0] for w in weights], "stack")
     arrays = {f: np.concatenate([_asnumpy(getattr(w, f)) for w in weights]) for f in _ARRAYS[type(first)]}
     return dataclasses.replace(first, **arrays, shape=(sum(w.shape[0] for w in weights), first.shape[1]))
 
 
 def split_rows(weight, sizes):
     """Inverse of concat_rows: the weights of `sizes` consecutive rows each (views)."""
-    out, start = [], 0
+    unit, out, start = _row_unit(weight, sizes, "split"), [], 0
     for n in sizes:
-        arrays = {f: getattr(weight, f)[start:start + n] for f in _ARRAYS[type(weight)]}
+        arrays = {f: getattr(weight, f)[start // unit:(start + n + unit - 1) // unit] for f in _ARRAYS[type(weight)]}
         out.append(dataclasses.replace(weight, **arrays, shape=(n, weight.shape[1])))
         start += n
     return out
@@ -382,7 +447,7 @@ def from_gguf_blocks(data, qtype, shape):
     qs = blocks[..., 4:] if qtype == GGML_Q4_1 else blocks[..., 2:]  # 16 bytes: k j in low nibbles, j + 16 high
     q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # q: [N, K / 32, 32]
     if qtype == GGML_Q4_0:
-        return Int4Weight(pack_int4(q.reshape(n, k)), d, np.full_like(d, 8), 32, (n, k))
+        return Int4Weight.pack(q.reshape(n, k), d, np.full_like(d, 8), 32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     d32 = d.astype(np.float32)
     flat = d32 == 0
@@ -391,4 +456,4 @@ def from_gguf_blocks(data, qtype, shape):
     with np.errstate(divide="ignore", invalid="ignore"):
         zeros = np.where(flat, 0.0, -m / np.where(flat, 1, d32))
     zeros = np.clip(zeros, -65504, 65504).astype(np.float16)
-    return Int4Weight(pack_int4(q.reshape(n, k)), scales, zeros, 32, (n, k))
+    return Int4Weight.pack(q.reshape(n, k), scales, zeros, 32)

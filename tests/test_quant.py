@@ -114,7 +114,7 @@ def test_gpu_quantize_matches_numpy_bit_for_bit(spec):
     w[8] += 2.0  # a row with no negative weights
     want = quant.quantize(w, method, group_size, fit)
     got = quant.quantize(cp.asarray(w), method, group_size, fit)
-    fields = ("qweight", "scales") + (("zeros",) if method == "int4" else ())
+    fields = ("qweight", "scales_zeros" if method == "int4" else "scales")
     for f in fields:
         a = getattr(got, f)
         assert isinstance(a, cp.ndarray)
@@ -152,7 +152,7 @@ def test_weight_arrays_safetensors_round_trip(tmp_path, spec):
     assert {n: (a.shape, a.dtype) for n, a in arrays.items()} == quant.saved_parts(entry, name, w.shape)
     save_file(arrays, str(tmp_path / "model.safetensors"))
     back = quant.weight_from_arrays(entry, name, w.shape, load_file(str(tmp_path / "model.safetensors")))
-    stacked = quant.concat_rows(quant.split_rows(back, [32, 1, 63]))
+    stacked = quant.concat_rows(quant.split_rows(back, [32, 16, 48]))
     for got in (back, stacked):
         assert type(got) is type(w) and got.shape == w.shape
         assert getattr(got, "group_size", None) == getattr(w, "group_size", None)
@@ -161,6 +161,36 @@ def test_weight_arrays_safetensors_round_trip(tmp_path, spec):
     other = quant.quantize_spec(np.ones((8, 128), np.float32), "int4-g32" if spec == "int8" else "int4-g64")
     with pytest.raises(runtime.CuinferError, match="different formats"):
         quant.concat_rows([w, other])
+
+
+def test_int4_tiles_of_16_rows():
+    """The int4 arrays hold each 16-row tile's quad of 128 k as 1 KB (the rows' packed words in order)
+    and its (scale, zero) pairs together; rows past N are zero. Stacks and splits go by whole tiles."""
+    rng = np.random.default_rng(5)
+    n, k, gs = 37, 320, 64
+    q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    s = rng.uniform(0.01, 1, (n, k // gs)).astype(np.float16)
+    z = rng.integers(0, 16, (n, k // gs)).astype(np.float16)
+    w = quant.Int4Weight.pack(q, s, z, gs)
+    assert w.qweight.shape == (3, 3, 16, 16) and w.scales_zeros.shape == (3, k // gs, 16, 2)
+    words = quant.pack_int4(q)
+    for row in (0, 15, 16, 36):
+        t, r = divmod(row, 16)
+        for quad in range(3):
+            np.testing.assert_array_equal(w.qweight[t, quad, r], words[row, 16 * quad:16 * quad + 16])
+        np.testing.assert_array_equal(w.scales_zeros[t, :, r], np.stack([s[row], z[row]], axis=-1))
+    assert not w.qweight[2, :, 5:].any() and not w.scales_zeros[2, :, 5:].any()  # rows 37..47
+    np.testing.assert_array_equal(w.unpack(), q)
+    np.testing.assert_array_equal(w.scales, s)
+    np.testing.assert_array_equal(w.zeros, z)
+    top, rest = quant.split_rows(w, [16, 21])
+    np.testing.assert_array_equal(top.unpack(), q[:16])
+    np.testing.assert_array_equal(rest.dequantize(), w.dequantize()[16:])
+    for bad in ([20, 17], [1, 36]):
+        with pytest.raises(runtime.CuinferError, match="tiles of 16"):
+            quant.split_rows(w, bad)
+    with pytest.raises(runtime.CuinferError, match="tiles of 16"):
+        quant.concat_rows([rest, top])
 
 
 def _gguf_blocks(tmp_path, w, qtype):

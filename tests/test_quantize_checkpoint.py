@@ -88,7 +88,8 @@ def test_gptq_checkpoint_equals_the_in_memory_model(float_ckpt, tmp_path):
 def test_config_and_tensors_round_trip(float_ckpt, int4_ckpt, tmp_path):
     config = load_config(int4_ckpt)
     assert config.quantization == {"method": "int4", "bits": 4, "group_size": 128, "fit": "minmax",
-                                   "modules": list(quant.LINEAR_MODULES), "lm_head": LM_HEAD_QUANT}
+                                   "modules": list(quant.LINEAR_MODULES), "lm_head": LM_HEAD_QUANT,
+                                   "layout": quant.INT4_LAYOUT}
     assert ModelConfig.from_dict(config.to_dict()) == config
     assert config.replace(quantization=None) == load_config(float_ckpt["tied"])
     assert "quantization" not in json.loads((float_ckpt["tied"] / "config.json").read_text())
@@ -99,7 +100,7 @@ def test_config_and_tensors_round_trip(float_ckpt, int4_ckpt, tmp_path):
         stored = {n: f.get_tensor(n) for n in f.keys()}
     assert {n: a.shape for n, a in stored.items()} == expected_tensors(config)
     assert stored["model.layers.0.mlp.down_proj.qweight"].dtype == np.uint32
-    assert stored["model.layers.0.mlp.down_proj.zeros"].shape == (256, 640 // 128)
+    assert stored["model.layers.0.mlp.down_proj.scales_zeros"].shape == (256 // 16, 640 // 128, 16, 2)
     assert stored["lm_head.qweight"].dtype == np.int8 and stored["lm_head.scales"].dtype == np.float16
     assert "model.layers.0.self_attn.q_proj.weight" not in stored
     # what load_checkpoint returns saves back to the same bytes, in shards too
@@ -119,10 +120,10 @@ def copy_of(src, dst):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda t: {n: a for n, a in t.items() if n != "model.layers.1.self_attn.k_proj.scales"},
-     r"missing tensor model\.layers\.1\.self_attn\.k_proj\.scales"),
-    (lambda t: {**t, "model.layers.0.mlp.gate_proj.zeros": t["model.layers.0.mlp.gate_proj.zeros"][:, :1]},
-     r"tensor model\.layers\.0\.mlp\.gate_proj\.zeros has shape \(640, 1\).*needs \(640, 2\)"),
+    (lambda t: {n: a for n, a in t.items() if n != "model.layers.1.self_attn.k_proj.scales_zeros"},
+     r"missing tensor model\.layers\.1\.self_attn\.k_proj\.scales_zeros"),
+    (lambda t: {**t, "model.layers.0.mlp.gate_proj.scales_zeros": t["model.layers.0.mlp.gate_proj.scales_zeros"][:, :1]},
+     r"tensor model\.layers\.0\.mlp\.gate_proj\.scales_zeros has shape \(40, 1, 16, 2\).*needs \(40, 2, 16, 2\)"),
     (lambda t: {**t, "model.layers.0.mlp.up_proj.qweight": t["model.layers.0.mlp.up_proj.qweight"].view(np.int32)},
      r"tensor model\.layers\.0\.mlp\.up_proj\.qweight has dtype I32"),
     (lambda t: {**t, "model.layers.0.mlp.up_proj.qweight": t["model.layers.0.mlp.up_proj.qweight"].view(np.float32)},
@@ -148,6 +149,8 @@ def test_corrupt_quantized_tensors(int4_ckpt, tmp_path, change, message):
     ({"fit": "awq"}, r'quantization fit "awq" for int4: need "mse" or "minmax" or "gptq"'),
     ({"modules": ["self_attn.q_proj"]}, r'quantization modules \["self_attn.q_proj"\] for int4: need \["self_attn'),
     ({"lm_head": None}, r'quantization lm_head null for int4: need "int8"'),
+    ({"layout": None}, r'quantization layout null for int4: need "tiles16" \(an int4 checkpoint of an earlier '
+                       r'layout: quantize it again'),
     ({"method": "int8", "bits": 8}, r"quantization group_size 128 for int8: need null"),
     ({"zero_point": True}, r"quantization has unknown key 'zero_point'"),
     (None, r"quantization must be an object, got \[\]"),

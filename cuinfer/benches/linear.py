@@ -61,10 +61,8 @@ def _random_weight(cp, fmt, n, k):
     if fmt == "int8":
         return Int8Weight(cp.random.randint(-127, 128, (n, k)).astype(cp.int8),
                           cp.full((n,), 0.01 / np.sqrt(k), cp.float16), (n, k))
-    groups = k // 128
-    return Int4Weight(cp.random.randint(0, 256, (n, k // 2), dtype=cp.uint8).view(cp.uint32),
-                      cp.full((n, groups), 0.1 / np.sqrt(k), cp.float16), cp.full((n, groups), 8, cp.float16),
-                      128, (n, k))
+    q = cp.random.randint(0, 16, (n, k), dtype=cp.uint8)
+    return Int4Weight.pack(q, cp.full((n, k // 128), 0.1 / np.sqrt(k), cp.float16), cp.full((n, k // 128), 8, cp.float16), 128)
 
 
 def queued_ms(cp, busy, fn, reps=REPS, warmup=3, iters=15):

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import runtime
-from ..quant import GROUP_SIZES, Int4Weight, Int8Weight
+from ..quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .activation import act_and_mul_reference, silu_and_mul
 from .rms_norm import rms_norm, rms_norm_reference
 
@@ -65,7 +65,8 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (notes/linear.md).
 
     Quantized weights at M <= 8 (run 4 sweep; int8 from the decode-graph sweep of run N): U = 1
-    int4 quad per stage below 64 quads of K, else 2 (int8: always 2); 4 warps per block from 6
+    int4 quad per stage below 64 quads of K, else 2 (int8: always 2; int4 also at 1-2 blocks per SM,
+    since the tiled layout: llama3-8b's o 6.5 -> 4.9 us, run 49); 4 warps per block from 6
     blocks per SM on, int8 16 at 1-2 blocks per SM, else 8; a grid of fewer blocks than SMs splits
     K over a cluster of up to 4 blocks (sm_90), each keeping >= two pipeline stages (2 WARPS U
     quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and M > 8 (run 3 tiles; the
@@ -84,7 +85,7 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
             return Tile(1, 1, 1, 4, 1)  # short rows, many blocks (a small model's lm_head): run 37
         u = max(1, 4 // rt // (2 if bits == 4 else 1))
         return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
-    u = 2 if bits == 8 or quads >= 64 else 1
+    u = 2 if bits == 8 or quads >= 64 or sms <= blocks < 2 * sms else 1
     warps = 4 if blocks >= 6 * sms else 16 if bits == 8 and sms <= blocks <= 2 * sms else 8
     split = 1
     while clusters and split < 4 and blocks * split < sms and quads >= 2 * split * warps * u:
@@ -130,7 +131,7 @@ def _formats():
 
 INSTANTIATIONS = sorted(
     {instantiation(dt, b, g, tile_config(b, m, n, k, epi), epi, norm) for dt in KERNEL_DTYPES
-     for b, g in _formats() for m in (1, 16) for n in (1024, 1 << 20) for k in (576, 4096) for epi in EPILOGUES
+     for b, g in _formats() for m in (1, 16) for n in (1024, 3072, 1 << 20) for k in (576, 4096) for epi in EPILOGUES
      for norm in {False, m == 1}}
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16}
     | {"linear_argmax_reduce_kernel"})
@@ -156,10 +157,10 @@ def _check_weight(w, k, dev):
             raise ValueError(f"w: got shape {tuple(w.shape)}, need [*, {k}] (x has {k} columns)")
         if w.group_size not in GROUP_SIZES or k % w.group_size:
             raise ValueError(f"w.group_size: got {w.group_size}, need one of {GROUP_SIZES} dividing K = {k}")
-        runtime.check("w.qweight", w.qweight, dtype=np.uint32, shape=(n, -(-k // 128) * 16))
-        runtime.check("w.scales", w.scales, dtype=np.float16, shape=(n, k // w.group_size))
-        runtime.check("w.zeros", w.zeros, dtype=np.float16, shape=(n, k // w.group_size))
-        arrays = (w.qweight, w.scales, w.zeros)
+        t = -(-n // TILE_ROWS)
+        runtime.check("w.qweight", w.qweight, dtype=np.uint32, shape=(t, -(-k // 128), TILE_ROWS, 16))
+        runtime.check("w.scales_zeros", w.scales_zeros, dtype=np.float16, shape=(t, k // w.group_size, TILE_ROWS, 2))
+        arrays = (w.qweight, w.scales_zeros)
     else:
         runtime.check("w", w, ndim=2)
         n = w.shape[0]
@@ -294,10 +295,8 @@ def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None
     kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue,
                                                   staged))
     qweight = w if bits == 16 else w.qweight
-    scales = w.scales if bits < 16 else NULL
-    zeros = w.zeros if bits == 4 else NULL
     norm_w, eps = norm if norm is not None else (NULL, 0.0)
-    args = (x, qweight, scales, zeros, NULL if bias is None else bias, norm_w, np.float32(eps),
+    args = (x, qweight, _scales(w), NULL if bias is None else bias, norm_w, np.float32(eps),
             NULL if residual is None else residual, NULL if out is None else out, *parts,
             np.int32(m), np.int32(n), np.int32(k))
     smem = m * norm_stride(k) * x.dtype.itemsize if staged else 0
@@ -312,9 +311,13 @@ def dequantize_weight(w, dtype):
     bits = weight_bits(w)
     scratch = cp.empty((n, k), dtype=dtype)
     kern = runtime.kernel("linear", dequant_instantiation(dtype, bits, w.group_size if bits == 4 else 0))
-    zeros = w.zeros if bits == 4 else NULL
-    runtime.launch(kern, (-(-(n * k // 8) // 256),), (256,), (w.qweight, w.scales, zeros, scratch, np.int32(n), np.int32(k)))
+    runtime.launch(kern, (-(-(n * k // 8) // 256),), (256,), (w.qweight, _scales(w), scratch, np.int32(n), np.int32(k)))
     return scratch
+
+
+def _scales(w):
+    """The scales argument of the kernels: int8 scales, int4 (scale, zero) pairs, null for fp16 / bf16."""
+    return w.scales_zeros if isinstance(w, Int4Weight) else w.scales if isinstance(w, Int8Weight) else NULL
 
 
 CUDA_DTYPES = {np.dtype(np.float16): 2, runtime.bfloat16: 14}  # cudaDataType CUDA_R_16F, CUDA_R_16BF

@@ -183,8 +183,23 @@ def test_flash_attention_long(cp, kernel, s, d, dtype):
        d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
        seed=st.integers(0, 2**31))
 def test_flash_attention_paged_kernel(cp, kernel, ctx, data, ratio, d, dtype, block_size, seed):
-    rng = np.random.default_rng(seed)
     q_lens = [data.draw(st.sampled_from(sorted({0, 1, min(n, 3), n, n // 2}))) for n in ctx]
+    paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [None, "mma", "cp.async"])
+def test_flash_attention_paged_kernel_empty_context(cp, kernel):
+    """A query row with no key (context 0) gives zeros. Both kernels once copied Q there without waiting
+    for it CTA-wide, and the copies could land over the zeros staged in sQ (hypothesis found ctx=[0],
+    ratio 7 on the cp.async producer; compute-sanitizer racecheck the same race in the sm_80 kernel)."""
+    for d in HEAD_DIMS:
+        for ctx, q_lens in (([0], [1]), ([0, 37], [1, 5])):
+            paged_kernel_case(cp, kernel, ctx, q_lens, 7, d, np.dtype(np.float16), 8, 0)
+
+
+def paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed):
+    rng = np.random.default_rng(seed)
     cu_kv = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
     k, _ = _rand(cp, rng, (int(cu_kv[-1]), 2, d), dtype)
     v, _ = _rand(cp, rng, (int(cu_kv[-1]), 2, d), dtype)

@@ -67,7 +67,7 @@ def test_reference_matches_float64_loops():
 def test_int4_dequantize_matches_group_formula():
     rng = np.random.default_rng(3)
     w = make_weight(rng, 4, 96, "int4", 32)
-    q = quant.unpack_int4(w.qweight, 96).astype(np.float64)
+    q = w.unpack().astype(np.float64)
     want = np.empty((4, 96))
     for n in range(4):
         for k in range(96):
@@ -92,8 +92,8 @@ def test_argument_checks():
     q4 = quant.quantize(w.astype(np.float32), "int4", 32)
     with pytest.raises(ValueError, match=r"w: got shape \(8, 64\), need \[\*, 96\]"):
         linear(np.zeros((2, 96), np.float16), q4)
-    bad = quant.Int4Weight(q4.qweight, q4.scales[:, :1].copy(), q4.zeros, 32, (8, 64))
-    with pytest.raises(ValueError, match="w.scales: got shape"):
+    bad = quant.Int4Weight(q4.qweight, q4.scales_zeros[:, :1].copy(), 32, (8, 64))
+    with pytest.raises(ValueError, match="w.scales_zeros: got shape"):
         linear(x, bad)
     q8 = quant.quantize(w.astype(np.float32), "int8")
     with pytest.raises(ValueError, match="w.qweight: got dtype"):
