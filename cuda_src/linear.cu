@@ -543,7 +543,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
       T *__restrict__ out, float *__restrict__ part_val, int *__restrict__ part_idx, int M, int N, int K
 #define LINEAR_PASS x, w, scales, bias, norm_w, eps, residual, out, part_val, part_idx, M, N, K
 
-// grid: (ceil(N / (16 RT))) · block: 32 WARPS (>= 16 warps per SM: <= 128 registers) ·
+// grid: (ceil(N / (16 RT))) · block: 32 WARPS (MINB blocks per SM: <= 65536 / (32 WARPS MINB) registers) ·
 // smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
 // XS: 2 * M * norm_stride(K) bytes (the staged x)
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for EPI_SILU_AND_MUL) or null, all T;
@@ -552,15 +552,15 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 // [M, gridDim.x] for EPI_ARGMAX, else null. XS (K % 8 == 0): x staged in shared memory, normalized
 // with norm_w [K] in T and eps unless norm_w is null; without XS norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing
 // out. Every weight byte is read once (streamed).
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI, bool XS>
-__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) linear_kernel(LINEAR_ARGS) {
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI, bool XS, int MINB>
+__global__ void __launch_bounds__(32 * WARPS, MINB) linear_kernel(LINEAR_ARGS) {
   linear_body<T, WBITS, GS, NT, RT, U, WARPS, 1, EPI, XS>(LINEAR_PASS);
 }
 
 // grid: (ceil(N / (16 RT)), SPLIT), clusters of (1, SPLIT, 1) · otherwise as linear_kernel:
 // the blocks of a cluster split K, the cluster's block 0 writes the epilogue. sm_90 and newer.
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
-__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) LINEAR_CLUSTER(SPLIT) linear_split_kernel(LINEAR_ARGS) {
+template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS, int MINB>
+__global__ void __launch_bounds__(32 * WARPS, MINB) LINEAR_CLUSTER(SPLIT) linear_split_kernel(LINEAR_ARGS) {
   linear_body<T, WBITS, GS, NT, RT, U, WARPS, SPLIT, EPI, XS>(LINEAR_PASS);
 }
 

@@ -141,7 +141,8 @@ def _sweep(cp, preset, formats):
                 cp.cuda.Device().synchronize()
                 graph, _, _ = capture(calls, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
                 mark = " (tile_config)" if t == tile_config(bits, 1, n, k, epi) else ""
-                rows.append(dict(name=f"{fmt} {name} u{t.u} w{t.warps} split{t.split}{mark}",
+                occ = f" occ{t.occupancy}" if t.occupancy else ""
+                rows.append(dict(name=f"{fmt} {name} u{t.u} w{t.warps} split{t.split}{occ}{mark}",
                                  shape=f"M=1 K={k} N={n} {epi}{' norm' if norm else ''}{' residual' if res else ''}",
                                  dtype="float16", ms=bench.time_ms(graph.launch, warmup=2, iters=7) / len(copies),
                                  bytes=copies[0].nbytes + x.nbytes + out.nbytes))

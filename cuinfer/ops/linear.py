@@ -55,18 +55,21 @@ class Tile(NamedTuple):
     u: int  # quads per warp per pipeline stage
     warps: int  # warps per block, splitting the block's K range
     split: int  # blocks of a cluster splitting K (sm_90)
+    occupancy: int = 0  # blocks per SM the kernel's launch bounds promise (0: 16 / warps)
 
 
 def weight_bits(w) -> int:
     return 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 16
 
 
-def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True) -> Tile:
+def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
     """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (notes/linear.md).
 
     Quantized weights at M <= 8 (run 4 sweep; int8 from the decode-graph sweep of run N): U = 1
-    int4 quad per stage below 64 quads of K, else 2 (int8: always 2; int4 also at 1-2 blocks per SM,
-    since the tiled layout: llama3-8b's o 6.5 -> 4.9 us, run 49); 4 warps per block from 6
+    int4 quad per stage below 64 quads of K, else 2 (int8: always 2; int4 also at 1-3 blocks per SM,
+    the grid in one wave: llama3-8b's o 6.5 -> 4.9 us in run 49's sweep; at 2-3 blocks only g128,
+    whose U = 2 kernel fits the 80 registers of three 8-warp blocks an SM without spills (ptxas:
+    g64 / g32 spill), and its launch bounds promise 3); 4 warps per block from 6
     blocks per SM on, int8 16 at 1-2 blocks per SM, else 8; a grid of fewer blocks than SMs splits
     K over a cluster of up to 4 blocks (sm_90), each keeping >= two pipeline stages (2 WARPS U
     quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and M > 8 (run 3 tiles; the
@@ -85,18 +88,23 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
             return Tile(1, 1, 1, 4, 1)  # short rows, many blocks (a small model's lm_head): run 37
         u = max(1, 4 // rt // (2 if bits == 4 else 1))
         return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
-    u = 2 if bits == 8 or quads >= 64 or sms <= blocks < 2 * sms else 1
+    u = 2 if bits == 8 or quads >= 64 else 1
     warps = 4 if blocks >= 6 * sms else 16 if bits == 8 and sms <= blocks <= 2 * sms else 8
+    occupancy = 0
+    if bits == 4 and sms <= blocks < 2 * sms:
+        u = 2
+    elif bits == 4 and 2 * sms <= blocks < 3 * sms and group_size == 128:
+        u, occupancy = 2, 3
     split = 1
     while clusters and split < 4 and blocks * split < sms and quads >= 2 * split * warps * u:
         split *= 2
-    return Tile(nt, rt, u, warps, split)
+    return Tile(nt, rt, u, warps, split, occupancy)
 
 
 def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", staged=False) -> str:
-    nt, rt, u, warps, split = tile
+    nt, rt, u, warps, split, occupancy = tile
     head = f"{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {warps}"
-    tail = f"{EPILOGUES[epilogue]}, {'true' if staged else 'false'}"
+    tail = f"{EPILOGUES[epilogue]}, {'true' if staged else 'false'}, {occupancy or 16 // warps}"
     if split == 1:
         return f"linear_kernel<{head}, {tail}>"
     return f"linear_split_kernel<{head}, {split}, {tail}>"
@@ -130,8 +138,8 @@ def _formats():
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, tile_config(b, m, n, k, epi), epi, norm) for dt in KERNEL_DTYPES
-     for b, g in _formats() for m in (1, 16) for n in (1024, 3072, 1 << 20) for k in (576, 4096) for epi in EPILOGUES
+    {instantiation(dt, b, g, tile_config(b, m, n, k, epi, group_size=g), epi, norm) for dt in KERNEL_DTYPES
+     for b, g in _formats() for m in (1, 16) for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096) for epi in EPILOGUES
      for norm in {False, m == 1}}
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16}
     | {"linear_argmax_reduce_kernel"})
@@ -226,7 +234,7 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None)
     epilogue = activation or "store"
     for m0 in range(0, m, GEMV_ROWS):
         rows = slice(m0, min(m, m0 + GEMV_ROWS))
-        _gemv(x[rows], w, bias, out[rows], _tile(bits, rows.stop - m0, n, k, epilogue), epilogue,
+        _gemv(x[rows], w, bias, out[rows], _tile(w, rows.stop - m0, n, k, epilogue), epilogue,
               norm=norm, residual=None if residual is None else residual[rows])
     return out
 
@@ -272,7 +280,7 @@ def linear_argmax(x, w, out=None, workspace=None, norm=None):
     reduce = runtime.kernel("linear", "linear_argmax_reduce_kernel")
     for m0 in range(0, m, GEMV_ROWS):
         mc = min(GEMV_ROWS, m - m0)
-        tile = _tile(bits, mc, n, k, "argmax")
+        tile = _tile(w, mc, n, k, "argmax")
         nb = -(-n // (16 * tile.rt))
         vals, idx = workspace[:mc * nb].view(np.float32), workspace[mc * nb:2 * mc * nb]
         _gemv(x[m0:m0 + mc], w, None, None, tile, "argmax", (vals, idx), norm=norm)
@@ -280,9 +288,10 @@ def linear_argmax(x, w, out=None, workspace=None, norm=None):
     return out
 
 
-def _tile(bits, m, n, k, epilogue):
+def _tile(w, m, n, k, epilogue):
     info = runtime.device_info()
-    return tile_config(bits, m, n, k, epilogue, info["sm_count"], int(info["arch"][3:]) >= 90)
+    return tile_config(weight_bits(w), m, n, k, epilogue, info["sm_count"], int(info["arch"][3:]) >= 90,
+                       getattr(w, "group_size", 128))
 
 
 def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None, residual=None):

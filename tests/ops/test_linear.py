@@ -103,12 +103,14 @@ def test_argument_checks():
 
 
 def test_tile_config_fits_instantiations():
-    for bits, gs in ((16, 0), (8, 0), (4, 32)):
+    for bits, gs in ((16, 0), (8, 0), (4, 32), (4, 128)):
         for m in range(1, 17):
-            for n in (1, 17, 1024, 4096, 8448, 14336, 16896, 128256):
+            for n in (1, 17, 1024, 4096, 6144, 8448, 14336, 16896, 128256):
                 for k in (32, 576, 4096, 14336):
                     for epi in ("store", "silu_and_mul", "argmax"):
-                        t = tile_config(bits, m, n, k, epi)
+                        t = tile_config(bits, m, n, k, epi, group_size=gs)
+                        # three blocks an SM (80 registers) only for the g128 int4 kernel that fits them
+                        assert t.occupancy == 0 or (t.occupancy, bits, gs, t.u, t.warps) == (3, 4, 128, 2, 8)
                         # a warp's raw weights <= 32 registers: it holds RT row tiles (with the SiLU
                         # epilogue, of the gate or the up half: the warps split in two)
                         assert 8 * t.nt >= m and t.rt * t.u * (2 if bits == 4 else 1) <= 4
@@ -251,7 +253,7 @@ def test_gemv_llama_shape_int4_lm_head_tile():
 
 CONFIGS = [(1, 1, 1, 8, 1), (1, 1, 2, 4, 1), (1, 1, 4, 8, 1), (1, 2, 1, 8, 1), (2, 1, 2, 16, 1), (2, 2, 1, 8, 1),
            (2, 2, 2, 8, 1), (2, 1, 4, 8, 1), (1, 1, 2, 16, 1), (1, 1, 1, 4, 2), (1, 1, 2, 8, 4), (2, 1, 1, 4, 8),
-           (2, 2, 1, 4, 2), (1, 1, 1, 8, 8), (1, 1, 1, 4, 1)]
+           (2, 2, 1, 4, 2), (1, 1, 1, 8, 8), (1, 1, 1, 4, 1), (1, 1, 2, 8, 1, 3)]
 
 
 @pytest.mark.gpu
