@@ -123,6 +123,12 @@ template <> __device__ __forceinline__ void int4_word<__nv_bfloat16>(u32 w, u32 
   for (int i = 0; i < 4; ++i) q[i] = Pair<__nv_bfloat16>::sub(and_or<0x000f000fu, kMagic>(w >> (4 * i)), kMagic);
 }
 
+// int4 arrays keep rows in tiles of 16, [ceil(N/16), per_row, 16, ...]: the index (in units of
+// the innermost entry) of entry 0 of `row`; its entry e is 16 e further.
+__host__ __device__ __forceinline__ size_t tiled_row(int row, int per_row) {
+  return (size_t)(row >> 4) * per_row * 16 + (row & 15);
+}
+
 template <int WBITS> struct Layout {
   static constexpr int kLaneK = WBITS == 16 ? 8 : WBITS == 8 ? 16 : 32;  // k per lane load
   static constexpr int kQuadK = 4 * kLaneK;                              // k per quad step
@@ -224,7 +230,8 @@ struct EpiIn {
 // meet in shared memory.
 template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
 __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
-                                            const __half* __restrict__ scales, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
+                                            const __half* __restrict__ scales, const T* __restrict__ bias,
+                                            const T* __restrict__ norm_w, float eps,
                                             const T* __restrict__ residual, T* __restrict__ out,
                                             float* __restrict__ part_val, int* __restrict__ part_idx, int M, int N,
                                             int K) {
@@ -266,9 +273,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = min(row0 + 16 * r + 8 * h + g4, N - 1) + half * N;
-      const size_t first = WBITS == 4 ? ((size_t)(row >> 4) * n_quads * 16 + (row & 15)) * 64 : (size_t)row * K * WBITS / 8;
+      const size_t first = WBITS == 4 ? tiled_row(row, n_quads) * 64 : (size_t)row * K * WBITS / 8;
       wrow[r][h] = pinned(static_cast<const char*>(w) + first + 16 * c);
-      grow[r][h] = pinned((row >> 4) * n_groups * 16 + (row & 15));  // pinned: held in a register (the main loop recomputed it)
+      grow[r][h] = pinned(static_cast<int>(tiled_row(row, n_groups)));  // pinned: held in a register (the main loop recomputed it)
     }
 
   // Raw weights (and int4 (scale, zero) pairs) of quads base .. base + U - 1. fp16 / int8 lanes
@@ -607,13 +614,11 @@ __global__ void __launch_bounds__(256) linear_dequant_kernel(const void* __restr
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = s * static_cast<float>(static_cast<i8>((j < 4 ? raw.x : raw.y) >> (8 * (j & 3))));
   } else {
-    // k .. k + 7 are the eight nibbles of one word: quad q, word j, lane c (k = 128 q + 32 j + 8 c)
-    // of row `row & 15` of tile `row >> 4`.
+    // k .. k + 7 are the eight nibbles of one word: quad q, word j, lane c (k = 128 q + 32 j + 8 c).
     const int n_quads = (K + 127) / 128, n_groups = K / GS;
     const int q = k / 128, j = (k % 128) / 32, c = (k % 32) / 8;
-    const size_t tile = row >> 4;
-    const u32 word = static_cast<const u32*>(w)[((tile * n_quads + q) * 16 + (row & 15)) * 16 + 4 * c + j];
-    const __half2 sz = reinterpret_cast<const __half2*>(scales)[(tile * n_groups + k / GS) * 16 + (row & 15)];
+    const u32 word = static_cast<const u32*>(w)[(tiled_row(row, n_quads) + 16 * q) * 16 + 4 * c + j];
+    const __half2 sz = reinterpret_cast<const __half2*>(scales)[tiled_row(row, n_groups) + 16 * (k / GS)];
     const float s = __low2float(sz), z = __high2float(sz);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {

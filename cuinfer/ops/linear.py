@@ -88,13 +88,10 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
             return Tile(1, 1, 1, 4, 1)  # short rows, many blocks (a small model's lm_head): run 37
         u = max(1, 4 // rt // (2 if bits == 4 else 1))
         return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
-    u = 2 if bits == 8 or quads >= 64 else 1
+    one_wave = bits == 4 and sms <= blocks < (3 if group_size == 128 else 2) * sms  # at U = 2
+    u = 2 if bits == 8 or quads >= 64 or one_wave else 1
+    occupancy = 3 if one_wave and blocks >= 2 * sms else 0
     warps = 4 if blocks >= 6 * sms else 16 if bits == 8 and sms <= blocks <= 2 * sms else 8
-    occupancy = 0
-    if bits == 4 and sms <= blocks < 2 * sms:
-        u = 2
-    elif bits == 4 and 2 * sms <= blocks < 3 * sms and group_size == 128:
-        u, occupancy = 2, 3
     split = 1
     while clusters and split < 4 and blocks * split < sms and quads >= 2 * split * warps * u:
         split *= 2
