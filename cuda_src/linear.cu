@@ -19,9 +19,11 @@
 //   int4 : lane c loads k = kq + 32j + 8c .. +8 for words j = 0..3 (packed that way), word j
 //          feeding steps 2j and 2j+1 (4 k each) from one 16-byte x load; a quad covers
 //          128 k and every mma step lies inside one scale group (32 | GS).
-// int8 scales multiply the finished dot product. int4 feeds the tensor cores the exact q; the
-// steps of one group accumulate sum q x into a fresh fragment and sum x into another (an mma
-// with A = ones), and the group ends with acc += scale (sum q x - zero sum x) in fp32.
+// int8 scales multiply the finished dot product. int4 feeds the tensor cores exact values: with
+// integer zero points (IZ: every zero in 0..15, as minmax, GPTQ and Q4_0 give) q - zero, taken in
+// the nibble conversion, and the group ends with acc += scale sum (q - zero) x; with fractional
+// ones (the MSE fit, Q4_1) q, and the steps of one group also sum x into a second fragment (an
+// mma with A = ones), the group ending with acc += scale (sum q x - zero sum x), in fp32.
 // The epilogue (EPI_*) stores y (optionally plus a residual), or silu(gate) * up of a stacked [gate; up] weight, or
 // per-block argmax partials; small grids split K over the blocks of a cluster (sm_90) that meet
 // in distributed shared memory. With XS every block first copies the x rows to shared memory, read
@@ -99,28 +101,47 @@ template <u32 MASK, u32 MAGIC> __device__ __forceinline__ u32 and_or(u32 a) {
   return d;
 }
 
-// The eight nibbles of `w` as exact values q of T, pairs (i, i + 4) in q[i] for i = 0..3: the
-// magic-number OR makes 1024 + q (bf16: 128 + q), one subtraction takes the magic off. With fp16
-// the odd nibbles need no shift: (w & 0x00f000f0) | magic is 1024 + 16 q, and q = that / 16 - 64
-// in one exact fma. bf16 has too few mantissa bits for 16 q: every pair is shifted down.
-template <typename T> __device__ __forceinline__ void int4_word(u32 w, u32 (&q)[4]);
-template <> __device__ __forceinline__ void int4_word<__half>(u32 w, u32 (&q)[4]) {
+// The constants int4_word subtracts: with an integer zero point z (0..15) it comes off in the same
+// instructions, exactly: lo = the magic + z (fp16 1024 + z, bf16 128 + z), hi = -64 - z (fp16's odd
+// nibbles); otherwise (z = 0 here) the zero point is applied to the group's sums.
+struct ZeroSub {
+  u32 lo, hi;
+};
+template <bool IZ> __device__ __forceinline__ ZeroSub zero_sub(__half2 scale_zero, __half) {
+  if constexpr (!IZ) return {Pair<__half>::kMagic4, 0xd400d400u};  // half2 -64
+  const __half2 z = __high2half2(scale_zero);
+  const __half2 lo = __hadd2(__float2half2_rn(1024.0f), z), hi = __hsub2(__float2half2_rn(-64.0f), z);
+  return {*reinterpret_cast<const u32*>(&lo), *reinterpret_cast<const u32*>(&hi)};
+}
+template <bool IZ> __device__ __forceinline__ ZeroSub zero_sub(__half2 scale_zero, __nv_bfloat16) {
+  if constexpr (!IZ) return {Pair<__nv_bfloat16>::kMagic4, 0u};
+  const __nv_bfloat162 lo = __float2bfloat162_rn(128.0f + __high2float(scale_zero));
+  return {*reinterpret_cast<const u32*>(&lo), 0u};
+}
+
+// The eight nibbles of `w` as exact values q - z of T (zero_sub), pairs (i, i + 4) in q[i] for
+// i = 0..3: the magic-number OR makes 1024 + q (bf16: 128 + q), one subtraction takes the magic
+// (+ z) off. With fp16 the odd nibbles need no shift: (w & 0x00f000f0) | magic is 1024 + 16 q, and
+// q - z = that / 16 - 64 - z in one exact fma. bf16 has too few mantissa bits for 16 q: every pair
+// is shifted down.
+template <typename T> __device__ __forceinline__ void int4_word(u32 w, ZeroSub z, u32 (&q)[4]);
+template <> __device__ __forceinline__ void int4_word<__half>(u32 w, ZeroSub z, u32 (&q)[4]) {
   constexpr u32 kMagic = Pair<__half>::kMagic4;
-  const __half2 sixteenth = __float2half2_rn(0.0625f), minus64 = __float2half2_rn(-64.0f);
-  auto hi = [&](u32 v) {  // (1024 + 16 q) / 16 - 64 = q, exact
-    __half2 r = __hfma2(*reinterpret_cast<__half2*>(&v), sixteenth, minus64);
+  const __half2 sixteenth = __float2half2_rn(0.0625f);
+  auto hi = [&](u32 v) {  // (1024 + 16 q) / 16 - 64 - z = q - z, exact
+    __half2 r = __hfma2(*reinterpret_cast<__half2*>(&v), sixteenth, *reinterpret_cast<const __half2*>(&z.hi));
     return *reinterpret_cast<u32*>(&r);
   };
   const u32 w8 = w >> 8;
-  q[0] = Pair<__half>::sub(and_or<0x000f000fu, kMagic>(w), kMagic);
+  q[0] = Pair<__half>::sub(and_or<0x000f000fu, kMagic>(w), z.lo);
   q[1] = hi(and_or<0x00f000f0u, kMagic>(w));
-  q[2] = Pair<__half>::sub(and_or<0x000f000fu, kMagic>(w8), kMagic);
+  q[2] = Pair<__half>::sub(and_or<0x000f000fu, kMagic>(w8), z.lo);
   q[3] = hi(and_or<0x00f000f0u, kMagic>(w8));
 }
-template <> __device__ __forceinline__ void int4_word<__nv_bfloat16>(u32 w, u32 (&q)[4]) {
+template <> __device__ __forceinline__ void int4_word<__nv_bfloat16>(u32 w, ZeroSub z, u32 (&q)[4]) {
   constexpr u32 kMagic = Pair<__nv_bfloat16>::kMagic4;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) q[i] = Pair<__nv_bfloat16>::sub(and_or<0x000f000fu, kMagic>(w >> (4 * i)), kMagic);
+  for (int i = 0; i < 4; ++i) q[i] = Pair<__nv_bfloat16>::sub(and_or<0x000f000fu, kMagic>(w >> (4 * i)), z.lo);
 }
 
 // int4 arrays keep rows in tiles of 16, [ceil(N/16), per_row, 16, ...]: the index (in units of
@@ -228,7 +249,7 @@ struct EpiIn {
 // blocks an SM holds). Warp kw of its half takes quad steps q_begin + (i * KW + kw) * U + u,
 // loading the next U quads (and their int4 (scale, zero) pairs) while it computes these; the warps
 // meet in shared memory.
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
+template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
 __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
                                             const __half* __restrict__ scales, const T* __restrict__ bias,
                                             const T* __restrict__ norm_w, float eps,
@@ -399,8 +420,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
           }
         }
       } else {
-        // A group's steps accumulate p = sum q x (exact products) and, by a second mma with A = ones,
-        // px = sum x per row of x; the group ends with acc += scale (p - zero px), all in fp32.
+        // A group's steps accumulate p = sum (q - z) x (exact products); with an integer zero point
+        // (IZ) z = zero and the group ends with acc += scale p, else z = 0, a second mma with A = ones
+        // sums px = sum x per row of x, and the group ends with acc += scale (p - zero px), in fp32.
         constexpr int kWords = GS / 32;  // words (two k16 steps, 32 k) per scale group
         constexpr u32 ones[4] = {Pair<T>::kOne, Pair<T>::kOne, Pair<T>::kOne, Pair<T>::kOne};
 #pragma unroll
@@ -415,6 +437,11 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #pragma unroll
               for (int r = 0; r < RT; ++r) p[r][n][j] = 0.0f;
             }
+          ZeroSub zs[RT][2];
+#pragma unroll
+          for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) zs[r][h] = zero_sub<IZ>(sz[u][r][h][gi], T());
 #pragma unroll
           for (int wi = 0; wi < kWords; ++wi) {
             const int j = gi * kWords + wi;  // word j of the lane: k = kq + 32 j + 8 c .. +8, steps 2j, 2j+1
@@ -424,15 +451,15 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
             u32 ql[RT][4], qh[RT][4];  // rows g4, g4 + 8: nibbles (i, i + 4) are k 2i, 2i + 1 of the word
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-              int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][0])[j], ql[r]);
-              int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][1])[j], qh[r]);
+              int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][0])[j], zs[r][0], ql[r]);
+              int4_word<T>(reinterpret_cast<const u32*>(&a_raw[u][r][1])[j], zs[r][1], qh[r]);
             }
 #pragma unroll
             for (int st = 0; st < 2; ++st) {  // k 4 st .. 4 st + 3 of the word: pairs 2 st, 2 st + 1
 #pragma unroll
               for (int n = 0; n < NT; ++n) {
                 const u32* bw = reinterpret_cast<const u32*>(&b[n]);
-                mma(px[n], ones, bw[2 * st], bw[2 * st + 1], T());
+                if constexpr (!IZ) mma(px[n], ones, bw[2 * st], bw[2 * st + 1], T());
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
                   const u32 a[4] = {ql[r][2 * st], qh[r][2 * st], ql[r][2 * st + 1], qh[r][2 * st + 1]};
@@ -450,7 +477,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
               for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e)
-                  acc[r][n][e] = fmaf(scale, fmaf(-zero, px[n][e], p[r][n][e]), acc[r][n][e]);
+                  acc[r][n][e] = fmaf(scale, IZ ? p[r][n][e] : fmaf(-zero, px[n][e], p[r][n][e]), acc[r][n][e]);
             }
         }
       }
@@ -559,16 +586,16 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 // [M, gridDim.x] for EPI_ARGMAX, else null. XS (K % 8 == 0): x staged in shared memory, normalized
 // with norm_w [K] in T and eps unless norm_w is null; without XS norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing
 // out. Every weight byte is read once (streamed).
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int EPI, bool XS, int MINB>
+template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int EPI, bool XS, int MINB>
 __global__ void __launch_bounds__(32 * WARPS, MINB) linear_kernel(LINEAR_ARGS) {
-  linear_body<T, WBITS, GS, NT, RT, U, WARPS, 1, EPI, XS>(LINEAR_PASS);
+  linear_body<T, WBITS, GS, IZ, NT, RT, U, WARPS, 1, EPI, XS>(LINEAR_PASS);
 }
 
 // grid: (ceil(N / (16 RT)), SPLIT), clusters of (1, SPLIT, 1) · otherwise as linear_kernel:
 // the blocks of a cluster split K, the cluster's block 0 writes the epilogue. sm_90 and newer.
-template <typename T, int WBITS, int GS, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS, int MINB>
+template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS, int MINB>
 __global__ void __launch_bounds__(32 * WARPS, MINB) LINEAR_CLUSTER(SPLIT) linear_split_kernel(LINEAR_ARGS) {
-  linear_body<T, WBITS, GS, NT, RT, U, WARPS, SPLIT, EPI, XS>(LINEAR_PASS);
+  linear_body<T, WBITS, GS, IZ, NT, RT, U, WARPS, SPLIT, EPI, XS>(LINEAR_PASS);
 }
 
 // grid: (M) · block: 1024 · smem: static 256 bytes

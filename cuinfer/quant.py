@@ -54,7 +54,7 @@ with a scale per 32) is re-quantized per channel (error <= scale / 2 on top of Q
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -148,6 +148,12 @@ class Int4Weight:
     scales_zeros: object  # fp16 [T, K / group_size, 16, 2]
     group_size: int
     shape: tuple  # (N, K)
+    integer_zeros: bool = field(init=False, repr=False, compare=False)  # every zero in 0..15 is an integer
+
+    def __post_init__(self):  # the GEMV then subtracts the zero in its nibble conversion (linear.cu)
+        z = self.scales_zeros[..., 1]
+        whole = bool(((z >= 0) & (z <= 15) & (z == _xp(z).rint(z))).all())
+        object.__setattr__(self, "integer_zeros", whole)
 
     @classmethod
     def pack(cls, q, scales, zeros, group_size):

@@ -193,6 +193,26 @@ def test_int4_tiles_of_16_rows():
         quant.concat_rows([rest, top])
 
 
+def test_int4_integer_zeros():
+    """integer_zeros (the GEMV's IZ kernels) holds when every zero point is an integer in 0..15, and is
+    recomputed for every stack, split and copy."""
+    rng = np.random.default_rng(7)
+    q = rng.integers(0, 16, (32, 128)).astype(np.uint8)
+    s = rng.uniform(0.01, 1, (32, 2)).astype(np.float16)
+    whole = quant.Int4Weight.pack(q, s, rng.integers(0, 16, (32, 2)).astype(np.float16), 64)
+    assert whole.integer_zeros
+    for z in (7.5, 16.0, -1.0, np.nan):
+        zeros = np.full((32, 2), 8, np.float16)
+        zeros[20, 1] = z
+        bad = quant.Int4Weight.pack(q, s, zeros, 64)
+        assert not bad.integer_zeros
+        top, rest = quant.split_rows(bad, [16, 16])
+        assert top.integer_zeros and not rest.integer_zeros
+        assert not quant.concat_rows([top, rest]).integer_zeros and quant.concat_rows([top, top]).integer_zeros
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    assert quant.quantize(w, "int4", 64).integer_zeros and not quant.quantize(w, "int4", 64, fit="mse").integer_zeros
+
+
 def _gguf_blocks(tmp_path, w, qtype):
     """Write w as one quantized tensor with gguf.GGUFWriter and read the raw blocks back."""
     gguf = pytest.importorskip("gguf")
@@ -217,7 +237,7 @@ def test_gguf_blocks_import(tmp_path, qtype):
     qw = quant.from_gguf_blocks(blocks, qtype, w.shape)
     got = qw.dequantize()
     if qtype == quant.GGML_Q4_0:
-        assert isinstance(qw, quant.Int4Weight) and qw.group_size == 32
+        assert isinstance(qw, quant.Int4Weight) and qw.group_size == 32 and qw.integer_zeros
         np.testing.assert_array_equal(got, ref)  # exact: scale d, zero 8
     elif qtype == quant.GGML_Q4_1:
         # zero = -m / d rounded to fp16: |error| <= d * |zero| * 2^-11 per element

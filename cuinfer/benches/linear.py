@@ -61,7 +61,7 @@ def _random_weight(cp, fmt, n, k):
     if fmt == "int8":
         return Int8Weight(cp.random.randint(-127, 128, (n, k)).astype(cp.int8),
                           cp.full((n,), 0.01 / np.sqrt(k), cp.float16), (n, k))
-    q = cp.random.randint(0, 16, (n, k), dtype=cp.uint8)
+    q = cp.random.randint(0, 16, (n, k), dtype=cp.uint8)  # zero 8: integer zeros (the IZ kernels)
     return Int4Weight.pack(q, cp.full((n, k // 128), 0.1 / np.sqrt(k), cp.float16), cp.full((n, k // 128), 8, cp.float16), 128)
 
 
@@ -120,7 +120,7 @@ def _sweep(cp, preset, formats):
     from ..graph import capture
 
     gemvs = decode_gemvs(load_preset(preset))
-    exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, stages_x(1, k, np.float16, norm)) for f in formats
+    exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, stages_x(1, k, np.float16, norm), True) for f in formats
              for _, k, n, e, norm, _ in gemvs for t in sweep_tiles(SWEEP_BITS[f][0], k, n, e)}
     with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
         list(ex.map(_compile, sorted(exprs)))  # NVRTC on every core; the runs below load the cubins

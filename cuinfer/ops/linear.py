@@ -98,9 +98,13 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     return Tile(nt, rt, u, warps, split, occupancy)
 
 
-def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", staged=False) -> str:
+def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", staged=False,
+                  integer_zeros=False) -> str:
+    """integer_zeros: int4 zero points all integers in 0..15 (Int4Weight.integer_zeros), subtracted in
+    the nibble conversion instead of through a second sum per group."""
     nt, rt, u, warps, split, occupancy = tile
-    head = f"{runtime.ctype(dtype)}, {bits}, {group_size}, {nt}, {rt}, {u}, {warps}"
+    iz = "true" if bits == 4 and integer_zeros else "false"
+    head = f"{runtime.ctype(dtype)}, {bits}, {group_size}, {iz}, {nt}, {rt}, {u}, {warps}"
     tail = f"{EPILOGUES[epilogue]}, {'true' if staged else 'false'}, {occupancy or 16 // warps}"
     if split == 1:
         return f"linear_kernel<{head}, {tail}>"
@@ -128,17 +132,18 @@ def dequant_instantiation(dtype, bits: int, group_size: int) -> str:
 
 
 def _formats():
-    yield 16, 0
-    yield 8, 0
+    yield 16, 0, False
+    yield 8, 0, False
     for g in GROUP_SIZES:
-        yield 4, g
+        yield 4, g, True
+        yield 4, g, False
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, tile_config(b, m, n, k, epi, group_size=g), epi, norm) for dt in KERNEL_DTYPES
-     for b, g in _formats() for m in (1, 16) for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096) for epi in EPILOGUES
-     for norm in {False, m == 1}}
-    | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g in _formats() if b < 16}
+    {instantiation(dt, b, g, tile_config(b, m, n, k, epi, group_size=g), epi, norm, iz) for dt in KERNEL_DTYPES
+     for b, g, iz in _formats() for m in (1, 16) for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
+     for epi in EPILOGUES for norm in {False, m == 1}}
+    | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g, _ in _formats() if b < 16}
     | {"linear_argmax_reduce_kernel"})
 
 
@@ -299,7 +304,7 @@ def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None
     n = w.shape[0] // (2 if epilogue == "silu_and_mul" else 1)
     staged = stages_x(m, k, x.dtype, norm is not None)
     kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue,
-                                                  staged))
+                                                  staged, bits == 4 and w.integer_zeros))
     qweight = w if bits == 16 else w.qweight
     norm_w, eps = norm if norm is not None else (NULL, 0.0)
     args = (x, qweight, _scales(w), NULL if bias is None else bias, norm_w, np.float32(eps),

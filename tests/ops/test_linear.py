@@ -24,9 +24,15 @@ DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 
 
 def make_weight(rng, n, k, fmt, group_size=128):
-    """A weight of unit-scale outputs (entries ~ N(0, 1/K)) as fp16 array or quantized object (numpy)."""
+    """A weight of unit-scale outputs (entries ~ N(0, 1/K)) as fp16 array or quantized object (numpy);
+    "int4-mse": the MSE fit's fractional zero points (the GEMV's zero-sum path, not IZ)."""
     w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
-    return w if fmt == "float" else quant.quantize(w, fmt, group_size)
+    if fmt == "float":
+        return w
+    method, _, fit = fmt.partition("-")
+    q = quant.quantize(w, method, group_size, fit=fit or "minmax")
+    assert method != "int4" or q.integer_zeros == (fit != "mse")
+    return q
 
 
 def reference_rounded(x, w, bias, prefill):
@@ -186,11 +192,11 @@ def test_norm_and_residual_argument_checks():
 
 
 # ------------------------------------------------------------------------ GPU
-FORMATS = [("float", 0), ("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
+FORMATS = [("float", 0), ("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int4-mse", 32)]
 
 
 def k_strategy(fmt, gs):
-    if fmt == "int4":  # multiples of the group, including K % 128 != 0
+    if fmt.startswith("int4"):  # multiples of the group, including K % 128 != 0
         return st.sampled_from([gs, 3 * gs, 5 * gs, 33 * gs]).filter(lambda k: k <= 4352)
     step = 8 if fmt == "float" else 16
     return st.sampled_from([step, 17 * step, 111 * step, 4096 + step])
@@ -247,7 +253,7 @@ def test_gemv_llama_shape_int4_lm_head_tile():
 
     # N large enough for the two-row-tile configuration (RT = 2) at M = 9..16
     for fmt, gs in FORMATS:
-        run_case(cp, np.random.default_rng(5), runtime.bfloat16, 11, 17000 + 5, 160 if fmt != "int4" else 5 * gs,
+        run_case(cp, np.random.default_rng(5), runtime.bfloat16, 11, 17000 + 5, 160 if not fmt.startswith("int4") else 5 * gs,
                  fmt, gs, True, 1.0)
 
 
@@ -257,7 +263,7 @@ CONFIGS = [(1, 1, 1, 8, 1), (1, 1, 2, 4, 1), (1, 1, 4, 8, 1), (1, 2, 1, 8, 1), (
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,gs", [("float", 0), ("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("fmt,gs", [("float", 0), ("int8", 0), ("int4", 32), ("int4", 128), ("int4-mse", 128)])
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_gemv_every_tile_config(fmt, gs, config):
     """Tile configurations (split-K clusters included) beyond the ones tile_config picks today give the
@@ -266,7 +272,7 @@ def test_gemv_every_tile_config(fmt, gs, config):
 
     tile = Tile(*config)
     rng = np.random.default_rng(sum(config))
-    m, n, k = (7 if tile.nt == 1 else 13), 75, (4 * 128 + 64 if fmt != "int4" else 5 * 128)
+    m, n, k = (7 if tile.nt == 1 else 13), 75, (4 * 128 + 64 if not fmt.startswith("int4") else 5 * 128)
     x = rng.standard_normal((m, k)).astype(np.float16)
     w = make_weight(rng, 2 * n, k, fmt, gs or 128)
     w = w.astype(np.float16) if fmt == "float" else w
