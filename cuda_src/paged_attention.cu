@@ -54,6 +54,31 @@ __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (
   return y.to();
 }
 
+__host__ __device__ constexpr int ilog2(int n) { return n > 1 ? 1 + ilog2(n / 2) : 0; }
+
+// Sums v over the lanes that differ in the lane bits OFF << l (UP) or OFF >> l, l = 0 .. LEVELS - 1, and
+// scatters the sums: at each level the lanes with that bit set keep the upper half of the values, the
+// others the lower half, adding the half their partner sends (N / 2 + N / 4 + ... shuffles instead of
+// N per level). Afterwards v[0 .. N >> LEVELS) holds the sums of values base .. base + (N >> LEVELS),
+// base the return value.
+template <int N, int LEVELS, int OFF, bool UP>
+__device__ __forceinline__ int reduce_scatter(float (&v)[N], int lane) {
+  if constexpr (LEVELS == 0) {
+    return 0;
+  } else {
+    constexpr int half = N / 2;
+    static_assert(half >= 1, "more levels than values");
+    const bool upper = lane & OFF;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      v[i] = (upper ? v[i + half] : v[i]) + __shfl_xor_sync(0xffffffffu, send, OFF);
+    }
+    constexpr int next = UP ? OFF * 2 : OFF / 2;
+    return (upper ? half : 0) + reduce_scatter<half, LEVELS - 1, next, UP>(reinterpret_cast<float (&)[half]>(v), lane);
+  }
+}
+
 // row(chunk, t) for the rows t = base + u * STEP + sub of a lane, base = base0, base0 + STEP * U, ...
 // while base < end (rows past end: row() weighs them by 0, so they must be finite; the cache path
 // reads the clamped row, the stage gives zeros): with `staged` (one loop step) the chunks the lane
@@ -193,6 +218,19 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
   int* const arrival = arrivals + (size_t)seq * n_kv_heads + kv_head;
   extern __shared__ float smem[];
+  float* scores = smem;                       // [G][partition]
+  float* red = scores + G * partition;        // [WARPS][G][D]
+  float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
+  int* blocks = reinterpret_cast<int*>(stat + 2 * G * WARPS);  // the split's block-table entries
+  // NEW_KV with a split of one loop step: its K, V rows, [2][US][threads] x 16 bytes (16-byte aligned)
+  uint4* stage = reinterpret_cast<uint4*>((reinterpret_cast<size_t>(blocks + (partition >> block_shift) + 2) + 15) &
+                                          ~size_t(15));
+  // The table entries of the whole partition (those the table holds), loaded alongside context_lens:
+  // one round trip instead of two; entries past the context are never used.
+  const int* table = block_tables + (size_t)seq * max_blocks;
+  const int first_block = start >> block_shift;
+  const int n_table = min(((start + partition - 1) >> block_shift) - first_block + 1, max_blocks - first_block);
+  for (int i = tid; i < n_table; i += blockDim.x) blocks[i] = table[first_block + i];
 
   if (len <= 0) {  // an empty split (or an empty context): zeros, and sum 0 for the merge
     if constexpr (NEW_KV) {
@@ -215,19 +253,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     return;
   }
 
-  float* scores = smem;                       // [G][partition]
-  float* red = scores + G * partition;        // [WARPS][G][D]
-  float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
-  int* blocks = reinterpret_cast<int*>(stat + 2 * G * WARPS);  // the split's block-table entries
-  const int n_table = ((end - 1) >> block_shift) - (start >> block_shift) + 1;
-  // NEW_KV with a split of one loop step: its K, V rows, [2][US][threads] x 16 bytes (16-byte aligned)
   const bool staged = NEW_KV && partition <= STEP * U;
   const int US = (partition + STEP - 1) / STEP;  // steps u of the loop that hold rows of the split
-  uint4* stage = reinterpret_cast<uint4*>((reinterpret_cast<size_t>(blocks + n_table) + 15) & ~size_t(15));
-
-  const int* table = block_tables + (size_t)seq * max_blocks;
-  const int first_block = start >> block_shift;
-  for (int i = tid; i < n_table; i += blockDim.x) blocks[i] = table[first_block + i];
 
   const int block_mask = (1 << block_shift) - 1;
   const size_t row_stride = (size_t)n_kv_heads * D;
@@ -312,68 +339,57 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   const uint4* v_stage = k_stage + US * THREADS;
   const int base0 = start + warp * RPW;
 
-  // pass 1: scores
-  float mx[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) mx[g] = Max::identity();
+  // pass 1: scores. A row's KL lanes reduce its G dot products scattered (reduce_scatter): lane `chunk`
+  // ends with the score of query head `head` (the high bits of chunk pick it), the low bits of chunk
+  // hold copies (DUP lanes a head; the one with dup == 0 owns it) and write it to shared memory.
+  constexpr int LG = ilog2(G), DUP = KL / G;
+  static_assert(DUP >= 1, "G must not exceed the lanes of a row");
+  const bool owner = (chunk & (DUP - 1)) == 0;
+  const int head = chunk / DUP;  // reduce_scatter's base (also in warps without rows, which never reduce)
+  float mh = Max::identity();  // max of this lane's rows for its head
   for_each_row<T, U, STEP, THREADS, NEW_KV>(staged, k_stage, US, base0, sub, end, k_cache, offset_of,
                                             [&](const Vec<T, 8>& k, int t) {
     const VecF<T, 8> kf = VecF<T, 8>::from(k);
+    float d[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float acc = 0.0f;
+      d[g] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(qv[g][e], kf.v[e], acc);
+      for (int e = 0; e < 8; ++e) d[g] = fmaf(qv[g][e], kf.v[e], d[g]);
+    }
+    reduce_scatter<G, LG, KL / 2, false>(d, lane);
 #pragma unroll
-      for (int o = KL / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (t < end) {
-        mx[g] = fmaxf(mx[g], acc);
-        if (chunk == 0) scores[g * partition + t - start] = acc;
-      }
+    for (int o = DUP / 2; o > 0; o >>= 1) d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
+    if (t < end) {
+      mh = fmaxf(mh, d[0]);
+      if (owner) scores[head * partition + t - start] = d[0];
     }
   });
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const float m = warp_reduce<Max>(mx[g]);
-    if (lane == 0) stat[g * WARPS + warp] = m;
-  }
+  for (int o = KL; o < 32; o <<= 1) mh = fmaxf(mh, __shfl_xor_sync(0xffffffffu, mh, o));  // over the warp's rows
+  if (owner && sub == 0) stat[head * WARPS + warp] = mh;
   __syncthreads();
+  float m = stat[head * WARPS];  // the CTA's max for this lane's head: every row of the split has a finite score
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    float m = stat[g * WARPS];
-#pragma unroll
-    for (int w = 1; w < WARPS; ++w) m = fmaxf(m, stat[g * WARPS + w]);
-    mx[g] = m;  // every row of the split has a finite score, so m is finite
-  }
+  for (int w = 1; w < WARPS; ++w) m = fmaxf(m, stat[head * WARPS + w]);
 
-  // pass 2: p = exp2(s - max), row sums
-  float sum[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    float s = 0.0f;
-    for (int t = tid; t < len; t += blockDim.x) {
-      const float p = exp2f(scores[g * partition + t] - mx[g]);
-      scores[g * partition + t] = p;
-      s += p;
+  // pass 2: p = exp2(s - max) in place by the owners, over the rows they wrote; the row sums
+  float l = 0.0f;
+  if (owner)
+    for (int t = base0 + sub; t < end; t += STEP) {
+      const float p = exp2f(scores[head * partition + t - start] - m);
+      scores[head * partition + t - start] = p;
+      l += p;
     }
-    s = warp_reduce(s);
-    if (lane == 0) stat[(G + g) * WARPS + warp] = s;
-  }
+#pragma unroll
+  for (int o = KL; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+  if (owner && sub == 0) stat[(G + head) * WARPS + warp] = l;
   __syncthreads();
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) s += stat[(G + g) * WARPS + w];
-    sum[g] = s;
-  }
 
-  // pass 3: acc = sum_t p_t v_t for this lane's 8 columns
-  float acc[G][8];
+  // pass 3: acc = sum_t p_t v_t for this lane's 8 columns, each head's values at acc[8 g ..]
+  float acc[G * 8];
 #pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
+  for (int i = 0; i < G * 8; ++i) acc[i] = 0.0f;
   for_each_row<T, U, STEP, THREADS, NEW_KV>(staged, v_stage, US, base0, sub, end, v_cache, offset_of,
                                             [&](const Vec<T, 8>& v, int t) {
     const bool live = t < end;
@@ -383,32 +399,29 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     for (int g = 0; g < G; ++g) {
       const float p = live ? scores[g * partition + t - start] : 0.0f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf.v[e], acc[g][e]);
+      for (int e = 0; e < 8; ++e) acc[g * 8 + e] = fmaf(p, vf.v[e], acc[g * 8 + e]);
     }
   });
-  // reduce over the rows a warp step covers (lanes with the same chunk), then over warps
+  // reduce over the rows a warp step covers (lanes with the same chunk), scattered over them; then over warps
+  constexpr int LR = ilog2(RPW), KEEP = G * 8 / RPW;
+  const int first = reduce_scatter<G * 8, LR, KL, true>(acc, lane);
+  if (active) {
 #pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-#pragma unroll
-      for (int o = KL; o < 32; o <<= 1) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
-  if (sub == 0 && active) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) red[(warp * G + g) * D + chunk * 8 + e] = acc[g][e];
+    for (int i = 0; i < KEEP; ++i) {
+      const int g = (first + i) / 8, e = (first + i) % 8;
+      red[(warp * G + g) * D + chunk * 8 + e] = acc[i];
+    }
   }
   __syncthreads();
   for (int i = tid; i < group * D; i += blockDim.x) {
     const int g = i / D, d = i % D;
-    float o = 0.0f;
+    float o = 0.0f, m = stat[g * WARPS], l = 0.0f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) o += red[(w * G + g) * D + d];
-    float l = 0.0f, m = 0.0f;
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg)  // register arrays indexed by constants only
-      if (gg == g) l = sum[gg], m = mx[gg];
+    for (int w = 0; w < WARPS; ++w) {
+      o += red[(w * G + g) * D + d];
+      m = fmaxf(m, stat[g * WARPS + w]);
+      l += stat[(G + g) * WARPS + w];
+    }
     const size_t h = head0 + g;
     if (n_splits == 1) {
       out[h * D + d] = from_float<T>(o / l);
