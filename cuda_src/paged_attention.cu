@@ -7,11 +7,14 @@
 // block-table entries are staged in shared memory first, and the loads are unpredicated
 // (rows past the end and lanes past D read a valid row, their results are dropped), so
 // the U loads of a step issue back to back instead of waiting on a table read each.
-// Pass 1 writes the scores (prescaled by scale * log2 e) of the split's tokens to
-// shared memory, pass 2 turns them into exp2(s - max), pass 3 streams V.
+// Pass 1 writes the scores (prescaled by scale * log2 e) of the split's tokens to shared memory,
+// pass 2 turns them into exp2(s - max), pass 3 streams V. A row's lanes reduce their partial dot
+// products and a step's rows their partial outputs scattered (reduce_scatter): each lane ends with
+// one (row, head) score, and a fraction of the outputs, instead of all of them.
 // With one split the CTA writes the output; otherwise it writes fp32 (out / sum, max, sum)
 // partials and counts itself in on an arrival counter of its (kv_head, sequence), and the
-// last CTA to arrive merges the partials of every split (no second kernel).
+// last CTA to arrive merges the partials of every split that holds rows of the context (splits
+// past it do nothing; no second kernel).
 // NEW_KV (decode with the new token fused in): q and the new k arrive un-rotated; every CTA rotates
 // q (RoPE rotate-half at position ctx - 1, as write_kv.cu), and the CTA whose split holds position
 // ctx - 1 also rotates k and writes k and v to the cache row at slot_mapping[seq] before its loops,
@@ -107,8 +110,8 @@ __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, in
 
 // The split-K epilogue, called by every thread of a CTA after it wrote its partials (n_splits > 1).
 // The CTA that arrives last on *arrival merges its group's heads into out and resets *arrival to 0
-// for the next launch: out = sum_s w_s part_out_s / sum_s w_s, w_s = sum_s * exp2(max_s - max), an
-// empty split weighs 0 (and its part_out is 0). Release: the CTA's writes, bar.sync, then thread 0's
+// for the next launch: out = sum_s w_s part_out_s / sum_s w_s over the n_live splits that hold rows
+// of the context (the others neither write partials nor arrive), w_s = sum_s * exp2(max_s - max). Release: the CTA's writes, bar.sync, then thread 0's
 // atomic with acq_rel semantics at gpu scope (cumulative: it releases what the barrier ordered before
 // it; two __threadfence() around a relaxed atomic cost ~0.6 us a call more, notes/decode.md);
 // acquire: the same atomic in the last CTA, then bar.sync. Other CTAs' partials are read with
@@ -117,14 +120,14 @@ __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, in
 // per CH splits), the running sum rescaled by the new maximum (online softmax).
 template <typename T, int D>
 __device__ __forceinline__ void merge_if_last(const float* part_out, const float* part_ml, int* arrival, T* out,
-                                              size_t head0, int group, int n_splits) {
+                                              size_t head0, int group, int n_splits, int n_live) {
   constexpr int C = D / 4, CH = 8;  // float4 columns of a head, splits per round trip
   __syncthreads();  // the CTA's partials are written
   int last = 0;
   if (threadIdx.x == 0) {
     int before;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(arrival) : "memory");
-    last = before == n_splits - 1;
+    last = before == n_live - 1;
     if (last) *arrival = 0;  // every split has arrived: nothing else touches it in this launch
   }
   if (!__syncthreads_or(last)) return;
@@ -134,12 +137,12 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
     const float2* ml = reinterpret_cast<const float2*>(part_ml) + (head0 + g) * n_splits;
     const float4* po = reinterpret_cast<const float4*>(part_out + (head0 + g) * n_splits * D) + c;
     float m = Max::identity(), l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s0 = 0; s0 < n_splits; s0 += CH) {
+    for (int s0 = 0; s0 < n_live; s0 += CH) {
       float2 x[CH];
       float4 pv[CH];
 #pragma unroll
       for (int j = 0; j < CH; ++j) {
-        const bool ok = s0 + j < n_splits;
+        const bool ok = s0 + j < n_live;
         x[j] = ok ? __ldcg(ml + s0 + j) : make_float2(0.0f, 0.0f);
         pv[j] = ok ? __ldcg(po + (size_t)(s0 + j) * C) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
@@ -232,24 +235,16 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   const int n_table = min(((start + partition - 1) >> block_shift) - first_block + 1, max_blocks - first_block);
   for (int i = tid; i < n_table; i += blockDim.x) blocks[i] = table[first_block + i];
 
-  if (len <= 0) {  // an empty split (or an empty context): zeros, and sum 0 for the merge
+  // Splits past the context write nothing and do not arrive: the merge counts the n_live that hold rows.
+  // With an empty context split 0 writes the zeros.
+  const int n_live = min(n_splits, (ctx + partition - 1) / partition);
+  if (len <= 0) {
+    if (split > 0) return;
     if constexpr (NEW_KV) {
       pdl_wait();
       pdl_trigger();
     }
-    for (int i = tid; i < group * D; i += blockDim.x) {
-      const size_t h = head0 + i / D;
-      if (n_splits == 1) {
-        out[h * D + i % D] = from_float<T>(0.0f);
-      } else {
-        part_out[(h * n_splits + split) * D + i % D] = 0.0f;  // the merge weighs it by 0, so it must be finite
-        if (i % D == 0) {
-          part_ml[(h * n_splits + split) * 2] = Max::identity();
-          part_ml[(h * n_splits + split) * 2 + 1] = 0.0f;
-        }
-      }
-    }
-    if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
+    for (int i = tid; i < group * D; i += blockDim.x) out[(head0 + i / D) * D + i % D] = from_float<T>(0.0f);
     return;
   }
 
@@ -433,5 +428,5 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
       }
     }
   }
-  if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits);
+  if (n_splits > 1) merge_if_last<T, D>(part_out, part_ml, arrival, out, head0, group, n_splits, n_live);
 }
