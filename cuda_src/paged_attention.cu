@@ -214,10 +214,19 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
 
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z, n_splits = gridDim.x;
   const int group = n_heads / n_kv_heads;
-  const int ctx = context_lens[seq];
-  const int start = split * partition, end = min(ctx, start + partition), len = end - start;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, sub = lane / KL, chunk = lane % KL;
   const bool active = chunk < CHUNKS;
+  // NEW_KV reads the step's inputs before pdl_wait, all loads issued here with context_lens and the
+  // block table below: one round trip on the way to the stage copies and RoPE's angles
+  const int ctx = context_lens[seq];
+  int slot = -1;  // the new token's row, written by the CTA whose split holds it
+  float freq[8];
+  if constexpr (NEW_KV) {
+    slot = slot_mapping[seq];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) freq[e] = active ? inv_freq[chunk % (CHUNKS / 2) * 8 + e] : 0.0f;
+  }
+  const int start = split * partition, end = min(ctx, start + partition), len = end - start;
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
   int* const arrival = arrivals + (size_t)seq * n_kv_heads + kv_head;
   extern __shared__ float smem[];
@@ -276,12 +285,11 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
         }
       cp_async_commit();
     }
-    const int slot = slot_mapping[seq];  // the new token's row, written by the CTA whose split holds it
     float cs[8], sn[8];
     if (active) {
       const float pos = static_cast<float>(ctx - 1);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) sincosf(pos * inv_freq[chunk % (CHUNKS / 2) * 8 + e], &sn[e], &cs[e]);
+      for (int e = 0; e < 8; ++e) sincosf(pos * freq[e], &sn[e], &cs[e]);
     }
     pdl_wait();  // q, k_new, v_new come from the previous kernel
     pdl_trigger();
