@@ -34,9 +34,11 @@ Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_si
     two weights per lop3 + hsub2, no integer-to-float conversion. Zero padding fills
     the last quad when K % 128 != 0; every k16 step lies inside one group.
 
-    The tensor cores see the exact q; the zero point and the scale are applied to each group's
-    fp32 sums, scale * (sum q x - zero * sum x), so the GEMV computes with w exactly as
-    `dequantize` gives it, fractional zero points (GGUF Q4_1, the MSE fit) included.
+    The tensor cores see exact values, so the GEMV computes with w exactly as `dequantize`
+    gives it. When every zero point is an integer in 0..15 (`integer_zeros`: minmax, GPTQ,
+    GGUF Q4_0) the subtraction takes 1024 + zero off instead, giving q - zero, and each group
+    ends with scale * sum (q - zero) x; otherwise (GGUF Q4_1, the MSE fit) the tensor cores see
+    q and the group's fp32 sums give scale * (sum q x - zero * sum x).
 
 Saved form (python -m cuinfer.quantize; safetensors): a quantized weight `<prefix>.weight` is
 stored as the arrays of its object, in the layout above, so loading is a copy: int8
