@@ -111,9 +111,10 @@ __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, in
 // The split-K epilogue, called by every thread of a CTA after it wrote its partials (n_splits > 1).
 // The CTA that arrives last on *arrival merges its group's heads into out and resets *arrival to 0
 // for the next launch: out = sum_s w_s part_out_s / sum_s w_s over the n_live splits that hold rows
-// of the context (the others neither write partials nor arrive), w_s = sum_s * exp2(max_s - max). Release: the CTA's writes, bar.sync, then thread 0's
-// atomic with acq_rel semantics at gpu scope (cumulative: it releases what the barrier ordered before
-// it; two __threadfence() around a relaxed atomic cost ~0.6 us a call more, notes/decode.md);
+// of the context (the others neither write partials nor arrive), w_s = sum_s * exp2(max_s - max).
+// Release: the CTA's writes, bar.sync, then thread 0's atomic with acq_rel semantics at gpu scope
+// (cumulative: it releases what the barrier ordered before it; two __threadfence() around a relaxed
+// atomic cost ~0.6 us a call more, notes/decode.md);
 // acquire: the same atomic in the last CTA, then bar.sync. Other CTAs' partials are read with
 // ld.global.cg (L2, never a stale L1 line). Each thread merges 4 columns of one head on its own, CH
 // splits at a time: their (max, sum) pairs and partial outputs are loaded together (one round trip
