@@ -61,7 +61,8 @@ def _random_weight(cp, fmt, n, k):
     if fmt == "int8":
         return Int8Weight(cp.random.randint(-127, 128, (n, k)).astype(cp.int8),
                           cp.full((n,), 0.01 / np.sqrt(k), cp.float16), (n, k))
-    q = cp.random.randint(0, 16, (n, k), dtype=cp.uint8)  # zero 8: integer zeros (the IZ kernels)
+    q = cp.random.randint(0, 16, (n, k), dtype=cp.uint8)
+    # zero 8: integer zero points, so the GEMV takes its IZ kernels (as the minmax quantizer's weights)
     return Int4Weight.pack(q, cp.full((n, k // 128), 0.1 / np.sqrt(k), cp.float16), cp.full((n, k // 128), 8, cp.float16), 128)
 
 
