@@ -30,15 +30,19 @@ before them and the output read after them all run on the current stream, ordere
 eager prefill steps around them without further synchronization.
 
 Pipelined decode (the engine's async_decode): `device_tokens`, a device int32 array of n tokens
-(the previous step's output), replaces token_ids' values on the device: it is copied device to
-device into the token slots after the host-to-device copy of the other inputs, on the same stream,
-so the step reads tokens the host has not seen yet. The graph is unchanged (the copy is a stream op
-outside it). read_async copies a step's tokens into pinned host memory and records an event after
-the copy; the caller waits on that event only. A bucket's pinned input buffer is rewritten only
-after an event recorded behind its last host-to-device copy has completed: with a step in flight,
-that copy may not have run yet when the next step is packed. use_graphs=False runs the same
-step eagerly on the same buffers (same kernels, same order: the same tokens), as do buckets past
-graph_batch_limit (fp16 weights above 16 rows go through cuBLAS, which cannot be captured).
+(the previous step's output), replaces token_ids' values on the device, so the step reads tokens the
+host has not seen yet. A greedy step writes its argmax into its own bucket's token slots (the
+embedding read them first), so when the previous step ran in the same bucket the tokens are already
+in place: the host-to-device copy skips the token slots. Otherwise (the bucket changed) they are
+copied device to device into the token slots after the host-to-device copy, on the same stream.
+read_async copies a step's tokens into pinned host memory with a kernel and records an event after
+it; the caller waits on that event only. Between two replays on an H100 a DMA copy to the host
+takes ~10 us, the kernel's writes over PCIe 3.3 us, a device-to-device copy 2.5 us (notes/decode.md).
+A bucket's pinned input buffer is rewritten only after an event recorded behind its last
+host-to-device copy has completed: with a step in flight, that copy may not have run yet when the
+next step is packed. use_graphs=False runs the same step eagerly on the same buffers (same kernels,
+same order: the same tokens), as do buckets past graph_batch_limit (fp16 weights above 16 rows go
+through cuBLAS, which cannot be captured).
 """
 from __future__ import annotations
 
@@ -136,7 +140,8 @@ class DecodeGraph:
 
     def run(self, token_ids, positions, block_tables, greedy: bool, device_tokens=None):
         """One decode step for n sequences (token at `positions`, whose K/V go to the blocks in
-        `block_tables`); returns the device int32 argmax tokens [n] (greedy) or float32 logits [n, vocab].
+        `block_tables`); returns the device int32 argmax tokens [n] (greedy: a view of the bucket's
+        token slots, valid until its next step) or float32 logits [n, vocab].
         device_tokens: a device int32 array [n], rows in the same order, whose values replace
         token_ids' on the device (token_ids' values are then ignored)."""
         n = len(token_ids)
@@ -146,16 +151,18 @@ class DecodeGraph:
         if step.copied is not None:
             step.copied.synchronize()  # the last copy out of step.host has run: it may be rewritten
         pack_inputs(step.host, token_ids, positions, block_tables, bs, self.scratch, b, width)
-        step.device.set(step.host)  # pinned: asynchronous on the current stream
-        stream = self.cp.cuda.get_current_stream()
+        if device_tokens is not None and len(device_tokens) != n:
+            raise ValueError(f"device_tokens: {len(device_tokens)} tokens for {n} rows")
+        in_place = device_tokens is not None and device_tokens.data.ptr == step.inputs.token_ids.data.ptr
+        first = b if in_place else 0  # in place: the token slots already hold the previous step's argmax
+        stream, rt = self.cp.cuda.get_current_stream(), self.cp.cuda.runtime
+        copy_async(self.cp, step.device[first:], step.host[first:], step.host.size - first, rt.memcpyHostToDevice,
+                   stream)
         if step.copied is None:
             step.copied = self.cp.cuda.Event(disable_timing=True)
         step.copied.record(stream)
-        if device_tokens is not None:  # after the inputs' copy, before the step: all on `stream`
-            if len(device_tokens) != n:
-                raise ValueError(f"device_tokens: {len(device_tokens)} tokens for {n} rows")
-            copy_async(self.cp, step.inputs.token_ids, device_tokens, n, self.cp.cuda.runtime.memcpyDeviceToDevice,
-                       stream)
+        if device_tokens is not None and not in_place:  # after the inputs' copy, before the step
+            copy_async(self.cp, step.inputs.token_ids, device_tokens, n, rt.memcpyDeviceToDevice, stream)
         if not self.use_graphs or b > self.graph_limit[greedy]:
             return self._decode(step, greedy)[:n]
         if step.graph is None:
@@ -180,12 +187,15 @@ class DecodeGraph:
 
     def _decode(self, step: _Step, greedy: bool):
         max_context_len = step.inputs.block_tables.shape[1] * self.kv_cache.block_size
-        return self.model.decode(step.inputs, self.kv_cache, max_context_len, step.workspace, greedy)
+        return self.model.decode(step.inputs, self.kv_cache, max_context_len, step.workspace, greedy,
+                                 tokens_out=step.inputs.token_ids if greedy else None)
 
     def _capture(self, step: _Step, greedy: bool):
+        tokens = step.inputs.token_ids.copy()  # the warm-up run overwrites them with its argmax
         self.cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
         step.graph, step.out, step.capture_bytes = capture(lambda: self._decode(step, greedy),
                                                            self.stream, self.pool)
+        step.inputs.token_ids[...] = tokens
 
 
 def copy_async(cp, dst, src, n: int, kind: int, stream):
@@ -222,26 +232,34 @@ class PendingTokens:
 
 class TokenReadback:
     """Asynchronous device -> host copies of int32 token arrays, on the current stream, into a
-    ring of two pinned buffers, each with an event recorded after its copy. Two slots let one
-    step's copy be in flight while the host reads the previous one; a slot is reused by the
-    second start() after it, by which time its tokens must have been waited for (wait() checks)."""
+    ring of two pinned buffers, each with an event recorded after its copy. The copy is a kernel
+    that writes the pinned memory over PCIe (unified addressing maps it into the device's address
+    space). Two slots let one step's copy be in flight while the host reads the previous one; a
+    slot is reused by the second start() after it, by which time its tokens must have been waited
+    for (wait() checks)."""
 
     def __init__(self, cp):
         self.cp = cp
         self.host = [np.empty(0, np.int32), np.empty(0, np.int32)]
+        self.device = [None, None]  # cupy views of the same pinned memory
         self.events = [cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)]
         self.generation = [0, 0]
         self.turn = 0
+        self.copy = cp.ElementwiseKernel("int32 src", "int32 dst", "dst = src", "cuinfer_token_readback")
 
     def start(self, tokens) -> PendingTokens:
         cp, i, n = self.cp, self.turn, len(tokens)
+        if tokens.dtype != np.int32 or tokens.ndim != 1:
+            raise ValueError(f"read_async: need int32 [n] tokens, got {tokens.dtype} {tokens.shape}")
         self.turn ^= 1
         if len(self.host[i]) < n:
             size = bucket(n, 64)
-            self.host[i] = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+            mem = cp.cuda.alloc_pinned_memory(4 * size)
+            self.host[i] = np.frombuffer(mem, dtype=np.int32, count=size)
+            unowned = cp.cuda.UnownedMemory(self.host[i].ctypes.data, 4 * size, mem, cp.cuda.Device().id)
+            self.device[i] = cp.ndarray((size,), np.int32, cp.cuda.MemoryPointer(unowned, 0))
         self.generation[i] += 1
         stream = cp.cuda.get_current_stream()
-        host = self.host[i][:n]
-        copy_async(cp, host, tokens, n, cp.cuda.runtime.memcpyDeviceToHost, stream)
+        self.copy(tokens, self.device[i][:n])
         self.events[i].record(stream)
-        return PendingTokens(self, i, self.generation[i], host, self.events[i], tokens)
+        return PendingTokens(self, i, self.generation[i], self.host[i][:n], self.events[i], tokens)

@@ -58,12 +58,16 @@ def swiglu(x, w_gate_up, norm=None):
     return silu_and_mul(project(x, w_gate_up, norm=norm))
 
 
-def greedy_tokens(x, w_head, norm=None):
-    """int32 [rows]: argmax of x @ w_head.T, x normed as in project (the lm_head; GPU: one fused
-    GEMV + reduction)."""
+def greedy_tokens(x, w_head, norm=None, out=None):
+    """int32 [rows] (into `out` if given): argmax of x @ w_head.T, x normed as in project (the
+    lm_head; GPU: one fused GEMV + reduction)."""
     if x.dtype in KERNEL_DTYPES:
-        return linear_argmax(x, w_head, norm=norm)
-    return np.argmax(project(x, w_head, norm=norm), axis=-1).astype(np.int32)
+        return linear_argmax(x, w_head, out=out, norm=norm)
+    tokens = np.argmax(project(x, w_head, norm=norm), axis=-1).astype(np.int32)
+    if out is None:
+        return tokens
+    out[...] = tokens
+    return out
 
 
 @dataclass
@@ -152,10 +156,12 @@ class Model:
             s = s[batch.cu_seqlens_q[1:] - 1]  # s: [num_seqs, hidden]
         return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
 
-    def decode(self, inputs: DecodeInputs, kv_cache, max_context_len: int, workspace=None, greedy=False):
+    def decode(self, inputs: DecodeInputs, kv_cache, max_context_len: int, workspace=None, greedy=False,
+               tokens_out=None):
         """One new token per sequence (the step DecodeGraph captures): paged_attention (split-K)
         with `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
-        Returns float32 logits [num_seqs, vocab], or with greedy the int32 argmax [num_seqs]."""
+        Returns float32 logits [num_seqs, vocab], or with greedy the int32 argmax [num_seqs], written
+        into tokens_out if given (which may be inputs.token_ids: the embedding has read them by then)."""
         def attend(q, k, v, k_cache, v_cache):  # RoPE and the cache write fused; out: DecodeGraph's pool
             return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
                                    out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len,
@@ -163,7 +169,7 @@ class Model:
 
         s = self.hidden(inputs.token_ids, kv_cache, attend)
         if greedy:
-            return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm)
+            return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm, out=tokens_out)
         return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
 
     @property

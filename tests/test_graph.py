@@ -81,6 +81,9 @@ def test_numpy_decode_equals_forward_and_padding_touches_only_scratch():
             np.testing.assert_array_equal(caches[1].k[:, blk, off], before[:, blk, off])
     tokens = model.decode(inputs, caches[1], max_context_len=64, greedy=True)
     np.testing.assert_array_equal(tokens, np.argmax(got, axis=-1))
+    in_place = model.decode(inputs, caches[1], max_context_len=64, greedy=True, tokens_out=inputs.token_ids)
+    assert np.shares_memory(in_place, inputs.token_ids)  # DecodeGraph's greedy steps write their own token slots
+    np.testing.assert_array_equal(in_place, tokens)
 
 
 # ------------------------------------------------------------------------------ GPU
