@@ -19,7 +19,7 @@ import sys
 
 from . import runtime
 
-SUITES = ("kernels", "attention", "linear", "decode")
+SUITES = ("kernels", "attention", "linear", "decode", "gaps")
 
 
 def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:

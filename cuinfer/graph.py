@@ -37,7 +37,8 @@ in place: the host-to-device copy skips the token slots. Otherwise (the bucket c
 copied device to device into the token slots after the host-to-device copy, on the same stream.
 read_async copies a step's tokens into pinned host memory with a kernel and records an event after
 it; the caller waits on that event only. Between two replays on an H100 a DMA copy to the host
-takes ~10 us, the kernel's writes over PCIe 3.3 us, a device-to-device copy 2.5 us (notes/decode.md).
+takes ~10 us, the kernel's writes over PCIe ~3 us, a device-to-device copy ~3 us (`python -m
+cuinfer.bench gaps`).
 A bucket's pinned input buffer is rewritten only after an event recorded behind its last
 host-to-device copy has completed: with a step in flight, that copy may not have run yet when the
 next step is packed. use_graphs=False runs the same step eagerly on the same buffers (same kernels,

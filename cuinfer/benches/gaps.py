@@ -1,0 +1,82 @@
+"""Gaps: GPU time a decode step spends between two graph replays, per stream operation around them.
+
+The decode bench's engine for a preset at batch 1 (random weights, --prompt-len + --new-tokens,
+one generate call to capture the graphs), then loops of --steps replays of its largest-context
+greedy graph, each with the stream operations listed in the row's name before or after it, timed
+with CUDA events around the loop (median of three loops; ms a step). The rows differ from the
+replay alone by what those operations cost between replays: the inputs' host-to-device copy
+(whole, or without the token slots as a pipelined step copies them), the tokens' device-to-device
+copy (a pipelined step whose bucket changed), their device-to-host DMA copy, and the kernel that
+DecodeGraph.read_async uses instead.
+"""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from .. import runtime
+from ..convert import load_preset
+from ..graph import bucket, copy_async
+from ..model import Model
+from .decode import DEFAULT_MODEL, decode_run, make_engine, random_weights
+
+
+def add_arguments(parser):
+    parser.add_argument("--preset", default=DEFAULT_MODEL, help="a models/*.json preset (random weights)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=300, help="replays a timed loop")
+
+
+def loop_ms(cp, ops, steps: int) -> float:
+    """Median over three loops of the GPU ms a step of `ops` (called in order, `steps` times)."""
+    stream, times = cp.cuda.get_current_stream(), []
+    for _ in range(3):
+        for _ in range(10):
+            for op in ops:
+                op()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(steps):
+            for op in ops:
+                op()
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / steps)
+    return float(np.median(times))
+
+
+def run(args):
+    cp = runtime.require_cupy()
+    config = load_preset(args.preset)
+    model = Model(config, random_weights(cp, config, np.float16))
+    shape = types.SimpleNamespace(prompt_len=args.prompt_len, new_tokens=args.new_tokens, sync_decode=False)
+    engine = make_engine(cp, model, 1, shape)
+    prompts = np.random.default_rng(0).integers(0, config.vocab_size, (1, args.prompt_len)).tolist()
+    decode_run(engine, prompts, args.new_tokens)
+    graphs = engine.decoder
+    step = max((w, s) for (b, w, g), s in graphs.steps.items() if b == bucket(1) and g)[1]
+    stream, rt = cp.cuda.get_current_stream(), cp.cuda.runtime
+    size, tokens = step.host.size, step.inputs.token_ids[:1]
+    spare = cp.zeros(1, dtype=np.int32)
+    pinned = np.frombuffer(cp.cuda.alloc_pinned_memory(4), dtype=np.int32, count=1)
+    ops = {
+        "inputs H2D": lambda: copy_async(cp, step.device, step.host, size, rt.memcpyHostToDevice, stream),
+        "inputs H2D past the tokens": lambda: copy_async(cp, step.device[1:], step.host[1:], size - 1,
+                                                         rt.memcpyHostToDevice, stream),
+        "tokens D2D": lambda: copy_async(cp, spare, tokens, 1, rt.memcpyDeviceToDevice, stream),
+        "replay": step.graph.launch,
+        "tokens D2H (DMA)": lambda: copy_async(cp, pinned, tokens, 1, rt.memcpyDeviceToHost, stream),
+        "tokens read_async (kernel)": lambda: graphs.read_async(tokens),
+    }
+    variants = [["replay"], ["inputs H2D", "replay"], ["inputs H2D past the tokens", "replay"],
+                ["inputs H2D", "tokens D2D", "replay"], ["replay", "tokens D2H (DMA)"],
+                ["replay", "tokens read_async (kernel)"],
+                ["inputs H2D", "tokens D2D", "replay", "tokens D2H (DMA)"],
+                ["inputs H2D past the tokens", "replay", "tokens read_async (kernel)"]]
+    rows = []
+    for names in variants:
+        ms = loop_ms(cp, [ops[n] for n in names], args.steps)
+        rows.append({"name": " + ".join(names), "shape": f"{args.preset} b=1", "dtype": "float16", "ms": ms})
+    return rows
