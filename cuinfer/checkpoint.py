@@ -8,7 +8,7 @@ checks the files against it: a missing, unexpected, mis-shaped or mis-typed tens
 truncated file is one CuinferError naming the tensor and the file.
 
 A quantized checkpoint (config.quantization, written by cuinfer.quantize) stores each quantized
-weight as the arrays of its Int8Weight / Int4Weight (quant.saved_parts); load_checkpoint returns
+weight as the arrays of its Int8Weight / Int4Weight (quant_io.saved_parts); load_checkpoint returns
 the weight objects under the `.weight` names, and save_checkpoint takes them the same way.
 
 safetensors files are read here directly (8-byte header length, JSON header, raw data)
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import quant
+from . import quant, quant_io
 from .config import DTYPES, ModelConfig, dtype_name, load_config, numpy_dtype
 from .runtime import CuinferError, bfloat16
 
@@ -87,9 +87,9 @@ def expected_tensors(config: ModelConfig) -> dict:
 
 def _layout(config: ModelConfig, dtype) -> dict:
     """weight name -> {stored name: (shape, dtype)}: a float weight under its own name in `dtype`, a
-    quantized one as its arrays in theirs (quant.saved_parts)."""
+    quantized one as its arrays in theirs (quant_io.saved_parts)."""
     q = config.quantization
-    return {name: quant.saved_parts(q, name, shape) if q and quant.is_quantized(name, q) else
+    return {name: quant_io.saved_parts(q, name, shape) if q and quant_io.is_quantized(name, q) else
             {name: (shape, np.dtype(dtype))} for name, shape in weight_shapes(config).items()}
 
 
@@ -160,7 +160,7 @@ def write_safetensors(file: Path, layout: dict, tensors: Mapping, progress=None)
         for name, parts in layout.items():
             w = tensors[name]
             quantized = isinstance(w, quant.QUANTIZED)
-            arrays = quant.weight_arrays(name, w) if quantized else {name: w}
+            arrays = quant_io.weight_arrays(name, w) if quantized else {name: w}
             if set(arrays) != set(parts):
                 raise CuinferError(f"tensor {name}: got {type(w).__name__}, this config stores it as "
                                    f"{', '.join(parts)}")
@@ -254,7 +254,7 @@ def load_checkpoint(path, dtype=None) -> tuple[ModelConfig, dict]:
                 bar.update(tensors[name].nbytes)
     shapes = weight_shapes(config)
     return config, {name: tensors[name] if name in parts else  # a float weight, else a quantized one's arrays
-                    quant.weight_from_arrays(config.quantization, name, shapes[name], tensors)
+                    quant_io.weight_from_arrays(config.quantization, name, shapes[name], tensors)
                     for name, parts in layout.items()}
 
 

@@ -11,7 +11,7 @@ Notes on fields that are read but not honoured:
 - Transformers 5 writes `dtype` for `torch_dtype` and `rope_parameters` for
   rope_theta/rope_scaling; both spellings are read.
 
-A checkpoint saved by cuinfer.quantize carries a `quantization` entry (cuinfer.quant.quantization_config),
+A checkpoint saved by cuinfer.quantize carries a `quantization` entry (cuinfer.quant_io.quantization_config),
 validated here; Hugging Face's own `quantization_config` (AWQ, GPTQ, bitsandbytes exports) is refused.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .quant import BITS, FITS, GROUP_SIZES, INT4_LAYOUT, LINEAR_MODULES
+from .quant import BITS, FITS, GROUP_SIZES, INT4_LAYOUT
+from .quant_io import LINEAR_MODULES
 from .runtime import CuinferError, bfloat16
 
 # Hugging Face architecture name -> model_type written back by to_dict()
@@ -80,7 +81,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple = ()
     # None (float weights) or the entry cuinfer.quantize writes: {"method": "int8" | "int4", "bits",
-    # "group_size" (int4), "fit" (int4), "modules": quant.LINEAR_MODULES, "lm_head": "int8",
+    # "group_size" (int4), "fit" (int4), "modules": quant_io.LINEAR_MODULES, "lm_head": "int8",
     # "layout": quant.INT4_LAYOUT (int4)}
     quantization: dict | None = field(default=None, hash=False)
 

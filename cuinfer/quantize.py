@@ -18,7 +18,8 @@ import numpy as np
 
 from . import runtime
 from .checkpoint import expected_tensors, load_checkpoint, progress_bar, save_checkpoint, weight_shapes
-from .quant import is_quantized, parse_spec, quantization_config, quantize_spec
+from .quant import parse_spec, quantize_spec
+from .quant_io import is_quantized, quantization_config
 
 
 class QuantizedTensors(Mapping):

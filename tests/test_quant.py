@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuinfer import quant, runtime
+from cuinfer import quant, quant_io, runtime
 
 
 def unit_grid_weight(rng, n, k, group_size):
@@ -145,18 +145,18 @@ def test_weight_arrays_safetensors_round_trip(tmp_path, spec):
     through safetensors is the same weight bit for bit; its rows split and stack back as they were."""
     from safetensors.numpy import load_file, save_file
 
-    entry = quant.quantization_config(spec, "int8")
+    entry = quant_io.quantization_config(spec, "int8")
     name = "model.layers.0.mlp.up_proj.weight"
     w = quant.quantize_spec(np.random.default_rng(2).standard_normal((96, 128)).astype(np.float32), spec)
-    arrays = quant.weight_arrays(name, w)
-    assert {n: (a.shape, a.dtype) for n, a in arrays.items()} == quant.saved_parts(entry, name, w.shape)
+    arrays = quant_io.weight_arrays(name, w)
+    assert {n: (a.shape, a.dtype) for n, a in arrays.items()} == quant_io.saved_parts(entry, name, w.shape)
     save_file(arrays, str(tmp_path / "model.safetensors"))
-    back = quant.weight_from_arrays(entry, name, w.shape, load_file(str(tmp_path / "model.safetensors")))
+    back = quant_io.weight_from_arrays(entry, name, w.shape, load_file(str(tmp_path / "model.safetensors")))
     stacked = quant.concat_rows(quant.split_rows(back, [32, 16, 48]))
     for got in (back, stacked):
         assert type(got) is type(w) and got.shape == w.shape
         assert getattr(got, "group_size", None) == getattr(w, "group_size", None)
-        for n, a in quant.weight_arrays(name, got).items():
+        for n, a in quant_io.weight_arrays(name, got).items():
             np.testing.assert_array_equal(a, arrays[n])
     other = quant.quantize_spec(np.ones((8, 128), np.float32), "int4-g32" if spec == "int8" else "int4-g64")
     with pytest.raises(runtime.CuinferError, match="different formats"):
@@ -229,17 +229,17 @@ def _gguf_blocks(tmp_path, w, qtype):
     return np.asarray(t.data), gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(qtype))
 
 
-@pytest.mark.parametrize("qtype", [quant.GGML_Q4_0, quant.GGML_Q4_1, quant.GGML_Q8_0])
+@pytest.mark.parametrize("qtype", [quant_io.GGML_Q4_0, quant_io.GGML_Q4_1, quant_io.GGML_Q8_0])
 def test_gguf_blocks_import(tmp_path, qtype):
     w = np.random.default_rng(qtype).standard_normal((17, 96)).astype(np.float32)
     w[3, :32] = 0.25  # a flat block: Q4_1 stores d = 0
     blocks, ref = _gguf_blocks(tmp_path, w, qtype)
-    qw = quant.from_gguf_blocks(blocks, qtype, w.shape)
+    qw = quant_io.from_gguf_blocks(blocks, qtype, w.shape)
     got = qw.dequantize()
-    if qtype == quant.GGML_Q4_0:
+    if qtype == quant_io.GGML_Q4_0:
         assert isinstance(qw, quant.Int4Weight) and qw.group_size == 32 and qw.integer_zeros
         np.testing.assert_array_equal(got, ref)  # exact: scale d, zero 8
-    elif qtype == quant.GGML_Q4_1:
+    elif qtype == quant_io.GGML_Q4_1:
         # zero = -m / d rounded to fp16: |error| <= d * |zero| * 2^-11 per element
         d = np.repeat(np.abs(qw.scales.astype(np.float32)) * (np.abs(qw.zeros.astype(np.float32)) + 1), 32, axis=1)
         assert (np.abs(got - ref) <= d * 2.0**-11 + 1e-7).all()
@@ -252,7 +252,7 @@ def test_gguf_blocks_import(tmp_path, qtype):
 
 def test_gguf_rejects_other_types():
     with pytest.raises(ValueError, match="qtype"):
-        quant.from_gguf_blocks(np.zeros((1, 10), np.uint8), 12, (1, 256))
+        quant_io.from_gguf_blocks(np.zeros((1, 10), np.uint8), 12, (1, 256))
 
 
 # ------------------------------------------------------------------------ quality (cuinfer.eval)

@@ -11,7 +11,7 @@ from test_checkpoint import rewrite
 from test_model import GPU_LOGIT_REL_L2, make_cache, prompts, run_chunks
 
 from cuinfer import eval as cuinfer_eval
-from cuinfer import generate, quant, runtime
+from cuinfer import generate, quant, quant_io, runtime
 from cuinfer.checkpoint import expected_tensors, load_checkpoint, save_checkpoint
 from cuinfer.config import ModelConfig, load_config
 from cuinfer.convert import RandomTensors, load_preset
@@ -64,7 +64,7 @@ def test_saved_model_equals_quantize_at_load(float_ckpt, tmp_path, case, spec):
     method, group_size, _ = quant.parse_spec(spec)
     kind = quant.Int8Weight if method == "int8" else quant.Int4Weight
     for name, w in tensors.items():
-        if quant.is_quantized(name, config.quantization):
+        if quant_io.is_quantized(name, config.quantization):
             assert isinstance(w, quant.Int8Weight if name == "lm_head.weight" else kind), name
             assert getattr(w, "group_size", group_size) == group_size
         else:
@@ -88,7 +88,7 @@ def test_gptq_checkpoint_equals_the_in_memory_model(float_ckpt, tmp_path):
 def test_config_and_tensors_round_trip(float_ckpt, int4_ckpt, tmp_path):
     config = load_config(int4_ckpt)
     assert config.quantization == {"method": "int4", "bits": 4, "group_size": 128, "fit": "minmax",
-                                   "modules": list(quant.LINEAR_MODULES), "lm_head": LM_HEAD_QUANT,
+                                   "modules": list(quant_io.LINEAR_MODULES), "lm_head": LM_HEAD_QUANT,
                                    "layout": quant.INT4_LAYOUT}
     assert ModelConfig.from_dict(config.to_dict()) == config
     assert config.replace(quantization=None) == load_config(float_ckpt["tied"])
@@ -110,8 +110,8 @@ def test_config_and_tensors_round_trip(float_ckpt, int4_ckpt, tmp_path):
     assert len(list(sharded.glob("*.safetensors"))) > 1
     a, b = load_checkpoint(int4_ckpt)[1], load_checkpoint(sharded)[1]
     for name, w in a.items():
-        for n, arr in (quant.weight_arrays(name, w) if isinstance(w, quant.QUANTIZED) else {name: w}).items():
-            got = quant.weight_arrays(name, b[name])[n] if isinstance(w, quant.QUANTIZED) else b[name]
+        for n, arr in (quant_io.weight_arrays(name, w) if isinstance(w, quant.QUANTIZED) else {name: w}).items():
+            got = quant_io.weight_arrays(name, b[name])[n] if isinstance(w, quant.QUANTIZED) else b[name]
             np.testing.assert_array_equal(got, arr)
 
 
