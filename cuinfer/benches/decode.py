@@ -105,11 +105,16 @@ def decode_run(engine, prompts, new_tokens):
     return 1000 * s.decode_s / (s.decode_tokens / len(prompts)), [o.token_ids for o in outs]
 
 
+def largest_greedy_step(engine, batch):
+    """The DecodeGraph step of this batch's bucket with the largest context bucket, greedy."""
+    steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == bucket(batch) and g]
+    return max(steps, key=lambda ws: ws[0])[1]
+
+
 def replay_ms(engine, batch):
     """GPU ms of one replay of the largest-context greedy graph of this batch's bucket (None when the
     bucket runs eagerly: past graph_batch_limit)."""
-    steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == bucket(batch) and g]
-    step = max(steps, key=lambda ws: ws[0])[1]
+    step = largest_greedy_step(engine, batch)
     return None if step.graph is None else bench.time_ms(step.graph.launch, warmup=3, iters=20)
 
 

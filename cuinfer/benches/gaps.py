@@ -3,7 +3,7 @@
 The decode bench's engine for a preset at batch 1 (random weights, --prompt-len + --new-tokens,
 one generate call to capture the graphs), then loops of --steps replays of its largest-context
 greedy graph, each with the stream operations listed in the row's name before or after it, timed
-with CUDA events around the loop (median of three loops; ms a step). The rows differ from the
+with CUDA events around the loop (median of three loops after a warm-up one; ms a step). The rows differ from the
 replay alone by what those operations cost between replays: the inputs' host-to-device copy
 (whole, or without the token slots as a pipelined step copies them), the tokens' device-to-device
 copy (a pipelined step whose bucket changed), their device-to-host DMA copy, and the kernel that
@@ -15,11 +15,11 @@ import types
 
 import numpy as np
 
-from .. import runtime
+from .. import bench, runtime
 from ..convert import load_preset
-from ..graph import bucket, copy_async
+from ..graph import copy_async
 from ..model import Model
-from .decode import DEFAULT_MODEL, decode_run, make_engine, random_weights
+from .decode import DEFAULT_MODEL, decode_run, largest_greedy_step, make_engine, random_weights
 
 
 def add_arguments(parser):
@@ -29,22 +29,14 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=300, help="replays a timed loop")
 
 
-def loop_ms(cp, ops, steps: int) -> float:
-    """Median over three loops of the GPU ms a step of `ops` (called in order, `steps` times)."""
-    stream, times = cp.cuda.get_current_stream(), []
-    for _ in range(3):
-        for _ in range(10):
-            for op in ops:
-                op()
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
+def loop_ms(ops, steps: int) -> float:
+    """GPU ms a step of `ops` called in order `steps` times back to back (bench.time_ms of the loop:
+    median of three after one)."""
+    def loop():
         for _ in range(steps):
             for op in ops:
                 op()
-        stop.record(stream)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) / steps)
-    return float(np.median(times))
+    return bench.time_ms(loop, warmup=1, iters=3) / steps
 
 
 def run(args):
@@ -55,8 +47,7 @@ def run(args):
     engine = make_engine(cp, model, 1, shape)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (1, args.prompt_len)).tolist()
     decode_run(engine, prompts, args.new_tokens)
-    graphs = engine.decoder
-    step = max((w, s) for (b, w, g), s in graphs.steps.items() if b == bucket(1) and g)[1]
+    graphs, step = engine.decoder, largest_greedy_step(engine, 1)
     stream, rt = cp.cuda.get_current_stream(), cp.cuda.runtime
     size, tokens = step.host.size, step.inputs.token_ids[:1]
     spare = cp.zeros(1, dtype=np.int32)
@@ -77,6 +68,6 @@ def run(args):
                 ["inputs H2D past the tokens", "replay", "tokens read_async (kernel)"]]
     rows = []
     for names in variants:
-        ms = loop_ms(cp, [ops[n] for n in names], args.steps)
+        ms = loop_ms([ops[n] for n in names], args.steps)
         rows.append({"name": " + ".join(names), "shape": f"{args.preset} b=1", "dtype": "float16", "ms": ms})
     return rows
