@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 
-from . import runtime
+from .ops import runtime
 
 SUITES = ("kernels", "attention", "linear", "decode", "gaps")
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import expected_tensors, save_checkpoint
-from .config import ModelConfig, load_config, numpy_dtype
-from .runtime import CuinferError
+from .errors import CuinferError
+from .io.checkpoint import expected_tensors, save_checkpoint
+from .io.config import ModelConfig, load_config, numpy_dtype
 
 
 def presets_dir() -> Path:
@@ -94,8 +94,8 @@ def random_checkpoint(preset, out_dir, dtype="float16", seed: int = 0, tokenizer
     tokenizer_from: a directory with tokenizer files; default the cached default model if it
     was already converted, else a generated tiny tokenizer.
     """
-    from .default_model import cached_default_model_dir
-    from .tokenizer import write_tiny_tokenizer
+    from .io.default_model import cached_default_model_dir
+    from .io.tokenizer import write_tiny_tokenizer
 
     config = load_preset(preset)
     tokenizer_from = tokenizer_from or cached_default_model_dir()
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             out = random_checkpoint(args.source, args.out_dir, args.dtype or "float16", args.seed,
                                     overwrite=args.overwrite)
         else:
-            from .gguf import convert_gguf
+            from .io.gguf import convert_gguf
 
             out = convert_gguf(args.source, args.out_dir, args.dtype or "float32",
                                overwrite=args.overwrite)

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from . import runtime
+from .ops import runtime
 
 
 def token_nll(logits, targets):
@@ -40,9 +40,9 @@ def windows(n_tokens: int, window: int, stride: int):
 
 
 def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int = 16):
-    """(perplexity, tokens scored) of the token ids under `model` (cuinfer.model.Model)."""
-    from .kv_cache import CacheShape, KVCache
-    from .model import Batch
+    """(perplexity, tokens scored) of the token ids under `model` (cuinfer.model.decoder.Model)."""
+    from .model.decoder import Batch
+    from .model.kv_cache import CacheShape, KVCache
 
     if stride < 1 or stride >= window:
         raise runtime.CuinferError(f"--stride {stride}: need 1 <= stride < window ({window})")
@@ -67,7 +67,7 @@ def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int
 
 def read_ids(checkpoint, path):
     """Token ids of a UTF-8 text file under the checkpoint's tokenizer."""
-    from .tokenizer import Tokenizer
+    from .io.tokenizer import Tokenizer
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -90,16 +90,16 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="GPU dtype: float16 or bfloat16 (default from the checkpoint)")
     p.add_argument("--quant", nargs="+", default=["none"],
                    help="weight formats to compare: none, int8, int4 (g128, fit minmax), int4-g32, int4-g32-mse, "
-                        "int4-gptq, ... (cuinfer.quant.parse_spec; a group size not dividing in_features shrinks "
+                        "int4-gptq, ... (cuinfer.ops.quant.parse_spec; a group size not dividing in_features shrinks "
                         "to one that does); a checkpoint saved quantized (python -m cuinfer.quantize) runs as none")
     p.add_argument("--calib", help="calibration text for the -gptq formats (another text than --text)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (sequences of 512)")
     args = parser.parse_args(argv)
     try:
-        from .checkpoint import load_checkpoint
-        from .gptq import gptq_model
-        from .model import Model
-        from .quant import parse_spec
+        from .io.checkpoint import load_checkpoint
+        from .model.decoder import Model
+        from .model.gptq import gptq_model
+        from .ops.quant import parse_spec
 
         gptq = [q for q in args.quant if q != "none" and parse_spec(q)[2] == "gptq"]  # a bad value fails here
         if gptq and not args.calib:

@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import runtime
-from .sampling import SamplingParams
+from .ops import runtime
+from .serving.sampling import SamplingParams
 
 
 def gpu_found() -> bool:
@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def quant_spec(value: str) -> str:
-    """argparse type of --quant: a cuinfer.quant.parse_spec string."""
-    from .quant import parse_spec
+    """argparse type of --quant: a cuinfer.ops.quant.parse_spec string."""
+    from .ops.quant import parse_spec
 
     try:
         parse_spec(value)
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
                                 stop=tuple(args.stop))
-        from .engine import Engine
+        from .serving.engine import Engine
 
         engine = Engine.from_pretrained(args.checkpoint, device=device, dtype=args.dtype,
                                         quant=args.quant, kv_tokens=args.kv_tokens,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import runtime
-from .checkpoint import expected_tensors, load_checkpoint, progress_bar, save_checkpoint, weight_shapes
-from .quant import parse_spec, quantize_spec
-from .quant_io import is_quantized, quantization_config
+from .errors import CuinferError
+from .io.checkpoint import expected_tensors, load_checkpoint, progress_bar, save_checkpoint, weight_shapes
+from .io.quant_io import is_quantized, quantization_config
+from .ops.quant import parse_spec, quantize_spec
 
 
 class QuantizedTensors(Mapping):
@@ -50,13 +50,13 @@ class QuantizedTensors(Mapping):
 def quantize_checkpoint(src, dst, spec, calib_ids=None, overwrite=False) -> Path:
     """Write the quantized checkpoint DST of the float checkpoint SRC (module docstring); returns its path.
     calib_ids: the calibration token ids, needed for a -gptq spec."""
-    from .gptq import gptq_weights
-    from .model import LM_HEAD_QUANT, Model
-    from .weights import linear_tensors
+    from .model.decoder import LM_HEAD_QUANT, Model
+    from .model.gptq import gptq_weights
+    from .model.weights import linear_tensors
 
     config, tensors = load_checkpoint(src)
     if config.quantization:
-        raise runtime.CuinferError(f"{src}: quantized already ({config.quantization['method']}): "
+        raise CuinferError(f"{src}: quantized already ({config.quantization['method']}): "
                                    "quantize a float checkpoint")
     _, group_size, fit = parse_spec(spec)
     qconfig = config.replace(quantization=quantization_config(spec, LM_HEAD_QUANT))
@@ -64,7 +64,7 @@ def quantize_checkpoint(src, dst, spec, calib_ids=None, overwrite=False) -> Path
     fitted = {}
     if fit == "gptq":
         if calib_ids is None:
-            raise runtime.CuinferError(f"--quant {spec}: needs --calib FILE (calibration text)")
+            raise CuinferError(f"--quant {spec}: needs --calib FILE (calibration text)")
         layer_bytes = sum(a.nbytes for n, a in tensors.items() if n.startswith("model.layers.0."))
         with progress_bar(config.num_hidden_layers * layer_bytes, f"GPTQ {Path(src).name}") as bar:
             weights = gptq_weights(Model.from_tensors(config, tensors, "cpu"), calib_ids, group_size,
@@ -89,10 +89,10 @@ def main(argv=None) -> int:
 
         gptq = parse_spec(args.quant)[2] == "gptq"
         if args.calib and not gptq:
-            raise runtime.CuinferError(f"--calib: only the -gptq formats calibrate, not --quant {args.quant}")
+            raise CuinferError(f"--calib: only the -gptq formats calibrate, not --quant {args.quant}")
         calib_ids = read_ids(args.src, args.calib)[: args.calib_tokens] if gptq and args.calib else None
         out = quantize_checkpoint(args.src, args.dst, args.quant, calib_ids, args.overwrite)
-    except runtime.CuinferError as e:
+    except CuinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     size = lambda d: sum(f.stat().st_size for f in Path(d).glob("*.safetensors")) / 2**20

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 
 # ------------------------------------------------------------------ tolerances
 # |out - ref| <= atol + rtol * |ref|, per output dtype. The reference is float32

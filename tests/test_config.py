@@ -4,10 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from cuinfer import runtime
-from cuinfer.config import ModelConfig, load_config, numpy_dtype
 from cuinfer.convert import load_preset, preset_names
-from cuinfer.runtime import CuinferError
+from cuinfer.io.config import ModelConfig, load_config, numpy_dtype
+from cuinfer.ops import runtime
+from cuinfer.ops.runtime import CuinferError
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
@@ -113,6 +113,6 @@ def test_numpy_dtype():
     ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008),
 ])
 def test_preset_parameter_counts(name, params):
-    from cuinfer.checkpoint import expected_tensors
+    from cuinfer.io.checkpoint import expected_tensors
 
     assert sum(int(np.prod(s)) for s in expected_tensors(load_preset(name)).values()) == params

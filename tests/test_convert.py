@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from helpers import write_gguf
 
-from cuinfer.checkpoint import load_checkpoint
 from cuinfer.convert import RandomTensors, load_preset, main, random_checkpoint, random_tensors
-from cuinfer.tokenizer import Tokenizer
+from cuinfer.io.checkpoint import load_checkpoint
+from cuinfer.io.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 

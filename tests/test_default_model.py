@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from helpers import default_gguf, default_model, write_gguf  # noqa: F401 (fixtures)
 
-from cuinfer import default_model as dm
-from cuinfer.checkpoint import load_checkpoint
 from cuinfer.convert import load_preset, random_tensors
-from cuinfer.runtime import CuinferError
+from cuinfer.io import default_model as dm
+from cuinfer.io.checkpoint import load_checkpoint
+from cuinfer.ops.runtime import CuinferError
 
 
 def test_converted_once_and_reused(default_model):

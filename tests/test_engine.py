@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 from test_model import random_tensors, tiny_config
 
-from cuinfer import runtime
-from cuinfer.engine import PENDING, Engine, PromptTooLongError
-from cuinfer.graph import MIN_CONTEXT_BUCKET, bucket, input_views, pack_inputs
-from cuinfer.kv_cache import CacheShape, KVCache
-from cuinfer.model import Model
-from cuinfer.sampling import SamplingParams
+from cuinfer.model.decoder import Model
+from cuinfer.model.kv_cache import CacheShape, KVCache
+from cuinfer.ops import runtime
+from cuinfer.serving.engine import PENDING, Engine, PromptTooLongError
+from cuinfer.serving.runner import MIN_CONTEXT_BUCKET, bucket, input_views, pack_inputs
+from cuinfer.serving.sampling import SamplingParams
 
 
 class CharTokenizer:
@@ -382,7 +382,7 @@ HF_CHATS = ["What is 2 + 2?", "Write a haiku about the sea.", "Name three primar
 
 def checkpoint_dir(name, tmp_path_factory):
     if name == "default":
-        from cuinfer.default_model import default_model_dir
+        from cuinfer.io.default_model import default_model_dir
 
         try:
             return default_model_dir()
@@ -399,7 +399,7 @@ def test_greedy_matches_transformers(name, tmp_path_factory):
     greedy generate token for token; prefill logits agree within 1e-4 of their largest magnitude."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from cuinfer.model import Batch
+    from cuinfer.model.decoder import Batch
 
     path = checkpoint_dir(name, tmp_path_factory)
     eng = Engine.from_pretrained(path, device="cpu", kv_tokens=8192)

@@ -66,12 +66,12 @@ def test_bad_flag_value_is_an_argparse_error(ckpt):
 
 
 def test_default_model_cli(capsys):
-    from cuinfer import runtime
-    from cuinfer.default_model import default_model_dir
+    from cuinfer.errors import CuinferError
+    from cuinfer.io.default_model import default_model_dir
 
     try:
         default_model_dir()
-    except (runtime.CuinferError, ModuleNotFoundError) as e:
+    except (CuinferError, ModuleNotFoundError) as e:
         pytest.skip(f"default model not available here: {e}")
     rc, out, _ = run(capsys, "--prompt", "The capital of France is", "--max-new-tokens", "16",
                      "--device", "cpu")

@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 from helpers import llama_cpp_permute, write_gguf
 
-from cuinfer.checkpoint import load_checkpoint
 from cuinfer.convert import load_preset, random_tensors
-from cuinfer.runtime import CuinferError
+from cuinfer.io.checkpoint import load_checkpoint
+from cuinfer.ops.runtime import CuinferError
 
 gguf = pytest.importorskip("gguf")
-from cuinfer import gguf as cg
+from cuinfer.io import gguf as cg
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
@@ -94,7 +94,7 @@ def test_raw_blocks_keep_the_quantized_bytes(tmp_path):
 
 
 def test_tokenizer_from_metadata(tmp_path):
-    from cuinfer.tokenizer import Tokenizer
+    from cuinfer.io.tokenizer import Tokenizer
 
     config = small_config()
     write_gguf(tmp_path / "m.gguf", config, random_tensors(config, "float32"))
@@ -107,7 +107,7 @@ def test_tokenizer_from_metadata(tmp_path):
 
 
 def test_llama3_style_tokenizer(tmp_path):
-    from cuinfer.tokenizer import Tokenizer
+    from cuinfer.io.tokenizer import Tokenizer
 
     config = small_config()
     # "3 4" outranks "1 2": the GPT-2 regex keeps "1234" whole -> 12|34; Llama 3's splits

@@ -3,11 +3,12 @@ import numpy as np
 import pytest
 from test_model import random_tensors, tiny_config
 
-from cuinfer import quant, runtime
+from cuinfer.errors import CuinferError
 from cuinfer.eval import main as eval_main
-from cuinfer.gptq import gptq, gptq_weights
-from cuinfer.model import Model
-from cuinfer.weights import LINEAR_FIELDS, fuse, to_device
+from cuinfer.model.decoder import Model
+from cuinfer.model.gptq import gptq, gptq_weights
+from cuinfer.model.weights import LINEAR_FIELDS, fuse, to_device
+from cuinfer.ops import quant
 
 
 def correlated_inputs(rng, tokens, k, rank=48):
@@ -73,7 +74,7 @@ def test_gptq_weights_quantizes_every_linear_and_beats_rounding():
     from test_model import make_cache
 
     from cuinfer.eval import perplexity
-    from cuinfer.model import Batch
+    from cuinfer.model.decoder import Batch
 
     def logits(m):
         return m.forward(Batch.from_chunks([(ids[:64], 0, [0, 1, 2, 3])], 16), make_cache(cfg, m), all_logits=True)
@@ -87,7 +88,7 @@ def test_gptq_weights_quantizes_every_linear_and_beats_rounding():
 def test_gptq_is_not_a_load_time_format(tmp_path, capsys):
     assert quant.parse_spec("int4-g64-gptq") == ("int4", 64, "gptq")
     cfg = tiny_config()
-    with pytest.raises(runtime.CuinferError, match="calibration"):
+    with pytest.raises(CuinferError, match="calibration"):
         to_device(fuse(cfg, random_tensors(cfg)), np, np.float32, "int4-gptq")
     text = tmp_path / "t.txt"
     text.write_text("hello")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts, random_tensors, tiny_config
 
-from cuinfer.engine import Engine
-from cuinfer.graph import bucket, graph_batch_limit, input_views, pack_inputs
-from cuinfer.model import Batch, Model
-from cuinfer.sampling import SamplingParams
+from cuinfer.model.decoder import Batch, Model
+from cuinfer.serving.engine import Engine
+from cuinfer.serving.runner import bucket, graph_batch_limit, input_views, pack_inputs
+from cuinfer.serving.sampling import SamplingParams
 
 
 def test_buckets():
@@ -32,7 +32,7 @@ def test_pack_inputs_pads_into_the_scratch_block():
 def test_copy_async_checks_its_arrays():
     """The read-back and the token copy refuse what a raw cudaMemcpyAsync would misread (checked
     before any CUDA call: runs without a GPU)."""
-    from cuinfer.graph import copy_async
+    from cuinfer.serving.runner import copy_async
 
     ok = np.zeros(8, np.int32)
     for bad in (np.zeros(8, np.int64), np.zeros(3, np.int32), np.zeros(16, np.int32)[::2], np.zeros((2, 4), np.int32)):
@@ -89,7 +89,7 @@ def test_numpy_decode_equals_forward_and_padding_touches_only_scratch():
 # ------------------------------------------------------------------------------ GPU
 
 def gpu_engine(model, use_graphs, kv_tokens=8192, eos=(), async_decode=True):
-    from cuinfer.kv_cache import CacheShape, KVCache
+    from cuinfer.model.kv_cache import CacheShape, KVCache
 
     cfg = model.config
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16)
@@ -113,7 +113,7 @@ def run_requests(eng, ids, lengths, **params):
 def test_gpu_graph_tokens_equal_eager(dtype):
     """Greedy and seeded sampling: replayed graphs give exactly the eager step's tokens, across
     batch buckets (sequences finish one by one: 8, 4, 2, 1) and context buckets (256 -> 512)."""
-    from cuinfer import runtime
+    from cuinfer.ops import runtime
 
     dtype = runtime.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     cfg, t = gpu_case("llama3-gqa")
@@ -137,8 +137,8 @@ def test_gpu_graph_tokens_equal_eager(dtype):
 def test_gpu_graph_logits_match_numpy(dtype, cp):
     """Decode logits replayed from a graph (output poisoned before each replay) against the float32
     NumPy backend, with padding rows in the bucket and a short row beside a long one (empty splits)."""
-    from cuinfer import runtime
-    from cuinfer.graph import DecodeGraph
+    from cuinfer.ops import runtime
+    from cuinfer.serving.runner import DecodeGraph
 
     dtype = runtime.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     cfg, t = gpu_case("llama3-gqa")
@@ -282,7 +282,7 @@ def test_gpu_pipelined_batch_finishing_at_different_steps(stop):
 def test_gpu_token_readback(cp):
     """read_async: the tokens, through the ring of two pinned buffers; waiting on a read whose
     buffer was reused fails instead of returning another step's tokens."""
-    from cuinfer.graph import TokenReadback
+    from cuinfer.serving.runner import TokenReadback
 
     rb = TokenReadback(cp)
     a, b, c = (cp.arange(k, k + 100, dtype=cp.int32) for k in (0, 1000, 2000))
@@ -303,9 +303,9 @@ def test_gpu_token_readback(cp):
 def test_gpu_pdl_attribute_only_on_captured_launches(cp, monkeypatch):
     """On sm_90 launches under stream capture go through cuLaunchKernelEx (programmatic dependent
     launch), eager ones through CuPy's launch; the captured and the eager rms_norm agree exactly."""
-    from cuinfer import runtime
-    from cuinfer.graph import capture
+    from cuinfer.ops import runtime
     from cuinfer.ops.rms_norm import rms_norm
+    from cuinfer.serving.runner import capture
 
     if runtime._pdl_driver() is None:
         pytest.skip("programmatic dependent launch needs sm_90 and CUINFER_PDL not 0")

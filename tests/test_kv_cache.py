@@ -1,10 +1,18 @@
 """Block allocator, cache sizing and the paged-vs-contiguous memory report."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from cuinfer.kv_cache import (BlockAllocator, CacheShape, KVCache, OutOfBlocksError, blocks_for,
-                              bytes_per_token, kv_memory)
+from cuinfer.model.kv_cache import (
+    BlockAllocator,
+    CacheShape,
+    KVCache,
+    OutOfBlocksError,
+    blocks_for,
+    bytes_per_token,
+    kv_memory,
+)
 
 
 def test_allocate_free_reuse():

@@ -4,13 +4,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuinfer import runtime
-from cuinfer.kv_cache import CacheShape, KVCache
-from cuinfer.model import Batch, Model
+from cuinfer.model.decoder import Batch, Model
+from cuinfer.model.kv_cache import CacheShape, KVCache
+from cuinfer.ops import runtime
 
 
 def tiny_config(**over):
-    """A llama3-style GQA 4:1 decoder small enough for the CPU (fields as in cuinfer.config.ModelConfig)."""
+    """A llama3-style GQA 4:1 decoder small enough for the CPU (fields as in cuinfer.io.config.ModelConfig)."""
     cfg = {"vocab_size": 211, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 3,
                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
                "rope_theta": 500000.0, "rope_scaling": None, "max_position_embeddings": 4096,
@@ -152,7 +152,7 @@ def test_batch_slots_follow_block_tables():
 
 
 def test_gpu_dtype_must_be_half():
-    from cuinfer.model import kernel_dtype
+    from cuinfer.model.decoder import kernel_dtype
 
     with pytest.raises(runtime.CuinferError, match="float16 or bfloat16"):
         kernel_dtype(tiny_config(), np.float32)
@@ -231,9 +231,9 @@ def smollm2_random(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
 def test_gpu_greedy_matches_numpy(dtype, smollm2_random):
     """32 greedy tokens from a random smollm2-135m checkpoint, Engine.from_pretrained on both backends."""
-    from cuinfer.config import load_config
-    from cuinfer.engine import Engine
-    from cuinfer.sampling import SamplingParams
+    from cuinfer.io.config import load_config
+    from cuinfer.serving.engine import Engine
+    from cuinfer.serving.sampling import SamplingParams
 
     path = smollm2_random
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -250,8 +250,8 @@ def test_gpu_teacher_forced_argmax(dtype):
     """On the llama3-style model (untied head: narrower top-2 margins than tied smollm2), feed the
     CPU's greedy continuation to both backends: the GPU argmax equals the CPU token at every
     position whose CPU top-2 margin exceeds 4x the largest GPU logit error seen."""
-    from cuinfer.engine import Engine
-    from cuinfer.sampling import SamplingParams
+    from cuinfer.serving.engine import Engine
+    from cuinfer.serving.sampling import SamplingParams
 
     cfg, t = gpu_case("llama3-gqa")
     cpu, gpu = Model.from_tensors(cfg, t, "cpu"), Model.from_tensors(cfg, t, "gpu", dtype)

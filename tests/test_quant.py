@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuinfer import quant, quant_io, runtime
+from cuinfer.errors import CuinferError
+from cuinfer.io import quant_io
+from cuinfer.ops import quant
 
 
 def unit_grid_weight(rng, n, k, group_size):
@@ -96,7 +98,7 @@ def test_parse_spec_and_group_for():
     assert quant.parse_spec("int4-g32-mse") == ("int4", 32, "mse")
     assert quant.parse_spec("int8") == ("int8", 128, "minmax")
     for bad in ("int3", "int4-g48", "int8-g32", "int4-best"):
-        with pytest.raises(quant.runtime.CuinferError, match="quantization"):
+        with pytest.raises(CuinferError, match="quantization"):
             quant.parse_spec(bad)
     assert quant.group_for(576, 128) == 64 and quant.group_for(1536, 128) == 128 and quant.group_for(96, 128) == 32
     assert quant.group_for(48, 128) is None
@@ -159,7 +161,7 @@ def test_weight_arrays_safetensors_round_trip(tmp_path, spec):
         for n, a in quant_io.weight_arrays(name, got).items():
             np.testing.assert_array_equal(a, arrays[n])
     other = quant.quantize_spec(np.ones((8, 128), np.float32), "int4-g32" if spec == "int8" else "int4-g64")
-    with pytest.raises(runtime.CuinferError, match="different formats"):
+    with pytest.raises(CuinferError, match="different formats"):
         quant.concat_rows([w, other])
 
 
@@ -187,9 +189,9 @@ def test_int4_tiles_of_16_rows():
     np.testing.assert_array_equal(top.unpack(), q[:16])
     np.testing.assert_array_equal(rest.dequantize(), w.dequantize()[16:])
     for bad in ([20, 17], [1, 36]):
-        with pytest.raises(runtime.CuinferError, match="tiles of 16"):
+        with pytest.raises(CuinferError, match="tiles of 16"):
             quant.split_rows(w, bad)
-    with pytest.raises(runtime.CuinferError, match="tiles of 16"):
+    with pytest.raises(CuinferError, match="tiles of 16"):
         quant.concat_rows([rest, top])
 
 
@@ -278,10 +280,10 @@ def test_windows_score_every_token_once(n, window, stride):
 
 
 def test_perplexity_of_one_window_is_the_full_sequence_loss(tmp_path):
-    from cuinfer.checkpoint import load_checkpoint
     from cuinfer.eval import perplexity, token_nll
-    from cuinfer.kv_cache import CacheShape, KVCache
-    from cuinfer.model import Batch, Model
+    from cuinfer.io.checkpoint import load_checkpoint
+    from cuinfer.model.decoder import Batch, Model
+    from cuinfer.model.kv_cache import CacheShape, KVCache
     from tests.helpers import make_tiny_checkpoint
 
     config, tensors = load_checkpoint(make_tiny_checkpoint(tmp_path))

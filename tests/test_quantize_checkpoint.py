@@ -11,16 +11,18 @@ from test_checkpoint import rewrite
 from test_model import GPU_LOGIT_REL_L2, make_cache, prompts, run_chunks
 
 from cuinfer import eval as cuinfer_eval
-from cuinfer import generate, quant, quant_io, runtime
-from cuinfer.checkpoint import expected_tensors, load_checkpoint, save_checkpoint
-from cuinfer.config import ModelConfig, load_config
+from cuinfer import generate
 from cuinfer.convert import RandomTensors, load_preset
-from cuinfer.gptq import gptq_model
-from cuinfer.model import LM_HEAD_QUANT, Model
+from cuinfer.io import quant_io
+from cuinfer.io.checkpoint import expected_tensors, load_checkpoint, save_checkpoint
+from cuinfer.io.config import ModelConfig, load_config
+from cuinfer.io.tokenizer import write_tiny_tokenizer
+from cuinfer.model.decoder import LM_HEAD_QUANT, Model
+from cuinfer.model.gptq import gptq_model
+from cuinfer.ops import quant, runtime
+from cuinfer.ops.runtime import CuinferError
 from cuinfer.quantize import main as quantize_main
 from cuinfer.quantize import quantize_checkpoint
-from cuinfer.runtime import CuinferError
-from cuinfer.tokenizer import write_tiny_tokenizer
 
 # The tiny presets with an MLP width every int4 group divides (688 has none) and the tiny tokenizer's vocabulary:
 # "tied" is llama (tied embeddings, fp16), "qwen2" has q/k/v bias, an lm_head and bf16 weights.

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 
 
 def test_sm90_builds_for_the_arch_specific_target():

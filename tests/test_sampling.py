@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuinfer import runtime
-from cuinfer.sampling import SamplingParams, apply_repetition_penalty, draw_uniform, sample, sample_rows
+from cuinfer.errors import CuinferError
+from cuinfer.serving.sampling import SamplingParams, apply_repetition_penalty, draw_uniform, sample, sample_rows
 
 
 def allowed_set(logits, temperature, top_k, top_p, min_p):
@@ -79,7 +79,7 @@ def test_seeded_uniforms_are_reproducible_and_differ_by_step():
 @pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"min_p": 1},
                                 {"top_k": -1}, {"max_new_tokens": 0}, {"repetition_penalty": 0}])
 def test_bad_params(kw):
-    with pytest.raises(runtime.CuinferError, match=next(iter(kw))):
+    with pytest.raises(CuinferError, match=next(iter(kw))):
         SamplingParams(**kw)
 
 

@@ -3,10 +3,11 @@ reserve_decodes agrees with schedule()."""
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from cuinfer.kv_cache import BlockAllocator, blocks_for
-from cuinfer.scheduler import Scheduler, Sequence
+from cuinfer.model.kv_cache import BlockAllocator, blocks_for
+from cuinfer.serving.scheduler import Scheduler, Sequence
 
 
 def simulate_step(sched, plan, new_token=7):

@@ -7,8 +7,8 @@ from helpers import default_gguf, default_model, varied_strings  # noqa: F401 (f
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuinfer.runtime import CuinferError
-from cuinfer.tokenizer import Tokenizer, write_tiny_tokenizer
+from cuinfer.io.tokenizer import Tokenizer, write_tiny_tokenizer
+from cuinfer.ops.runtime import CuinferError
 
 # A template exercising what transformers' environment provides: trim/lstrip blocks,
 # loop controls, namespace, tojson without HTML escaping, raise_exception, the special tokens.

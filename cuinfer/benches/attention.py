@@ -17,8 +17,8 @@ import functools
 
 import numpy as np
 
-from .. import bench, runtime
-from ..graph import capture
+from .. import bench
+from ..ops import runtime
 from ..ops.flash_attention import flash_attention, flash_attention_paged, launch_kernel
 from ..ops.paged_attention import (
     WARPS,
@@ -31,6 +31,7 @@ from ..ops.paged_attention import (
     split_workspace_elems,
 )
 from ..ops.write_kv import write_kv
+from ..serving.runner import capture
 
 N_HEADS, N_KV = 32, 8
 REPS = 20

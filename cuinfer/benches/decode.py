@@ -23,16 +23,17 @@ import time
 
 import numpy as np
 
-from .. import bench, runtime
-from ..engine import Engine
-from ..graph import MIN_CONTEXT_BUCKET, bucket, capture, graph_batch_limit
-from ..kv_cache import CacheShape, KVCache
-from ..model import LM_HEAD_QUANT, Batch, Model, kernel_dtype
+from .. import bench
+from ..model.decoder import LM_HEAD_QUANT, Batch, Model, kernel_dtype
+from ..model.kv_cache import CacheShape, KVCache
+from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
+from ..ops import runtime
 from ..ops.linear import linear, linear_argmax
 from ..ops.paged_attention import paged_attention, workspace_elems
-from ..quant import quantize_spec
-from ..sampling import SamplingParams
-from ..weights import LINEAR_FIELDS, LayerWeights, Weights
+from ..ops.quant import quantize_spec
+from ..serving.engine import Engine
+from ..serving.runner import MIN_CONTEXT_BUCKET, bucket, capture, graph_batch_limit
+from ..serving.sampling import SamplingParams
 
 PREFILL_TOKENS = 2048
 DEFAULT_MODEL = "smollm2-135m"
@@ -308,8 +309,8 @@ def detail_line(name, d) -> str:
 
 
 def run(args):
-    from ..checkpoint import load_checkpoint
     from ..convert import load_preset
+    from ..io.checkpoint import load_checkpoint
 
     cp = runtime.require_cupy()
     torch = None if args.no_peer else bench.torch_or_none()

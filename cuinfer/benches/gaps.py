@@ -15,10 +15,11 @@ import types
 
 import numpy as np
 
-from .. import bench, runtime
+from .. import bench
 from ..convert import load_preset
-from ..graph import copy_async
-from ..model import Model
+from ..model.decoder import Model
+from ..ops import runtime
+from ..serving.runner import copy_async
 from .decode import DEFAULT_MODEL, decode_run, largest_greedy_step, make_engine, random_weights
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import bench, runtime
+from .. import bench
+from ..ops import runtime
 from ..ops.activation import gelu_and_mul, silu_and_mul
 from ..ops.embedding import embedding
 from ..ops.layer_norm import layer_norm

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import bench, runtime
+from .. import bench
+from ..ops import runtime
 from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
-from ..quant import Int4Weight, Int8Weight
+from ..ops.quant import Int4Weight, Int8Weight
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
 ROWS_M = (1, 4, 16)
@@ -118,7 +119,7 @@ def _sweep(cp, preset, formats):
     import multiprocessing
 
     from ..convert import load_preset
-    from ..graph import capture
+    from ..serving.runner import capture
 
     gemvs = decode_gemvs(load_preset(preset))
     exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, stages_x(1, k, np.float16, norm), True) for f in formats

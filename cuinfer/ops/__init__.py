@@ -14,7 +14,7 @@ first imported; importing every family here first keeps the function on top).
 """
 import importlib
 
-from .. import runtime
+from . import runtime
 from .activation import gelu_and_mul, silu_and_mul
 from .embedding import embedding
 from .flash_attention import flash_attention, flash_attention_paged

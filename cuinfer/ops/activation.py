@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 
 THREADS = 256
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 
 ID_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
 

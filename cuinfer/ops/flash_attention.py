@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 from .attention_ref import default_scale, paged_prefix_attention, varlen_attention
 
 HEAD_DIMS = (64, 80, 96, 128, 256)

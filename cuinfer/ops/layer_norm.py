@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 from .rms_norm import ITEMS, row_launch
 
 

@@ -1,7 +1,7 @@
 """Linear layer y = x @ W.T (+ bias) with fp16 / bf16, INT8 or INT4 weights, and its fused epilogues.
 
 linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None) -> [M, N] in x's dtype
-    x: [M, K] fp16 / bf16; w: [N, K] array of x's dtype, or cuinfer.quant.Int8Weight /
+    x: [M, K] fp16 / bf16; w: [N, K] array of x's dtype, or cuinfer.ops.quant.Int8Weight /
     Int4Weight (Hugging Face layout, out_features first); bias: [N] in x's dtype.
     activation="silu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I]) and the
     result is silu(x @ gate.T) * (x @ up.T), [M, I] (ops.silu_and_mul of the plain result).
@@ -35,9 +35,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import runtime
-from ..quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
+from . import runtime
 from .activation import act_and_mul_reference, silu_and_mul
+from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 from .attention_ref import default_scale, paged_prefix_attention
 
 HEAD_DIMS = (64, 80, 96, 128, 256)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 
 ITEMS = (1, 2, 4, 8)  # 16-byte vectors a thread keeps in registers
 MAX_THREADS = 512

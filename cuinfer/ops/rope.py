@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 
 THREADS = 128
 POSITION_CTYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import runtime
+from . import runtime
 
 INSTANTIATIONS = [f"write_kv_kernel<{runtime.ctype(dt)}>"
                   for dt in (np.float32, np.float16, runtime.bfloat16)]

@@ -3,9 +3,10 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 from cuinfer.ops.activation import gelu_and_mul, silu_and_mul
 from tests.conftest import assert_close, poison
 

@@ -8,7 +8,7 @@ decode, both the single-pass and the split + merge paths.
 import numpy as np
 import pytest
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
 from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged
 from cuinfer.ops.paged_attention import GROUPS, paged_attention

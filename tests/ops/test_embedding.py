@@ -1,9 +1,10 @@
 """embedding: the reference against a loop, out-of-range ids, launcher checks, the kernel (exact)."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 from cuinfer.ops.embedding import embedding
 from tests.conftest import poison
 

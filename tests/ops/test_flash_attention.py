@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 from cuinfer.ops.attention_ref import causal_attention, paged_prefix_attention, varlen_attention
 from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged, launch_kernel, tile_config
 from tests.conftest import assert_close, poison

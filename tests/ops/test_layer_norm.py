@@ -1,9 +1,10 @@
 """layer_norm: the reference against a float64 formula, launcher checks, the kernel against the reference."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 from cuinfer.ops.layer_norm import layer_norm
 from tests.conftest import assert_close, poison
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cuinfer import quant, runtime
+from cuinfer.ops import quant, runtime
 from cuinfer.ops.activation import act_and_mul_reference
 from cuinfer.ops.linear import (
     GEMV_MAX_M,

@@ -4,9 +4,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuinfer import runtime
+from cuinfer.ops import family_module, runtime
 from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
-from cuinfer.ops import family_module
 from cuinfer.ops.paged_attention import HEAD_DIMS, WARPS, cta_warps, paged_attention, split_bound, split_config
 from tests.conftest import assert_close, poison
 from tests.ops.test_flash_attention import attention_loops, scatter_paged

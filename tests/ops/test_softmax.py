@@ -1,9 +1,10 @@
 """softmax: the reference against float64 log-sum-exp, -inf handling, launcher checks, the kernel."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 from cuinfer.ops.softmax import softmax
 from tests.conftest import assert_close, poison
 

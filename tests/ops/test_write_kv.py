@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuinfer import runtime
+from cuinfer.ops import runtime
 from cuinfer.ops.write_kv import write_kv
 from tests.conftest import assert_close, poison
 

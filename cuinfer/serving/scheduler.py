@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockAllocator, blocks_for
+from ..model.kv_cache import BlockAllocator, blocks_for
 
 
 @dataclass(eq=False)

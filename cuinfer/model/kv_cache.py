@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import runtime
+from ..ops import runtime
 
 DEFAULT_BLOCK_SIZE = 16
 

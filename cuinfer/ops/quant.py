@@ -40,7 +40,7 @@ Int4Weight: w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],  g = k // group_si
     ends with scale * sum (q - zero) x; otherwise (GGUF Q4_1, the MSE fit) the tensor cores see
     q and the group's fp32 sums give scale * (sum q x - zero * sum x).
 
-Saved form (checkpoints) and GGUF blocks: cuinfer.quant_io.
+Saved form (checkpoints) and GGUF blocks: cuinfer.io.quant_io.
 """
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ def _mse_grid(g, xp):
 
 def parse_spec(spec):
     """A --quant value -> (method, group_size, fit): "int8", "int4" (g128, fit "minmax"), "int4-g32",
-    "int4-g32-mse", "int4-gptq" (calibrated: cuinfer.gptq, needs calibration tokens, so not at
+    "int4-g32-mse", "int4-gptq" (calibrated: cuinfer.model.gptq, needs calibration tokens, so not at
     load time). The int4 group size shrinks, per matrix, to the largest of GROUP_SIZES dividing
     in_features (group_for)."""
     method, *rest = str(spec).split("-")
@@ -303,7 +303,7 @@ def parse_spec(spec):
 
 def quantize_spec(w, spec):
     """quantize(w, ...) [N, K] as --quant SPEC does at load: the int4 group shrinks to group_for(K, ...).
-    GPTQ is refused: it needs calibration text (cuinfer.gptq, python -m cuinfer.quantize --calib)."""
+    GPTQ is refused: it needs calibration text (cuinfer.model.gptq, python -m cuinfer.quantize --calib)."""
     method, group_size, fit = parse_spec(spec)
     if fit == "gptq":
         raise runtime.CuinferError(f"--quant {spec}: GPTQ needs calibration text, so it is not a load-time format: "

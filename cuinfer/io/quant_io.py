@@ -1,25 +1,30 @@
 """Quantized weights in files: a quantized checkpoint's arrays and config entry, GGUF's quantized blocks.
 
 Saved form (python -m cuinfer.quantize; safetensors): a quantized weight `<prefix>.weight` is
-stored as the arrays of its object, in cuinfer.quant's layout, so loading is a copy: int8
+stored as the arrays of its object, in cuinfer.ops.quant's layout, so loading is a copy: int8
 `<prefix>.qweight` (I8) and `<prefix>.scales` (F16), int4 `<prefix>.qweight` (U32) and
 `<prefix>.scales_zeros` (F16) (`saved_parts`). config.json gets a `quantization` entry
 (`quantization_config`), e.g. `{"method": "int4", "bits": 4, "group_size": 128, "fit": "gptq",
 "modules": [the LINEAR_MODULES], "lm_head": "int8", "layout": "tiles16"}`: every decoder linear
 layer in `method` (int4: each matrix in the group group_for picks, as at load), the lm_head in int8
 (its own tensor even when the embeddings are tied), the rest in the checkpoint's float dtype.
-`layout` names cuinfer.quant's int4 tile layout (int4 checkpoints of an earlier row-major layout have
+`layout` names cuinfer.ops.quant's int4 tile layout (int4 checkpoints of an earlier row-major layout have
 none and must be quantized again).
 GGUF Q4_0 / Q4_1 blocks import as int4 group 32 without a float round trip; Q8_0 (int8
 with a scale per 32) is re-quantized per channel (error <= scale / 2 on top of Q8_0's).
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from .quant import (
+from ..errors import CuinferError
+from ..ops.quant import (
     ARRAYS,
     BITS,
+    FITS,
+    GROUP_SIZES,
     INT4_LAYOUT,
     QUAD_K,
     TILE_ROWS,
@@ -124,3 +129,28 @@ def from_gguf_blocks(data, qtype, shape):
         zeros = np.where(flat, 0.0, -m / np.where(flat, 1, d32))
     zeros = np.clip(zeros, -65504, 65504).astype(np.float16)
     return Int4Weight.pack(q.reshape(n, k), scales, zeros, 32)
+
+
+def check_entry(q: dict | None) -> dict | None:
+    """The validated `quantization` entry of a config (None for float weights)."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise CuinferError(f"config: quantization must be an object, got {q!r}")
+    method = q.get("method")
+    if method not in BITS:
+        raise CuinferError(f"config: quantization method {method!r} is not supported: need one of {', '.join(BITS)}")
+    int4 = method == "int4"
+    allowed = {"bits": (BITS[method],), "group_size": GROUP_SIZES if int4 else (None,),
+               "fit": FITS + ("gptq",) if int4 else (None,), "modules": (list(LINEAR_MODULES),), "lm_head": ("int8",),
+               "layout": (INT4_LAYOUT,) if int4 else (None,)}
+    for key, values in allowed.items():
+        if q.get(key) not in values:
+            hint = " (an int4 checkpoint of an earlier layout: quantize it again with python -m cuinfer.quantize)" \
+                if key == "layout" else ""
+            raise CuinferError(f"config: quantization {key} {json.dumps(q.get(key))} for {method}: need "
+                               + " or ".join(map(json.dumps, values)) + hint)
+    unknown = sorted(set(q) - set(allowed) - {"method"})
+    if unknown:
+        raise CuinferError(f"config: quantization has unknown key {unknown[0]!r}")
+    return {"method": method, **{k: q.get(k) for k in allowed}}

@@ -18,7 +18,7 @@ then the lm_head of the final norm (fused the same way) on the last token of eac
 every token). On the GPU the norms and residual adds launch nothing of their own at decode sizes
 (ops.linear's norm= and residual=).
 `forward` attends with flash_attention_paged (any mix of prefill chunks and decodes);
-`decode` (one token per sequence, the step cuinfer.graph captures) with the split-K
+`decode` (one token per sequence, the step cuinfer.serving.runner captures) with the split-K
 paged_attention over static inputs, and can end in the argmax (greedy) instead of logits.
 """
 from __future__ import annotations
@@ -27,15 +27,15 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from . import runtime
-from .ops.activation import silu_and_mul
-from .ops.embedding import embedding
-from .ops.flash_attention import flash_attention_paged
-from .ops.linear import KERNEL_DTYPES, linear, linear_argmax, linear_reference
-from .ops.paged_attention import paged_attention
-from .ops.rms_norm import rms_norm
-from .ops.rope import rope_inv_freq
-from .ops.write_kv import write_kv
+from ..ops import runtime
+from ..ops.activation import silu_and_mul
+from ..ops.embedding import embedding
+from ..ops.flash_attention import flash_attention_paged
+from ..ops.linear import KERNEL_DTYPES, linear, linear_argmax, linear_reference
+from ..ops.paged_attention import paged_attention
+from ..ops.rms_norm import rms_norm
+from ..ops.rope import rope_inv_freq
+from ..ops.write_kv import write_kv
 from .weights import Weights, fuse, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized

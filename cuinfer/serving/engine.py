@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import runtime
-from .graph import DecodeGraph
-from .kv_cache import CacheShape, KVCache, kv_memory
-from .model import Batch, Model
+from ..model.decoder import Batch, Model
+from ..model.kv_cache import CacheShape, KVCache, kv_memory
+from ..ops import runtime
+from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniform, sample
 from .scheduler import Scheduler, Sequence
 
@@ -131,11 +131,11 @@ class Engine:
     def from_pretrained(cls, path=None, device="gpu", dtype=None, quant=None, kv_tokens=None,
                         block_size: int = 16, max_batch_tokens: int = 512, seed: int = 0,
                         use_graphs: bool = True, async_decode: bool = True) -> Engine:
-        from .checkpoint import load_checkpoint
-        from .tokenizer import Tokenizer
+        from ..io.checkpoint import load_checkpoint
+        from ..io.tokenizer import Tokenizer
 
         if path is None:
-            from .default_model import default_model_dir
+            from ..io.default_model import default_model_dir
 
             path = default_model_dir()
         if device == "gpu":

@@ -28,25 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    import ml_dtypes
-
-    bfloat16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a core dependency
-    bfloat16 = None
-
-
-class CuinferError(Exception):
-    """An error a user can cause or fix; the CLI prints its message, not a traceback."""
-
-
-class NoDeviceError(CuinferError):
-    pass
-
-
-class CompileError(CuinferError):
-    pass
-
+from ..errors import CompileError, CuinferError, NoDeviceError, bfloat16  # noqa: F401 (runtime.CuinferError & co)
 
 # --------------------------------------------------------------------------- arrays
 
@@ -155,7 +137,7 @@ def vector_width(*arrays) -> int:
 # ------------------------------------------------------------------------ compiling
 
 def source_dir() -> Path:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package: cuinfer/cuda_src when installed
     for d in (here.parent / "cuda_src", here / "cuda_src"):
         if d.is_dir():
             return d

@@ -24,7 +24,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from .runtime import CuinferError
+from ..errors import CuinferError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import CuinferError
 from .checkpoint import expected_tensors, save_checkpoint
 from .config import ModelConfig
-from .runtime import CuinferError
 
 # GGUF name -> Hugging Face name ({i}: layer). The one name table of the import.
 GGUF_NAMES = {

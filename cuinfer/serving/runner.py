@@ -51,11 +51,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import runtime
-from .model import DecodeInputs
-from .ops.linear import GEMV_MAX_M, weight_bits
-from .ops.paged_attention import workspace_elems
-from .weights import LINEAR_FIELDS
+from ..model.decoder import DecodeInputs
+from ..model.weights import LINEAR_FIELDS
+from ..ops import runtime
+from ..ops.linear import GEMV_MAX_M, weight_bits
+from ..ops.paged_attention import workspace_elems
 
 MIN_CONTEXT_BUCKET = 256  # tokens
 

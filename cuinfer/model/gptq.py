@@ -24,8 +24,8 @@ import dataclasses
 
 import numpy as np
 
-from . import runtime
-from .quant import GROUP_SIZES, QUANTIZED, Int4Weight, group_for, minmax_grid
+from ..ops import runtime
+from ..ops.quant import GROUP_SIZES, QUANTIZED, Int4Weight, group_for, minmax_grid
 from .weights import LINEAR_FIELDS
 
 DAMP = 0.1  # of the mean diagonal of H, added to its diagonal (chosen on held-out text: notes/linear.md)
@@ -85,9 +85,9 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
     calib_ids: token ids, cut into sequences of seq_len tokens; a matrix whose in_features
     group_size does not divide takes the largest group that does (quant.group_for).
     progress(layer index) is called after each layer."""
+    from ..ops.embedding import embedding
+    from .decoder import Batch
     from .kv_cache import CacheShape, KVCache
-    from .model import Batch
-    from .ops.embedding import embedding
 
     if model.xp is not np or model.weights.embed.dtype != np.float32:
         raise runtime.CuinferError("GPTQ runs on the float32 CPU model: Model.from_tensors(config, tensors, 'cpu')")
@@ -126,7 +126,7 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
 def gptq_model(config, tensors, calib_ids, group_size: int = 128, device: str = "cpu", dtype=None, progress=None):
     """A Model whose decoder linear layers are GPTQ int4 (calibrated on the float32 CPU model, then
     moved to `device` like any quantized weight), its lm_head int8 as Model.from_tensors does."""
-    from .model import LM_HEAD_QUANT, Model, kernel_dtype
+    from .decoder import LM_HEAD_QUANT, Model, kernel_dtype
     from .weights import to_device
 
     weights = gptq_weights(Model.from_tensors(config, tensors, "cpu"), calib_ids, group_size, progress=progress)

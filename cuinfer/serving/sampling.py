@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import runtime
+from ..ops import runtime
 
 
 @dataclass(frozen=True)

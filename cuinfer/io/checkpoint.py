@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import quant, quant_io
+from ..errors import CuinferError, bfloat16
+from ..ops import quant
+from . import quant_io
 from .config import DTYPES, ModelConfig, dtype_name, load_config, numpy_dtype
-from .runtime import CuinferError, bfloat16
 
 # safetensors dtype tag <-> numpy dtype (the float types a checkpoint may hold, and the quantized arrays')
 ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": bfloat16,
@@ -212,6 +213,7 @@ def load_checkpoint(path, dtype=None) -> tuple[ModelConfig, dict]:
     if not path.is_dir():
         raise CuinferError(f"{path}: no such checkpoint directory")
     config = load_config(path)
+    config = config.replace(quantization=quant_io.check_entry(config.quantization))
     dtype = numpy_dtype(dtype or config.torch_dtype)
     layout = _layout(config, dtype)
     expected = {n: shape_dtype for parts in layout.values() for n, shape_dtype in parts.items()}

@@ -11,8 +11,9 @@ Notes on fields that are read but not honoured:
 - Transformers 5 writes `dtype` for `torch_dtype` and `rope_parameters` for
   rope_theta/rope_scaling; both spellings are read.
 
-A checkpoint saved by cuinfer.quantize carries a `quantization` entry (cuinfer.quant_io.quantization_config),
-validated here; Hugging Face's own `quantization_config` (AWQ, GPTQ, bitsandbytes exports) is refused.
+A checkpoint saved by cuinfer.quantize carries a `quantization` entry (quant_io.quantization_config),
+kept as read here and validated by quant_io.check_entry when the checkpoint loads (config imports no
+quantization code); Hugging Face's own `quantization_config` (AWQ, GPTQ, bitsandbytes exports) is refused.
 """
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .quant import BITS, FITS, GROUP_SIZES, INT4_LAYOUT
-from .quant_io import LINEAR_MODULES
-from .runtime import CuinferError, bfloat16
+from ..errors import CuinferError, bfloat16
 
 # Hugging Face architecture name -> model_type written back by to_dict()
 ARCHITECTURES = {
@@ -164,7 +163,7 @@ class ModelConfig:
             torch_dtype=dtype,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
-            quantization=_quantization(d.get("quantization")),
+            quantization=d.get("quantization"),  # checked by quant_io.check_entry when loaded
         )
 
     def to_dict(self) -> dict:
@@ -195,31 +194,6 @@ def _rope_scaling(rs: dict | None) -> dict | None:
         raise CuinferError(f"rope_scaling llama3: missing {', '.join(missing)}")
     return {"rope_type": "llama3", **{k: float(rs[k]) for k in LLAMA3_ROPE_KEYS[:3]},
             "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
-
-
-def _quantization(q: dict | None) -> dict | None:
-    """The validated `quantization` entry (None for float weights)."""
-    if q is None:
-        return None
-    if not isinstance(q, dict):
-        raise CuinferError(f"config: quantization must be an object, got {q!r}")
-    method = q.get("method")
-    if method not in BITS:
-        raise CuinferError(f"config: quantization method {method!r} is not supported: need one of {', '.join(BITS)}")
-    int4 = method == "int4"
-    allowed = {"bits": (BITS[method],), "group_size": GROUP_SIZES if int4 else (None,),
-               "fit": FITS + ("gptq",) if int4 else (None,), "modules": (list(LINEAR_MODULES),), "lm_head": ("int8",),
-               "layout": (INT4_LAYOUT,) if int4 else (None,)}
-    for key, values in allowed.items():
-        if q.get(key) not in values:
-            hint = " (an int4 checkpoint of an earlier layout: quantize it again with python -m cuinfer.quantize)" \
-                if key == "layout" else ""
-            raise CuinferError(f"config: quantization {key} {json.dumps(q.get(key))} for {method}: need "
-                               + " or ".join(map(json.dumps, values)) + hint)
-    unknown = sorted(set(q) - set(allowed) - {"method"})
-    if unknown:
-        raise CuinferError(f"config: quantization has unknown key {unknown[0]!r}")
-    return {"method": method, **{k: q.get(k) for k in allowed}}
 
 
 def load_config(path) -> ModelConfig:

@@ -3,7 +3,7 @@
 Per layer: q/k/v projections become one [q + k + v, hidden] matrix (and one bias for
 Qwen2-style attention_bias), gate/up become one [2 * intermediate, hidden] matrix,
 so each is a single linear call. Linear weights stay in the HF layout [out, in]
-(y = x @ w.T) and may be quantized (cuinfer.quant): quantized at load by to_device, or
+(y = x @ w.T) and may be quantized (cuinfer.ops.quant): quantized at load by to_device, or
 quantized already in the checkpoint (every row carries its own scales, so quantized q/k/v
 and gate/up stack row-wise as they are); norms and the embedding stay float.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import runtime
-from .quant import QUANTIZED, concat_rows, quantize_spec, split_rows
+from ..errors import CuinferError
+from ..ops.quant import QUANTIZED, concat_rows, quantize_spec, split_rows
 
 
 @dataclass
@@ -58,7 +58,7 @@ def _stack(parts):
 
 def _get(tensors, name):
     if name not in tensors:
-        raise runtime.CuinferError(f"checkpoint: tensor {name!r} is missing")
+        raise CuinferError(f"checkpoint: tensor {name!r} is missing")
     return tensors[name]
 
 
@@ -95,10 +95,10 @@ def linear_tensors(config, w: Weights) -> dict:
 
 def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
     """Cast to `dtype` on the array module `xp`; linear weights quantized when `quant` is set
-    (a cuinfer.quant.parse_spec string: "int8" per row, "int4" in groups of 128 with the
+    (a cuinfer.ops.quant.parse_spec string: "int8" per row, "int4" in groups of 128 with the
     "minmax" fit, "int4-g32-mse", ...; a matrix whose in_features the group does not divide takes the largest
     group size that does). On the GPU the weights are quantized there (the same bits as numpy).
-    Linear weights quantized already (Int8Weight / Int4Weight, e.g. from cuinfer.gptq) are moved
+    Linear weights quantized already (Int8Weight / Int4Weight, e.g. from cuinfer.model.gptq) are moved
     as they are. lm_head_quant ("int8"; Model.from_tensors passes it with any `quant`) quantizes
     the lm_head (its own copy when tied: the embedding gathers rows and stays in `dtype`); the
     output layer keeps 8 bits under int4, as llama.cpp's 4-bit mixes keep it at 6.
@@ -106,9 +106,9 @@ def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
     put = lambda a: None if a is None else xp.asarray(np.asarray(a).astype(dtype))
 
     def linear_weight(a, quant=quant):
-        if isinstance(a, QUANTIZED):  # quantized already (cuinfer.gptq, a quantized checkpoint)
+        if isinstance(a, QUANTIZED):  # quantized already (cuinfer.model.gptq, a quantized checkpoint)
             if quant is not None:
-                raise runtime.CuinferError(f"--quant {quant}: the weights are quantized already (a checkpoint "
+                raise CuinferError(f"--quant {quant}: the weights are quantized already (a checkpoint "
                                            "saved by cuinfer.quantize): load it without --quant")
             return a if xp is np else a.to_device()
         if quant is None:
