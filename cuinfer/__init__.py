@@ -1,5 +1,21 @@
 """cuinfer: LLaMA-family inference with CUDA C++ kernels compiled at run time through CuPy.
 
-`import cuinfer` and every NumPy path work without CuPy; GPU paths import it lazily.
+    from cuinfer import Engine, SamplingParams
+
+`import cuinfer` and every NumPy path work without CuPy; GPU paths import it lazily. The public
+names load on first use, so `import cuinfer.errors` alone imports nothing else.
 """
 __version__ = "0.1.0"
+__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name):
+    if name in ("Engine", "RequestOutput"):
+        from .serving import engine
+
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from .serving.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'cuinfer' has no attribute {name!r}")

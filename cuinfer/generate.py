@@ -17,16 +17,6 @@ from .ops import runtime
 from .serving.sampling import SamplingParams
 
 
-def gpu_found() -> bool:
-    cp = runtime.cupy_or_none()
-    if cp is None:
-        return False
-    try:
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except cp.cuda.runtime.CUDARuntimeError:
-        return False
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cuinfer.generate", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: the default model)")
@@ -132,7 +122,7 @@ def main(argv=None) -> int:
     out = sys.stdout
     try:
         prompts = read_prompts(args)
-        device = args.device or ("gpu" if gpu_found() else "cpu")
+        device = runtime.pick_device(args.device)
         if device == "cpu" and args.dtype not in (None, "float32"):
             raise runtime.CuinferError(f"--dtype {args.dtype}: the CPU backend runs float32")
         if device == "gpu" and args.dtype == "float32":

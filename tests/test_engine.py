@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 from test_model import random_tensors, tiny_config
 
-from cuinfer.model.decoder import Model
+from cuinfer.model.decoder import Model, input_views, pack_inputs
 from cuinfer.model.kv_cache import CacheShape, KVCache
 from cuinfer.ops import runtime
-from cuinfer.serving.engine import PENDING, Engine, PromptTooLongError
-from cuinfer.serving.runner import MIN_CONTEXT_BUCKET, bucket, input_views, pack_inputs
+from cuinfer.serving.engine import Engine, PromptTooLongError
+from cuinfer.serving.runner import MIN_CONTEXT_BUCKET, bucket
 from cuinfer.serving.sampling import SamplingParams
+from cuinfer.serving.scheduler import PENDING
 
 
 class CharTokenizer:
@@ -30,12 +31,13 @@ def small_config():
 
 
 def make_engine(model, kv_tokens, block_size=16, max_batch_tokens=512, tokenizer=None, eos=(), decoder=None, **kw):
-    """decoder: a class taking (model, kv_cache), e.g. NumpyDecoder; kw: Engine's other arguments."""
+    """decoder: a class taking (model, kv_cache, scratch block), e.g. NumpyDecoder; kw: Engine's other
+    arguments."""
     cfg = model.config
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size)
     cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
     return Engine(model, cache, tokenizer, eos, max_batch_tokens=max_batch_tokens,
-                  decoder=decoder(model, cache) if decoder else None, **kw)
+                  decoder=(lambda scratch: decoder(model, cache, scratch)) if decoder else None, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_batch_with_preemption_equals_alone(cpu_model):
         alone = alone_engine.generate([p], params)[0]
         assert out.token_ids == alone.token_ids
         assert out.finish_reason == "length" and len(out.token_ids) == 24
-    assert eng.kv_cache.allocator.num_free == eng.kv_cache.num_blocks
+    assert eng.blocks.num_free == eng.blocks.num_blocks and eng.kv_cache_usage() == 0.0
     kv = eng.stats.kv
     assert kv["paged_bytes"] < kv["contiguous_bytes"] and 0 < kv["saving"] < 1
 
@@ -73,14 +75,15 @@ def test_chunked_prefill_does_not_stall_decodes(cpu_model):
     eng = make_engine(cpu_model, 4096, max_batch_tokens=64)
     short = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=8))
     long_ = eng.add_request(list(range(90)) * 15, SamplingParams(max_new_tokens=1))
+    finished = {}
     steps = 0
-    while short.finish_reason is None:
-        eng.step()
+    while short not in finished:
+        finished.update((o.request_id, o) for o in eng.step() if o.finished)
         steps += 1
-    assert steps == 8 and long_.finish_reason is None  # 8 decodes done while the 1,350 tokens prefill
-    while eng.scheduler.has_work():
-        eng.step()
-    assert long_.finish_reason == "length"
+    assert steps == 8 and long_ not in finished  # 8 decodes done while the 1,350 tokens prefill
+    while eng.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert finished[long_].finish_reason == "length"
 
 
 def test_stream_stop_string_and_eos(cpu_model):
@@ -155,9 +158,8 @@ class NumpyDecoder:
     the host only through read_async(...).wait(); token ids given without device_tokens must be
     real ones. log: ("run", step, rows, pipelined) and ("wait", step) in call order."""
 
-    def __init__(self, model, kv_cache):
-        self.model, self.kv_cache = model, kv_cache
-        self.scratch = kv_cache.allocator.allocate(1)[0]
+    def __init__(self, model, kv_cache, scratch):
+        self.model, self.kv_cache, self.scratch = model, kv_cache, scratch
         self.log = []
         self.rows = 0  # rows of greedy steps computed
 
@@ -194,15 +196,20 @@ class NumpyDecoder:
 def run_requests(eng, requests):
     """Add (prompt, params) requests and step the engine until done, checking after each step that
     PENDING is only ever the last token of a running sequence. (outputs, events, decode stats)."""
-    seqs = [eng.add_request(p, params, i) for i, (p, params) in enumerate(requests)]
-    events = []
-    while eng.scheduler.has_work():
-        events += [(r.index, new, done) for r, new, done in eng.step()]
+    ids = [eng.add_request(p, params) for p, params in requests]
+    index = {rid: i for i, rid in enumerate(ids)}
+    seqs = [eng._requests[rid].seq for rid in ids]
+    events, final = [], {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            events.append((index[o.request_id], o.new_text, o.finished))
+            if o.finished:
+                final[o.request_id] = o
         for s in seqs:
             assert PENDING not in s.output_ids[:-1]
             assert s.finish_reason is None or PENDING not in s.output_ids
     assert eng._inflight is None
-    outs = [(s.output_ids, eng._requests[s.seq_id].text, s.finish_reason) for s in seqs]
+    outs = [(s.output_ids, final[rid].text, s.finish_reason) for rid, s in zip(ids, seqs)]
     st = eng.stats
     return outs, events, (st.generated_tokens, st.decode_tokens, st.prefill_tokens, st.preemptions)
 
@@ -214,7 +221,7 @@ def pipelined_and_not(model, requests, **kw):
     for async_decode in (True, False):
         eng = make_engine(model, decoder=NumpyDecoder, async_decode=async_decode, **kw)
         results.append(run_requests(eng, requests))
-        assert eng.kv_cache.allocator.num_free == eng.kv_cache.num_blocks - 1  # all but the scratch block
+        assert eng.blocks.num_free == eng.blocks.num_blocks == eng.kv_cache.num_blocks - 1  # not the scratch block
         if async_decode:
             pipelined = eng
         else:
@@ -291,14 +298,14 @@ def test_pipelined_decode_drops_the_extra_token_after_an_end_token(cpu_model):
     first = free.index(eos)
     assert first > 2
     eng = make_engine(cpu_model, 1024, decoder=NumpyDecoder, eos=(eos,), async_decode=True)
-    seq = eng.add_request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=12))
+    seq = eng._requests[eng.add_request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=12))].seq
     while seq.finish_reason is None:
         eng.step()
     assert eng._inflight is None and not eng.scheduler.has_work()
     assert seq.output_ids == free[:first + 1] and seq.finish_reason == "stop"
     assert eng.decoder.log[-3:] == [("run", first, 1, True), ("wait", first - 1), ("wait", first)]
     assert eng.decoder.rows == eng.stats.decode_tokens + 1 == first + 1
-    assert eng.kv_cache.allocator.num_free == eng.kv_cache.num_blocks - 1
+    assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
 def test_pipelined_decode_with_a_queue_and_preemption(cpu_model):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts, random_tensors, tiny_config
 
-from cuinfer.model.decoder import Batch, Model
+from cuinfer.model.decoder import Batch, Model, graph_batch_limit, input_views, pack_inputs
 from cuinfer.serving.engine import Engine
-from cuinfer.serving.runner import bucket, graph_batch_limit, input_views, pack_inputs
+from cuinfer.serving.runner import bucket
 from cuinfer.serving.sampling import SamplingParams
 
 
@@ -101,9 +101,9 @@ def gpu_engine(model, use_graphs, kv_tokens=8192, eos=(), async_decode=True):
 
 def run_requests(eng, ids, lengths, **params):
     """Every prompt with its own max_new_tokens, continuously batched; the output ids."""
-    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))
+    seqs = [eng._requests[eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, **params))].seq
             for p, n in zip(ids, lengths)]
-    while eng.scheduler.has_work():
+    while eng.has_unfinished_requests():
         eng.step()
     return [s.output_ids for s in seqs]
 
@@ -146,10 +146,8 @@ def test_gpu_graph_logits_match_numpy(dtype, cp):
     ids = prompts(cfg, [7, 450, 33], seed=2)
     tables = [[1], [2 + i for i in range(29)], [40, 41, 42]]
     cpu_cache, gpu_cache = make_cache(cfg, cpu), make_cache(cfg, gpu)
-    gpu_cache.allocator.allocate(60)  # blocks 0..59 are "live": the scratch block is 60
-    gpu_cache.k[:, 61:] = np.nan  # blocks no row may write
-    graphs = DecodeGraph(gpu, gpu_cache)
-    assert graphs.scratch == 60
+    gpu_cache.k[:, 61:] = np.nan  # blocks no row may write; 0..59 are "live", the scratch block is 60
+    graphs = DecodeGraph(gpu, gpu_cache, 60)
     prefix = Batch.from_chunks([(s[:-4], 0, tb) for tb, s in zip(tables, ids)], 16)
     cpu.forward(prefix, cpu_cache)
     gpu.forward(prefix.to(cp), gpu_cache)
@@ -183,8 +181,8 @@ def count_rows(eng):
 
 def run_params(eng, ids, params):
     """Every prompt with its own SamplingParams, continuously batched: [(output ids, finish reason)]."""
-    seqs = [eng.add_request(p, sp) for p, sp in zip(ids, params)]
-    while eng.scheduler.has_work():
+    seqs = [eng._requests[eng.add_request(p, sp)].seq for p, sp in zip(ids, params)]
+    while eng.has_unfinished_requests():
         eng.step()
     assert eng._inflight is None
     return [(s.output_ids, s.finish_reason) for s in seqs]
@@ -239,7 +237,7 @@ def test_gpu_pipelined_decode_equals_synchronous(use_graphs):
         if async_decode:
             assert eng.stats.pipelined_steps > 10
             assert rows[0] > eng.stats.decode_tokens, "no extra row after a stop on data"
-            assert eng.kv_cache.allocator.num_free == eng.kv_cache.num_blocks - 1
+            assert eng.blocks.num_free == eng.blocks.num_blocks and eng.kv_cache_usage() == 0.0
     assert runs[True] == runs[False]
     reasons = [r for _, r in runs[True]]
     assert reasons.count("stop") >= 2 and "length" in reasons, reasons

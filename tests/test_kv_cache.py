@@ -1,58 +1,10 @@
-"""Block allocator, cache sizing and the paged-vs-contiguous memory report."""
+"""KV cache sizing and the paged-vs-contiguous memory report (blocks: test_block_manager.py)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from cuinfer.model.kv_cache import (
-    BlockAllocator,
-    CacheShape,
-    KVCache,
-    OutOfBlocksError,
-    blocks_for,
-    bytes_per_token,
-    kv_memory,
-)
-
-
-def test_allocate_free_reuse():
-    a = BlockAllocator(4)
-    x = a.allocate(3)
-    assert sorted(x) == [0, 1, 2] and a.num_free == 1
-    with pytest.raises(OutOfBlocksError, match="need 2 KV blocks, 1 of 4 free"):
-        a.allocate(2)
-    assert a.num_free == 1  # a failed allocation takes nothing
-    a.free(x[:2])
-    assert a.num_free == 3
-    with pytest.raises(ValueError, match="freed twice"):
-        a.free([x[0]])
-
-
-def test_shared_block_lives_until_last_owner_frees():
-    a = BlockAllocator(2)
-    (b,) = a.allocate(1)
-    a.share(b)
-    a.free([b])
-    assert a.num_free == 1
-    a.free([b])
-    assert a.num_free == 2
-    with pytest.raises(ValueError, match="not allocated"):
-        a.share(b)
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5)), max_size=60))
-def test_allocator_never_hands_out_a_block_twice(ops):
-    a = BlockAllocator(16)
-    owned = []
-    for alloc, n in ops:
-        if alloc and n <= a.num_free:
-            owned += a.allocate(n)
-        elif owned:
-            a.free(owned[-n:])
-            del owned[-n:]
-        assert len(set(owned)) == len(owned)
-        assert a.num_free + len(owned) == 16
+from cuinfer.errors import CuinferError
+from cuinfer.model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_memory
+from cuinfer.serving.block_manager import blocks_for
 
 
 def test_cache_shape_and_budget():
@@ -62,7 +14,7 @@ def test_cache_shape_and_budget():
     assert c.token_bytes == 2 * 3 * 2 * 64 * 4 and c.nbytes == 6 * 16 * c.token_bytes
     k0, v0 = c.layer(0)
     assert k0.shape == (6, 16, 2, 64) and k0.flags.c_contiguous
-    with pytest.raises(OutOfBlocksError, match="less than one block"):
+    with pytest.raises(CuinferError, match="less than one block"):
         KVCache.allocate(shape, np.float32, kv_tokens=15)
     with pytest.raises(ValueError, match="kv_tokens"):
         KVCache.allocate(shape, np.float32)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuinfer.model.kv_cache import BlockAllocator, blocks_for
+from cuinfer.serving.block_manager import BlockManager, blocks_for
 from cuinfer.serving.scheduler import Scheduler, Sequence
 
 
@@ -24,7 +24,7 @@ def test_never_imports_cupy():
 
 
 def test_decodes_first_then_prefill_chunks_within_budget():
-    sched = Scheduler(BlockAllocator(100), block_size=16, max_batch_tokens=64)
+    sched = Scheduler(BlockManager(100, 16, enable_prefix_caching=False), max_batch_tokens=64)
     a, b = Sequence(0, [1] * 10), Sequence(1, [1] * 1500)
     sched.add(a)
     sched.add(b)
@@ -40,7 +40,7 @@ def test_decodes_first_then_prefill_chunks_within_budget():
 
 
 def test_admission_waits_for_blocks():
-    sched = Scheduler(BlockAllocator(3), block_size=16, max_batch_tokens=512)
+    sched = Scheduler(BlockManager(3, 16, enable_prefix_caching=False), max_batch_tokens=512)
     a, b = Sequence(0, [1] * 40), Sequence(1, [1] * 20)  # 3 blocks, then 2 blocks
     sched.add(a)
     sched.add(b)
@@ -51,7 +51,7 @@ def test_admission_waits_for_blocks():
 
 
 def test_preempts_newest_and_requeues_it_first():
-    sched = Scheduler(BlockAllocator(4), block_size=4, max_batch_tokens=512)
+    sched = Scheduler(BlockManager(4, 4, enable_prefix_caching=False), max_batch_tokens=512)
     seqs = [Sequence(i, [1] * 4) for i in range(4)]  # one full block each
     for s in seqs:
         sched.add(s)
@@ -64,7 +64,7 @@ def test_preempts_newest_and_requeues_it_first():
 
 
 def test_too_long_for_the_whole_cache_is_rejected():
-    sched = Scheduler(BlockAllocator(2), block_size=16)
+    sched = Scheduler(BlockManager(2, 16, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="need 3 KV blocks, the cache has 2"):
         sched.add(Sequence(0, [1] * 33))
 
@@ -73,7 +73,7 @@ def test_too_long_for_the_whole_cache_is_rejected():
 @given(st.lists(st.integers(1, 120), min_size=1, max_size=12), st.integers(8, 40),
        st.integers(1, 20), st.sampled_from([4, 16]), st.integers(1, 200))
 def test_every_sequence_finishes_and_blocks_are_returned(prompt_lens, num_blocks, max_new, bs, budget):
-    sched = Scheduler(BlockAllocator(num_blocks), block_size=bs, max_batch_tokens=budget)
+    sched = Scheduler(BlockManager(num_blocks, bs, enable_prefix_caching=False), max_batch_tokens=budget)
     seqs = []
     for i, n in enumerate(prompt_lens):
         if blocks_for(n + max_new, bs) <= num_blocks:
@@ -87,7 +87,7 @@ def test_every_sequence_finishes_and_blocks_are_returned(prompt_lens, num_blocks
         for s, _ in plan:
             assert len(s.block_table) * bs >= s.num_computed + dict(plan)[s]
         used = [b for s in sched.running for b in s.block_table]
-        assert len(used) == len(set(used)) == num_blocks - sched.allocator.num_free
+        assert len(used) == len(set(used)) == num_blocks - sched.blocks.num_free
         simulate_step(sched, plan)
         for s, _ in plan:
             if len(s.output_ids) == max_new:
@@ -95,43 +95,43 @@ def test_every_sequence_finishes_and_blocks_are_returned(prompt_lens, num_blocks
         steps += 1
         assert steps < 10000
     assert all(len(s.output_ids) == max_new for s in seqs)
-    assert sched.allocator.num_free == num_blocks
+    assert sched.blocks.num_free == num_blocks
 
 
 def test_reserve_decodes_reserves_the_next_slot_only_in_the_steady_state():
-    sched = Scheduler(BlockAllocator(6), block_size=4, max_batch_tokens=8)
+    sched = Scheduler(BlockManager(6, 4, enable_prefix_caching=False), max_batch_tokens=8)
     a, b = Sequence(0, [1] * 3), Sequence(1, [1] * 4)
     sched.add(a)
     sched.add(b)
     simulate_step(sched, sched.schedule())  # a: 4 tokens in 1 block, b: 5 tokens in 1 block (+1 for the next)
     assert not sched.reserve_decodes([b, a])  # not the running order
     assert not sched.reserve_decodes([a])  # not every running sequence
-    free = sched.allocator.num_free
+    free = sched.blocks.num_free
     assert sched.reserve_decodes([a, b])
-    assert [len(a.block_table), len(b.block_table)] == [1, 2] and sched.allocator.num_free == free - 1
-    assert sched.schedule() == [(a, 1), (b, 1)] and sched.allocator.num_free == free - 1  # nothing more to take
+    assert [len(a.block_table), len(b.block_table)] == [1, 2] and sched.blocks.num_free == free - 1
+    assert sched.schedule() == [(a, 1), (b, 1)] and sched.blocks.num_free == free - 1  # nothing more to take
     # a waiting sequence that fits would be admitted: not the steady state, nothing reserved
     simulate_step(sched, [(a, 1), (b, 1)])
     c = Sequence(2, [1] * 4)
     sched.add(c)
-    free = sched.allocator.num_free
-    assert not sched.reserve_decodes([a, b]) and sched.allocator.num_free == free
+    free = sched.blocks.num_free
+    assert not sched.reserve_decodes([a, b]) and sched.blocks.num_free == free
     # one that cannot fit (or no budget left for it) is not admitted: steady again
     sched.max_batch_tokens = 2
     assert sched.reserve_decodes([a, b])
 
 
 def test_reserve_decodes_refuses_what_would_preempt_or_exceed_the_budget():
-    sched = Scheduler(BlockAllocator(2), block_size=4, max_batch_tokens=8)
+    sched = Scheduler(BlockManager(2, 4, enable_prefix_caching=False), max_batch_tokens=8)
     a, b = Sequence(0, [1] * 4), Sequence(1, [1] * 4)
     sched.add(a)
     sched.add(b)
     simulate_step(sched, sched.schedule())  # 5 tokens each: the next slot needs a new block each, none free
-    assert not sched.reserve_decodes([a, b]) and sched.allocator.num_free == 0
+    assert not sched.reserve_decodes([a, b]) and sched.blocks.num_free == 0
     sched.max_batch_tokens = 1
     assert not sched.reserve_decodes([a, b])
     x = Sequence(2, [1] * 2)  # still in prefill: remaining 2
-    s2 = Scheduler(BlockAllocator(4), block_size=4, max_batch_tokens=1)
+    s2 = Scheduler(BlockManager(4, 4, enable_prefix_caching=False), max_batch_tokens=1)
     s2.add(x)
     s2.schedule()
     x.num_computed += 1
@@ -147,7 +147,7 @@ def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budge
     blocks; wherever it says no, schedule() does something else and reserve_decodes changed nothing."""
     import copy
 
-    sched = Scheduler(BlockAllocator(num_blocks), block_size=bs, max_batch_tokens=budget, max_num_seqs=max_seqs)
+    sched = Scheduler(BlockManager(num_blocks, bs, enable_prefix_caching=False), max_batch_tokens=budget, max_num_seqs=max_seqs)
     seqs = [Sequence(i, [1] * n) for i, n in enumerate(prompt_lens) if blocks_for(n + 40, bs) <= num_blocks]
     for s in seqs[:len(seqs) - late]:
         sched.add(s)
@@ -168,7 +168,7 @@ def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budge
     assert yes == steady
     if yes:
         assert [s.block_table for s in said.running] == [s.block_table for s, _ in plan]
-        assert said.allocator.num_free == ref.allocator.num_free
+        assert said.blocks.num_free == ref.blocks.num_free
     else:
         assert [s.block_table for s in said.running] == [s.block_table for s in sched.running]
-        assert said.allocator.num_free == sched.allocator.num_free
+        assert said.blocks.num_free == sched.blocks.num_free

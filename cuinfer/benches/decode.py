@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from .. import bench
-from ..model.decoder import LM_HEAD_QUANT, Batch, Model, kernel_dtype
+from ..model.decoder import LM_HEAD_QUANT, Batch, Model, graph_batch_limit, kernel_dtype
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
@@ -32,7 +32,7 @@ from ..ops.linear import linear, linear_argmax
 from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.quant import quantize_spec
 from ..serving.engine import Engine
-from ..serving.runner import MIN_CONTEXT_BUCKET, bucket, capture, graph_batch_limit
+from ..serving.runner import MIN_CONTEXT_BUCKET, bucket, capture
 from ..serving.sampling import SamplingParams
 
 PREFILL_TOKENS = 2048
@@ -145,7 +145,7 @@ def attention_ms(cp, engine, batch, ctx):
     the decode step's bound and workspace), replayed from one graph."""
     model, cache = engine.model, engine.kv_cache
     n_blocks = -(-ctx // cache.block_size)
-    blocks = cache.allocator.allocate(batch * n_blocks)
+    blocks = engine.blocks.allocate(batch * n_blocks)
     tables = cp.asarray(np.asarray(blocks, dtype=np.int32).reshape(batch, n_blocks))
     lens = cp.full(batch, ctx, dtype=np.int32)
     q = cp.random.standard_normal((batch, model.n_heads, model.head_dim), dtype=cp.float32).astype(model.dtype)
@@ -160,13 +160,13 @@ def attention_ms(cp, engine, batch, ctx):
     cp.cuda.Device().synchronize()
     graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
     ms = bench.time_ms(graph.launch, warmup=3, iters=20)
-    cache.allocator.free(blocks)
+    engine.blocks.free(blocks)
     return ms
 
 
 def prefill_tok_s(cp, engine):
     """tok/s of Model.forward over one 2k-token prompt (eager: prefill is compute-bound)."""
-    alloc, bs = engine.kv_cache.allocator, engine.kv_cache.block_size
+    alloc, bs = engine.blocks, engine.kv_cache.block_size
     blocks = alloc.allocate(PREFILL_TOKENS // bs)
     ids = np.random.default_rng(1).integers(0, engine.model.config.vocab_size, PREFILL_TOKENS)
     batch = Batch.from_chunks([(ids, 0, blocks)], bs).to(cp)

@@ -339,3 +339,13 @@ def _write_dir(tmp: Path, config, tensors, layout, shard_bytes, tokenizer_files_
     if not (tmp / "generation_config.json").exists():
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_id)}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+def resolve_checkpoint(path=None) -> Path:
+    """The checkpoint directory to load: `path` itself, or with None the default model (fetched
+    and converted once into the cache: io.default_model)."""
+    if path is None:
+        from .default_model import default_model_dir
+
+        return default_model_dir()
+    return Path(path)

@@ -31,12 +31,12 @@ from ..ops import runtime
 from ..ops.activation import silu_and_mul
 from ..ops.embedding import embedding
 from ..ops.flash_attention import flash_attention_paged
-from ..ops.linear import KERNEL_DTYPES, linear, linear_argmax, linear_reference
-from ..ops.paged_attention import paged_attention
+from ..ops.linear import GEMV_MAX_M, KERNEL_DTYPES, linear, linear_argmax, linear_reference, weight_bits
+from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope_inv_freq
 from ..ops.write_kv import write_kv
-from .weights import Weights, fuse, to_device
+from .weights import LINEAR_FIELDS, Weights, fuse, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
 
@@ -70,6 +70,12 @@ def greedy_tokens(x, w_head, norm=None, out=None):
     return out
 
 
+def slot_mapping(tables, rows, positions, block_size: int):
+    """int32 cache slot of each token: its row's block tables[rows, positions // block_size], offset
+    positions % block_size (the one place a step's slots are computed, for Batch and DecodeInputs)."""
+    return (tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size).astype(np.int32)
+
+
 @dataclass
 class DecodeInputs:
     """Model.decode's inputs, int32, one row per sequence (DecodeGraph keeps them in static buffers)."""
@@ -101,10 +107,9 @@ class Batch:
         tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
         for i, (_, _, b) in enumerate(chunks):
             tables[i, :len(b)] = b
-        seq = np.repeat(np.arange(len(chunks)), q_lens)
-        slots = tables[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        slots = slot_mapping(tables, np.repeat(np.arange(len(chunks)), q_lens), positions, block_size)
         return cls(token_ids=np.concatenate([np.asarray(t, dtype=np.int32) for t, _, _ in chunks]),
-                   positions=positions.astype(np.int32), slot_mapping=slots.astype(np.int32),
+                   positions=positions.astype(np.int32), slot_mapping=slots,
                    block_tables=tables,
                    cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
                    context_lens=(starts + q_lens).astype(np.int32), max_seqlen_q=int(q_lens.max()))
@@ -112,6 +117,36 @@ class Batch:
     def to(self, xp) -> Batch:
         arrays = {f.name: xp.asarray(getattr(self, f.name)) for f in fields(self) if f.name != "max_seqlen_q"}
         return Batch(**arrays, max_seqlen_q=self.max_seqlen_q)
+
+
+def graph_batch_limit(weights, greedy: bool) -> int:
+    """The largest batch whose decode step can be captured: every linear call must take the GEMV
+    (above GEMV_MAX_M rows it takes cuBLAS, which CuPy refuses to call under capture); the greedy
+    lm_head is linear_argmax, a GEMV at any batch. Larger buckets run the same step eagerly."""
+    mats = [getattr(lw, f) for lw in weights.layers for f in LINEAR_FIELDS]
+    return min(GEMV_MAX_M[weight_bits(w)] for w in mats + ([] if greedy else [weights.lm_head]))
+
+
+def input_views(buf, b: int, width: int) -> DecodeInputs:
+    """DecodeInputs viewing one int32 buffer [b * (4 + width)] (numpy or cupy) in the layout above."""
+    return DecodeInputs(token_ids=buf[:b], positions=buf[b:2 * b], slot_mapping=buf[2 * b:3 * b],
+                        context_lens=buf[3 * b:4 * b], block_tables=buf[4 * b:].reshape(b, width))
+
+
+def pack_inputs(buf, token_ids, positions, block_tables, block_size: int, scratch: int, b: int, width: int):
+    """Write a step's inputs into the host buffer; rows len(token_ids)..b-1 are padding rows that
+    decode token 0 at position 0 into block `scratch`."""
+    n = len(token_ids)
+    v = input_views(buf, b, width)
+    v.token_ids[:n], v.token_ids[n:] = token_ids, 0
+    v.positions[:n], v.positions[n:] = positions, 0
+    v.block_tables[...] = 0
+    for i, table in enumerate(block_tables):
+        v.block_tables[i, :len(table)] = table
+    v.block_tables[n:, 0] = scratch
+    pos = v.positions
+    v.slot_mapping[:] = slot_mapping(v.block_tables, np.arange(b), pos, block_size)
+    v.context_lens[:] = pos + 1
 
 
 def kernel_dtype(config, dtype=None):
@@ -171,6 +206,14 @@ class Model:
         if greedy:
             return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm, out=tokens_out)
         return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
+
+    def graph_batch_limit(self, greedy: bool) -> int:
+        """The largest decode batch a CUDA graph can capture (module function graph_batch_limit)."""
+        return graph_batch_limit(self.weights, greedy)
+
+    def decode_workspace_elems(self, batch: int, max_context_len: int) -> int:
+        """float32 elements of the split-K partials a decode step of this shape needs (0: none)."""
+        return workspace_elems(batch, self.n_heads, self.n_kv_heads, self.head_dim, max_context_len)
 
     @property
     def final_norm(self):

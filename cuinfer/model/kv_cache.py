@@ -1,71 +1,20 @@
-"""Paged KV cache: one K pool and one V pool of fixed-size blocks, and the block allocator.
+"""Paged KV cache: one K pool and one V pool of fixed-size blocks.
 
     k, v: [num_layers, num_blocks, block_size, n_kv_heads, head_dim]
 
-A sequence owns a block table (a list of block ids, kept on the scheduler's
-Sequence); token t of the sequence lives in slot table[t // block_size] * block_size
-+ t % block_size of every layer. The allocator is pure Python (free list plus
-reference counts, so a block can later be shared by sequences with a common
-prefix) and never touches the arrays, so the scheduler can use it without CuPy.
+Token t of a sequence lives in slot table[t // block_size] * block_size + t % block_size
+of every layer, where table is the sequence's block table. Who holds which block, and the
+prefix cache, are serving's BlockManager: the arrays here know nothing of it.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..ops import runtime
+from ..errors import CuinferError
 
 DEFAULT_BLOCK_SIZE = 16
-
-
-class OutOfBlocksError(runtime.CuinferError):
-    pass
-
-
-class BlockAllocator:
-    """Free list of block ids with reference counts."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise OutOfBlocksError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free = deque(range(num_blocks))
-        self._refs = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list:
-        """n fresh blocks (reference count 1); OutOfBlocksError, allocating nothing, if fewer are free."""
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} of {self.num_blocks} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self._refs[b] = 1
-        return blocks
-
-    def share(self, block: int) -> int:
-        """One more owner of an allocated block (a shared prefix)."""
-        if self._refs[block] == 0:
-            raise ValueError(f"block {block} is not allocated")
-        self._refs[block] += 1
-        return block
-
-    def free(self, blocks) -> None:
-        """Drop one reference to each block; a block with no owner left returns to the free list."""
-        for b in blocks:
-            if self._refs[b] == 0:
-                raise ValueError(f"block {b} freed twice")
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
@@ -75,7 +24,7 @@ def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype) -> i
 
 def kv_memory(token_counts, block_size: int, token_bytes: int, max_len: int) -> dict:
     """KV bytes a set of sequences holds in the paged cache vs a contiguous cache of max_len each."""
-    paged = sum(blocks_for(n, block_size) for n in token_counts) * block_size * token_bytes
+    paged = sum(-(-n // block_size) for n in token_counts) * block_size * token_bytes
     contiguous = len(token_counts) * max_len * token_bytes
     return {"paged_bytes": paged, "contiguous_bytes": contiguous,
             "saving": 1.0 - paged / contiguous if contiguous else 0.0}
@@ -100,7 +49,7 @@ class KVCache:
         self.dtype = np.dtype(dtype)
         self.k = xp.zeros(shape.pool(num_blocks), dtype=self.dtype)
         self.v = xp.zeros(shape.pool(num_blocks), dtype=self.dtype)
-        self.allocator = BlockAllocator(num_blocks)
+        self.num_blocks = num_blocks
 
     @classmethod
     def allocate(cls, shape: CacheShape, dtype, xp=np, kv_tokens=None, memory_fraction=0.8):
@@ -114,17 +63,13 @@ class KVCache:
             kv_tokens = int(free * memory_fraction) // token_bytes
         num_blocks = kv_tokens // shape.block_size
         if num_blocks < 1:
-            raise OutOfBlocksError(f"a KV budget of {kv_tokens} tokens is less than one block "
+            raise CuinferError(f"a KV budget of {kv_tokens} tokens is less than one block "
                                    f"of {shape.block_size}")
         return cls(shape, num_blocks, dtype, xp)
 
     @property
     def block_size(self) -> int:
         return self.shape.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.allocator.num_blocks
 
     @property
     def token_bytes(self) -> int:

@@ -54,6 +54,22 @@ def cupy_or_none():
     return cupy
 
 
+def pick_device(device=None) -> str:
+    """"gpu" when a CUDA device is found (device None), else "cpu"; or the device asked for."""
+    if device not in (None, "gpu", "cpu"):
+        raise CuinferError(f"device: got {device!r}, need 'gpu' or 'cpu'")
+    if device == "cpu":
+        return device
+    cp = cupy_or_none()
+    try:
+        found = cp is not None and cp.cuda.runtime.getDeviceCount() > 0
+    except cp.cuda.runtime.CUDARuntimeError:
+        found = False
+    if device == "gpu" and not found:
+        raise NoDeviceError("no CUDA device found: use --device cpu")
+    return device or ("gpu" if found else "cpu")
+
+
 def capturing() -> bool:
     """True when the current CuPy stream is capturing a CUDA graph."""
     cp = cupy_or_none()

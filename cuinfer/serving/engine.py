@@ -1,79 +1,68 @@
-"""The engine: requests in, tokens out, many sequences per model step.
+"""The engine: requests in, tokens out, many sequences per model step (names as in vLLM).
 
-    engine = Engine.from_pretrained(path, device="gpu")
-    outputs = engine.generate(["Hello", "Tell me a joke"], SamplingParams(max_new_tokens=64))
-    for index, text in engine.stream(prompts, params): ...
+    engine = Engine.from_pretrained()                        # the default model, GPU if found
+    outs = engine.generate(["Hello", "Tell me a joke"], SamplingParams(max_new_tokens=64))
+    rid = engine.add_request("Hello", params)                # online: at any time
+    while engine.has_unfinished_requests():
+        for out in engine.step(): print(out.request_id, out.new_text, out.finished)
+    engine.abort_request(rid)                                # its KV blocks are freed at once
 
-Each step the Scheduler picks sequences and token counts (decodes plus prefill
-chunks), the step becomes one flat Batch, the Model returns the logits of each
-sequence's last token, and the sequences whose chunk reached their end get a
-sampled token. Finished sequences free their KV blocks; waiting ones take them.
-On the GPU a step of one token per sequence (decode) runs through DecodeGraph instead:
-a CUDA graph replay (use_graphs=False: the same step eagerly) that ends in the argmax when
-every sequence decodes greedily, so only the tokens come back to the host.
-
-Pipelined decode (async_decode=True, the default; GPU decoder only; H100, batch 1: +3.7% tok/s
-on llama3-8b fp16, +8% on the default model, notes/decode.md). A greedy all-decode step is
-launched and its tokens copied to pinned host memory asynchronously. If the next step would run
-exactly the same sequences, in the same order, again all greedy decodes (the steady state: nothing
-to prefill, admit or preempt, no sequence certain to finish on this token by max_new_tokens or the
-context), the next step is launched BEFORE this one's tokens are read: its input tokens are this
-step's device output (DecodeGraph.run's device_tokens), so the host work of reading, appending,
-stopping and scheduling overlaps the GPU's next step. At most one step is in flight between step()
-calls, and every step() call still returns the events of exactly one model step. Invariants:
-
-* A sequence in the in-flight step is bookkept as if that step were done with its token unknown:
-  num_computed counts the position it decodes and output_ids ends with PENDING (-1). The scheduler
-  sees only lengths, so it reserves the next KV slot correctly. Nothing reads PENDING: the next
-  step's input token comes from the device, and every other path (prefill chunks, sampling,
-  repetition penalty, outputs) runs only when nothing is in flight. Resolving the step replaces
-  PENDING by the real token through _append, exactly as the synchronous path appends it.
-* When a resolved token finishes a sequence on its value (end token, stop id, stop string), the
-  in-flight step has computed one more token for it: that row is discarded (never appended or
-  emitted). The sequence's KV blocks are freed on the host at once although the in-flight step
-  still writes its slot: every later GPU step (graph replays, eager decodes, prefills) is
-  enqueued after it on the same (current) stream, and a graph capture synchronizes the device
-  first, so whoever reuses those blocks writes them after it.
-* Only data-dependent stops waste a token. While requests wait for admission, a sequence that may
-  stop on its data ends pipelining: its finish could free the room that admits a waiting request,
-  and the synchronous engine would admit it one step earlier. So the scheduler makes the same
-  decisions as without pipelining, and the outputs are the same.
+Each step the Scheduler picks sequences and token counts (decodes plus prefill chunks), the
+step becomes one flat Batch, the Model returns the logits of each sequence's last token, and
+the sequences whose chunk reached their end get a sampled token. On the GPU a step of one
+token per sequence (decode) runs through DecodeGraph instead: a CUDA graph replay that ends in
+the argmax when every sequence decodes greedily, so only the tokens come back to the host.
+Pipelined decode (async_decode) launches the next greedy decode step before this one's tokens
+are read; docs/serving.md gives its invariants. A row whose sequence finished (end token, stop
+string, abort) while its step was in flight is discarded, never appended or emitted.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import CuinferError
 from ..model.decoder import Batch, Model
 from ..model.kv_cache import CacheShape, KVCache, kv_memory
 from ..ops import runtime
+from .block_manager import BlockManager
 from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniform, sample
-from .scheduler import Scheduler, Sequence
+from .scheduler import PENDING, Scheduler, Sequence
 
 CPU_KV_TOKENS = 16384
 DEFAULT_PARAMS = SamplingParams()
-PENDING = -1  # output_ids placeholder: a token still on the device (see "Pipelined decode" above)
 
 
-class PromptTooLongError(runtime.CuinferError):
+class PromptTooLongError(CuinferError):
     pass
 
 
 @dataclass
-class Output:
+class RequestOutput:
+    """A request after a step: the new text and tokens of this step, and everything so far."""
+    request_id: str
     prompt_ids: list
-    token_ids: list
-    text: str
-    finish_reason: str  # "stop" (end token or stop string) or "length"
-    ttft_s: float = 0.0
+    token_ids: list  # generated so far (the end token included when it stopped on one)
+    text: str  # the text so far, less a tail that might still become a stop string
+    new_text: str = ""
+    new_token_ids: list = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (end token or stop string), "length", "abort"
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    ttft_s: float = 0.0  # submission to the first token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache
     generated_tokens: int = 0
     ttft_s: float = 0.0  # first request: submission to its first token
     prefill_s: float = 0.0  # steps that carried prompt tokens
@@ -88,7 +77,6 @@ class Stats:
 
 @dataclass(eq=False)
 class _Request:
-    index: int
     seq: Sequence
     seed: int
     submitted: float
@@ -96,6 +84,11 @@ class _Request:
     text: str = ""
     emitted: int = 0  # characters already handed to the caller
     ttft_s: float = 0.0
+
+    def output(self, new_text="", new_token_ids=()) -> RequestOutput:
+        s = self.seq
+        return RequestOutput(s.seq_id, s.prompt_ids, s.output_ids, self.text[:self.emitted], new_text,
+                             list(new_token_ids), s.finish_reason, s.num_cached_tokens, self.ttft_s)
 
 
 @dataclass(eq=False)
@@ -109,45 +102,38 @@ class _Launched:
 class Engine:
     def __init__(self, model: Model, kv_cache: KVCache, tokenizer=None, eos_token_ids=(),
                  max_batch_tokens: int = 512, max_num_seqs: int = 256, seed: int = 0, use_graphs: bool = True,
-                 async_decode: bool = True, decoder=None):
+                 async_decode: bool = True, decoder=None, enable_prefix_caching: bool = True):
         """decoder: DecodeGraph's interface (run, read_async) for decode steps; default: a
-        DecodeGraph on the GPU, none on the CPU (tests pass a stand-in). async_decode=False never
-        pipelines: every greedy decode step reads its tokens back before the next is scheduled."""
+        DecodeGraph on the GPU, none on the CPU (tests pass a stand-in, built as decoder(scratch
+        block)). The decoder's scratch block is the pool's last, kept out of the block manager.
+        async_decode=False never pipelines."""
         self.model, self.kv_cache, self.tokenizer = model, kv_cache, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         if decoder is None and model.xp is not np:
-            decoder = DecodeGraph(model, kv_cache, use_graphs)
-        self.decoder, self.async_decode = decoder, async_decode
+            decoder = lambda scratch: DecodeGraph(model, kv_cache, scratch, use_graphs)  # noqa: E731
+        managed = kv_cache.num_blocks - (decoder is not None)
+        self.blocks = BlockManager(managed, kv_cache.block_size, enable_prefix_caching)
+        self.decoder = decoder(managed) if decoder is not None else None
+        self.async_decode = async_decode
         self._inflight = None  # _Launched, or None
-        self.scheduler = Scheduler(kv_cache.allocator, kv_cache.block_size, max_batch_tokens, max_num_seqs)
-        free_tokens = kv_cache.allocator.num_free * kv_cache.block_size  # the decoder's scratch block is taken
-        self.max_len = min(model.config.max_position_embeddings, free_tokens)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_num_seqs)
+        self.max_len = min(model.config.max_position_embeddings, managed * kv_cache.block_size)
         self._rng = np.random.default_rng(seed)
-        self._requests = {}
-        self._next_id = 0
+        self._requests = {}  # request id -> _Request, until its final output is returned
+        self._ids = itertools.count()
         self.stats = Stats()
 
     @classmethod
-    def from_pretrained(cls, path=None, device="gpu", dtype=None, quant=None, kv_tokens=None,
-                        block_size: int = 16, max_batch_tokens: int = 512, seed: int = 0,
-                        use_graphs: bool = True, async_decode: bool = True) -> Engine:
-        from ..io.checkpoint import load_checkpoint
+    def from_pretrained(cls, path=None, device=None, dtype=None, quant=None, kv_tokens=None,
+                        block_size: int = 16, max_batch_tokens: int = 512, max_num_seqs: int = 256,
+                        seed: int = 0, use_graphs: bool = True, async_decode: bool = True,
+                        enable_prefix_caching: bool = True) -> Engine:
+        """path: a checkpoint directory (None: the default model); device None: the GPU if found."""
+        from ..io.checkpoint import load_checkpoint, resolve_checkpoint
         from ..io.tokenizer import Tokenizer
 
-        if path is None:
-            from ..io.default_model import default_model_dir
-
-            path = default_model_dir()
-        if device == "gpu":
-            cp = runtime.require_cupy()
-            try:
-                found = cp.cuda.runtime.getDeviceCount() > 0
-            except cp.cuda.runtime.CUDARuntimeError:
-                found = False
-            if not found:
-                raise runtime.NoDeviceError("no CUDA device found: use --device cpu")
-        elif device != "cpu":
-            raise runtime.CuinferError(f"device: got {device!r}, need 'gpu' or 'cpu'")
+        device = runtime.pick_device(device)
+        path = resolve_checkpoint(path)
         config, tensors = load_checkpoint(path)
         model = Model.from_tensors(config, tensors, device, dtype, quant)
         del tensors
@@ -156,8 +142,8 @@ class Engine:
             kv_tokens = CPU_KV_TOKENS
         cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
         tok = Tokenizer.from_pretrained(path)
-        return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, seed=seed, use_graphs=use_graphs,
-                   async_decode=async_decode)
+        return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, max_num_seqs, seed=seed,
+                   use_graphs=use_graphs, async_decode=async_decode, enable_prefix_caching=enable_prefix_caching)
 
     # ------------------------------------------------------------------ requests
 
@@ -165,39 +151,59 @@ class Engine:
         """A prompt as token ids: a list of ints is taken as is, a string goes through the tokenizer."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise runtime.CuinferError("this engine has no tokenizer: pass prompts as token id lists")
+                raise CuinferError("this engine has no tokenizer: pass prompts as token id lists")
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt, params: SamplingParams, index: int = 0) -> Sequence:
-        """Queue a prompt; step() runs it (stream and generate call both)."""
+    def add_request(self, prompt, params: SamplingParams = DEFAULT_PARAMS, request_id=None) -> str:
+        """Queue a prompt (a string or token ids) at any time; the next step() may run it."""
         ids = self.encode(prompt)
         if not ids:
-            raise runtime.CuinferError("prompt: empty, need at least one token")
+            raise CuinferError("prompt: empty, need at least one token")
         if len(ids) >= self.max_len:
             raise PromptTooLongError(f"prompt: {len(ids)} tokens, the context holds {self.max_len} "
                                      f"(room for at least one new token needed)")
-        seq = Sequence(self._next_id, ids, params)
-        self._next_id += 1
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise CuinferError(f"request id {rid!r} is in use")
+        seq = Sequence(rid, ids, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
         decoder = self.tokenizer.stream() if self.tokenizer is not None else None
-        self._requests[seq.seq_id] = _Request(index, seq, seed, time.perf_counter(), decoder)
         self.scheduler.add(seq)
+        self._requests[rid] = _Request(seq, seed, time.perf_counter(), decoder)
         self.stats.prompt_tokens += len(ids)
-        return seq
+        return rid
+
+    def abort_request(self, request_id) -> None:
+        """Stop a request now and free its KV blocks; unknown or finished ids are ignored. A row of
+        it in a step in flight is discarded when that step is read."""
+        req = self._requests.pop(str(request_id), None)
+        if req is not None and req.seq.finish_reason is None:
+            self.scheduler.abort(req.seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def kv_cache_usage(self) -> float:
+        """The fraction of KV blocks held by live requests (cached free blocks count as free)."""
+        return self.blocks.usage()
 
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list:
-        """Run one model step; returns [(request, new text, finished)] for sequences that got a token.
-        With pipelined decode the step whose tokens this returns may have been launched by the
-        previous call, and the next one may be left running on the device (module docstring)."""
+        """Run one model step; [RequestOutput] of the requests that got a token. A finished
+        request's output is its last: the engine forgets it then."""
+        if not self.scheduler.has_work():
+            if self._inflight is not None:  # every row of it was aborted
+                self._resolve(self._inflight)
+                self._inflight = None
+            return []
         t0 = time.perf_counter()
         if self._inflight is None:
             preempted = self.scheduler.num_preemptions
             plan = self.scheduler.schedule()
             if not plan:
-                raise runtime.CuinferError("the scheduler found nothing to run: the KV cache is too small")
+                raise CuinferError("the scheduler found nothing to run: the KV cache is too small")
             self.stats.preemptions += self.scheduler.num_preemptions - preempted
             self._note_kv_blocks()
             if not self._launches(plan):
@@ -216,7 +222,7 @@ class Engine:
             self._begin(self._inflight)
             if all(s.finish_reason is not None for s in self._inflight.seqs):
                 # all its rows are discarded: resolve it now, so that a step is in flight only while
-                # the scheduler has work (callers loop on scheduler.has_work())
+                # the scheduler has work (callers loop on has_unfinished_requests())
                 self._resolve(self._inflight)
                 self._inflight = None
         self.stats.decode_s += time.perf_counter() - t0
@@ -232,7 +238,7 @@ class Engine:
 
     def _may_pipeline(self, seqs) -> bool:
         """Whether the step after `seqs`' in-flight step may be launched before its tokens are read
-        (module docstring); if so, the scheduler has reserved its KV slots. Host logic only."""
+        (docs/serving.md); if so, the scheduler has reserved its KV slots. Host logic only."""
         waiting = bool(self.scheduler.waiting)
         for s in seqs:
             if s.finish_reason is not None:
@@ -257,41 +263,33 @@ class Engine:
                                device_tokens=device_tokens)
         return _Launched(list(seqs), out, self.decoder.read_async(out))
 
-    @staticmethod
-    def _begin(launched: _Launched) -> None:
+    def _begin(self, launched: _Launched) -> None:
         """Bookkeep a launched step as done with its tokens unknown (rows of finished sequences are
         left out: their tokens will be discarded)."""
         for s in launched.seqs:
             if s.finish_reason is None:
-                s.num_computed += 1
-                s.output_ids.append(PENDING)
+                self.scheduler.computed(s, 1)
+                self.scheduler.append(s, PENDING)
 
     def _resolve(self, launched: _Launched) -> list:
-        """Wait for a launched step's tokens (its copy's event only) and append them in place of the
-        PENDING placeholders; rows of sequences finished by an earlier token are discarded."""
+        """Wait for a launched step's tokens (its copy's event only) and put them in place of the
+        PENDING placeholders; rows of sequences finished meanwhile are discarded."""
         tokens = launched.pending.wait()
         now = time.perf_counter()
-        events = []
-        for s, t in zip(launched.seqs, tokens):
-            if s.finish_reason is not None:
-                continue  # the extra token computed after a data-dependent stop
-            assert s.output_ids[-1] == PENDING
-            s.output_ids.pop()
-            # A finish frees the blocks at once, though a step pipelined after this one may still
-            # write the sequence's next slot: GPU work that could reuse them is enqueued later on
-            # the same stream (a graph capture synchronizes the device first), so it runs after.
-            events.append(self._append(self._requests[s.seq_id], int(t), now))
-        return events
+        # A finish frees the blocks at once, though a step pipelined after this one may still write
+        # the sequence's next slot: GPU work that could reuse them is enqueued later on the same
+        # stream (a graph capture synchronizes the device first), so it runs after.
+        return [self._append(self._requests[s.seq_id], int(t), now)
+                for s, t in zip(launched.seqs, tokens) if s.finish_reason is None]
 
     def _note_kv_blocks(self) -> None:
-        alloc = self.kv_cache.allocator
-        self.stats.peak_kv_blocks = max(self.stats.peak_kv_blocks, alloc.num_blocks - alloc.num_free)
+        self.stats.peak_kv_blocks = max(self.stats.peak_kv_blocks, self.blocks.num_blocks - self.blocks.num_free)
 
     def _sync_step(self, plan, t0) -> list:
         """The step run and read back before returning (everything but pipelined decode)."""
         tokens, logits = self._run_model(plan)
         for s, n in plan:
-            s.num_computed += n
+            self.scheduler.computed(s, n)
         ready = [i for i, (s, _) in enumerate(plan) if s.num_computed == s.num_tokens]
         events = []
         if ready:
@@ -331,13 +329,14 @@ class Engine:
         batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
         return None, self.model.forward(batch, self.kv_cache)
 
-    def _append(self, req: _Request, token: int, now: float):
+    def _append(self, req: _Request, token: int, now: float) -> RequestOutput:
         seq, p = req.seq, req.seq.params
-        if not seq.output_ids:
+        if seq.num_known == len(seq.prompt_ids):
             req.ttft_s = now - req.submitted
             if self.stats.generated_tokens == 0:
                 self.stats.ttft_s = req.ttft_s
-        seq.output_ids.append(token)
+            self.stats.cached_tokens += seq.num_cached_tokens
+        self.scheduler.append(seq, token)
         self.stats.generated_tokens += 1
         reason = None
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
@@ -353,32 +352,51 @@ class Engine:
                 reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            del self._requests[seq.seq_id]
         hold = 0 if reason else max((len(s) for s in p.stop), default=1) - 1
         upto = max(req.emitted, len(req.text) - hold)
-        new, req.emitted = req.text[req.emitted:upto], upto
-        return req, new, reason is not None
+        new = req.text[req.emitted:upto]
+        req.emitted = upto
+        return req.output(new, [token])
 
     # ------------------------------------------------------------------ batches
 
-    def stream(self, prompts, params: SamplingParams = DEFAULT_PARAMS):
-        """Yield (prompt index, new text) as tokens arrive; self.outputs holds the results at the end
-        and self.stats the numbers of this call."""
+    def stream(self, prompts, params=DEFAULT_PARAMS):
+        """Yield (prompt index, new text) as tokens arrive; self.outputs holds the RequestOutputs at
+        the end and self.stats the numbers of this call. prompts: a string, token ids, or a list of
+        them; params: one SamplingParams or one per prompt. Stopping the iteration early aborts
+        the requests it added."""
+        prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) \
+            else list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise CuinferError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
         self.stats = Stats()
-        reqs = [self._requests[self.add_request(p, params, i).seq_id] for i, p in enumerate(prompts)]
-        while self.scheduler.has_work():
-            for req, new, _ in self.step():
-                if new:
-                    yield req.index, new
-        self.outputs = [Output(r.seq.prompt_ids, r.seq.output_ids, r.text, r.seq.finish_reason, r.ttft_s)
-                        for r in reqs]
-        for r in reqs:
-            del self._requests[r.seq.seq_id]
+        ids = []
+        try:
+            for p, pp in zip(prompts, plist):
+                ids.append(self.add_request(p, pp))
+            index = {rid: i for i, rid in enumerate(ids)}
+            final = {}
+            while len(final) < len(ids):
+                for out in self.step():
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    if out.finished:
+                        final[i] = out
+                    if out.new_text:
+                        yield i, out.new_text
+        finally:
+            for rid in ids:
+                self.abort_request(rid)
+        self.outputs = [final[i] for i in range(len(ids))]
         lens = [len(o.prompt_ids) + len(o.token_ids) for o in self.outputs]
         self.stats.kv = kv_memory(lens, self.kv_cache.block_size, self.kv_cache.token_bytes,
                                   self.model.config.max_position_embeddings)
 
-    def generate(self, prompts, params: SamplingParams = DEFAULT_PARAMS) -> list:
-        """Run every prompt to completion; [Output] in prompt order."""
+    def generate(self, prompts, params=DEFAULT_PARAMS) -> list:
+        """Run every prompt to completion; [RequestOutput] in prompt order (see stream)."""
         for _ in self.stream(prompts, params):
             pass
         return self.outputs

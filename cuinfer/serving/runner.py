@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs: one graph per (batch bucket, context bucket, greedy).
 
-    graphs = DecodeGraph(model, kv_cache)   # reserves one scratch KV block
+    graphs = DecodeGraph(model, kv_cache, scratch)   # scratch: a KV block no sequence holds
     out = graphs.run(token_ids, positions, block_tables, greedy=True)
     # greedy: int32 tokens [n] on the device; else float32 logits [n, vocab] on the device
     nxt = graphs.run(token_ids, positions2, block_tables, greedy=True, device_tokens=out)
@@ -17,7 +17,8 @@ inputs live in one static int32 device buffer
 
 filled each step by one asynchronous copy from pinned host memory; its output (int32 argmax
 tokens, or float32 logits) is a static array the graph writes. Rows past the batch (padding up
-to the bucket) decode token 0 at position 0 into the reserved scratch block and attend to that
+to the bucket) decode token 0 at position 0 into the scratch block (the engine keeps it out of
+the block manager) and attend to that
 block only: they never write a live block.
 
 Capture, on a bucket's first step: the inputs are copied, the device is synchronized (the side
@@ -42,7 +43,7 @@ cuinfer.bench gaps`).
 A bucket's pinned input buffer is rewritten only after an event recorded behind its last
 host-to-device copy has completed: with a step in flight, that copy may not have run yet when the
 next step is packed. use_graphs=False runs the same step eagerly on the same buffers (same kernels,
-same order: the same tokens), as do buckets past graph_batch_limit (fp16 weights above 16 rows go
+same order: the same tokens), as do buckets past Model.graph_batch_limit (fp16 weights above 16 rows go
 through cuBLAS, which cannot be captured).
 """
 from __future__ import annotations
@@ -51,11 +52,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.decoder import DecodeInputs
-from ..model.weights import LINEAR_FIELDS
+from ..model.decoder import input_views, pack_inputs
 from ..ops import runtime
-from ..ops.linear import GEMV_MAX_M, weight_bits
-from ..ops.paged_attention import workspace_elems
 
 MIN_CONTEXT_BUCKET = 256  # tokens
 
@@ -63,36 +61,6 @@ MIN_CONTEXT_BUCKET = 256  # tokens
 def bucket(n: int, smallest: int = 1) -> int:
     """The smallest power of two that is >= n and >= smallest."""
     return max(smallest, 1 << max(0, n - 1).bit_length())
-
-
-def graph_batch_limit(weights, greedy: bool) -> int:
-    """The largest batch whose decode step can be captured: every linear call must take the GEMV
-    (above GEMV_MAX_M rows it takes cuBLAS, which CuPy refuses to call under capture); the greedy
-    lm_head is linear_argmax, a GEMV at any batch. Larger buckets run the same step eagerly."""
-    mats = [getattr(lw, f) for lw in weights.layers for f in LINEAR_FIELDS]
-    return min(GEMV_MAX_M[weight_bits(w)] for w in mats + ([] if greedy else [weights.lm_head]))
-
-
-def input_views(buf, b: int, width: int) -> DecodeInputs:
-    """DecodeInputs viewing one int32 buffer [b * (4 + width)] (numpy or cupy) in the layout above."""
-    return DecodeInputs(token_ids=buf[:b], positions=buf[b:2 * b], slot_mapping=buf[2 * b:3 * b],
-                        context_lens=buf[3 * b:4 * b], block_tables=buf[4 * b:].reshape(b, width))
-
-
-def pack_inputs(buf, token_ids, positions, block_tables, block_size: int, scratch: int, b: int, width: int):
-    """Write a step's inputs into the host buffer; rows len(token_ids)..b-1 are padding rows that
-    decode token 0 at position 0 into block `scratch`."""
-    n = len(token_ids)
-    v = input_views(buf, b, width)
-    v.token_ids[:n], v.token_ids[n:] = token_ids, 0
-    v.positions[:n], v.positions[n:] = positions, 0
-    v.block_tables[...] = 0
-    for i, table in enumerate(block_tables):
-        v.block_tables[i, :len(table)] = table
-    v.block_tables[n:, 0] = scratch
-    pos = v.positions
-    v.slot_mapping[:] = v.block_tables[np.arange(b), pos // block_size] * block_size + pos % block_size
-    v.context_lens[:] = pos + 1
 
 
 def capture(fn, stream, pool):
@@ -129,14 +97,14 @@ class _Step:
 
 
 class DecodeGraph:
-    def __init__(self, model, kv_cache, use_graphs: bool = True):
+    def __init__(self, model, kv_cache, scratch: int, use_graphs: bool = True):
         self.cp = runtime.require_cupy()
         self.model, self.kv_cache, self.use_graphs = model, kv_cache, use_graphs
-        self.scratch = kv_cache.allocator.allocate(1)[0]  # padding rows write here, never freed
+        self.scratch = scratch  # padding rows write here
         self.pool = self.cp.cuda.MemoryPool()  # the captured steps' temporaries, nothing else's
         self.stream = self.cp.cuda.Stream(non_blocking=True)  # capture cannot run on the legacy stream
         self.steps = {}
-        self.graph_limit = {g: graph_batch_limit(model.weights, g) for g in (True, False)}
+        self.graph_limit = {g: model.graph_batch_limit(g) for g in (True, False)}
         self.readback = TokenReadback(self.cp)
 
     def run(self, token_ids, positions, block_tables, greedy: bool, device_tokens=None):
@@ -180,7 +148,7 @@ class DecodeGraph:
         size = b * (4 + width)
         host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
         device = cp.zeros(size, dtype=np.int32)
-        elems = workspace_elems(b, m.n_heads, m.n_kv_heads, m.head_dim, width * self.kv_cache.block_size)
+        elems = m.decode_workspace_elems(b, width * self.kv_cache.block_size)
         step = _Step(host, device, input_views(device, b, width),
                      cp.zeros(elems, dtype=np.float32) if elems else None)
         self.steps[(b, width, greedy)] = step

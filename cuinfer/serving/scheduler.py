@@ -4,29 +4,40 @@ Pure Python, never imports CuPy. A step has a token budget (`max_batch_tokens`):
 running sequences that decode take one token each first, sequences still in
 prefill take chunks of what is left (chunked prefill: a long prompt never stalls
 the decodes), then waiting sequences are admitted, oldest first, while the budget
-and free KV blocks allow. When a running sequence cannot get the block its next
-tokens need, the newest running sequence is preempted: its blocks are freed and it
-goes back to the front of the queue to be recomputed from its prompt and the
-tokens it already generated. Nothing is dropped.
+and free KV blocks allow. An admitted sequence first takes the cached blocks of its
+prefix (BlockManager.match) and computes from the token after them. When a running
+sequence cannot get the block its next tokens need, the newest running sequence is
+preempted: its blocks are freed (their full blocks stay cached) and it goes back to the
+front of the queue to be recomputed from its prompt and the tokens it already generated.
+Nothing is dropped.
+
+The scheduler owns every state change of a sequence: admitted (waiting -> running),
+preempted (running -> waiting), finished and aborted (-> gone, blocks freed), and what the
+engine reports back: tokens computed (`computed`) and tokens appended (`append`).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..model.kv_cache import BlockAllocator, blocks_for
+from .block_manager import BlockManager, blocks_for
+
+PENDING = -1  # an output token still on the device (the engine's pipelined decode)
 
 
 @dataclass(eq=False)
 class Sequence:
-    seq_id: int
+    seq_id: object  # the request id
     prompt_ids: list
     params: object = None  # SamplingParams, read by the engine only
     output_ids: list = field(default_factory=list)
     block_table: list = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
 
     @property
     def token_ids(self) -> list:
@@ -35,6 +46,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host knows (all but a pending one)."""
+        return self.num_tokens - (1 if self.output_ids and self.output_ids[-1] == PENDING else 0)
 
     def token_at(self, i: int) -> int:
         """token_ids[i] without building the list."""
@@ -48,13 +64,12 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int = 512,
-                 max_num_seqs: int = 256):
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int = 512, max_num_seqs: int = 256):
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_batch_tokens and max_num_seqs must be >= 1, got "
                              f"{max_batch_tokens} and {max_num_seqs}")
-        self.allocator = allocator
-        self.block_size = block_size
+        self.blocks = blocks
+        self.block_size = blocks.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque = deque()
@@ -63,9 +78,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         need = blocks_for(seq.num_tokens, self.block_size)
-        if need > self.allocator.num_blocks:
+        if need > self.blocks.num_blocks:
             raise ValueError(f"sequence {seq.seq_id}: {seq.num_tokens} tokens need {need} KV blocks, "
-                             f"the cache has {self.allocator.num_blocks}")
+                             f"the cache has {self.blocks.num_blocks}")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -90,60 +105,101 @@ class Scheduler:
             else:
                 plan[seq] = n
                 budget -= n
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            n = min(seq.remaining, budget)
-            if not self._reserve(seq, seq.num_computed + n):
+        while not preempted:
+            admission = self._admission(budget, self.blocks.num_free)
+            if admission is None:
                 break
-            self.waiting.popleft()
-            self.running.append(seq)
+            seq, cached, n = admission
+            self._admit(seq, cached, n)
             plan[seq] = n
             budget -= n
         return list(plan.items())
 
     def reserve_decodes(self, seqs: list) -> bool:
-        """When the next schedule() would return exactly `seqs`, in this order, one decode token
-        each (every running sequence decodes, the budget holds them all, their next slots fit in
-        the free blocks, so nothing is preempted, and no waiting sequence would be admitted):
-        reserve those slots as schedule() would and return True. Else change nothing and return
-        False. The engine's pipelined decode asks this before the previous step's tokens are
-        known: none of that depends on token values."""
+        """Whether the next schedule() would return exactly `seqs`, in this order, one decode token
+        each: every running sequence decodes, the budget holds them all, their next slots fit in the
+        free blocks (nothing preempted) and no waiting sequence is admitted. If so, reserve those
+        slots as schedule() would and return True; else change nothing and return False. The
+        engine's pipelined decode asks this before the previous step's tokens are known: none of
+        it depends on token values."""
         if self.running != seqs or any(s.remaining != 1 for s in seqs) or len(seqs) > self.max_batch_tokens:
             return False
         need = sum(max(0, blocks_for(s.num_computed + 1, self.block_size) - len(s.block_table)) for s in seqs)
-        free = self.allocator.num_free - need
-        if free < 0:
-            return False  # schedule() would preempt
-        budget = self.max_batch_tokens - len(seqs)
-        if self.waiting and budget > 0 and len(seqs) < self.max_num_seqs:
-            first = self.waiting[0]
-            n = min(first.remaining, budget)
-            if blocks_for(first.num_computed + n, self.block_size) - len(first.block_table) <= free:
-                return False  # schedule() would admit it
+        free = self.blocks.num_free - need
+        if free < 0 or self._admission(self.max_batch_tokens - len(seqs), free) is not None:
+            return False
         for s in seqs:
             self._reserve(s, s.num_computed + 1)
         return True
 
+    def computed(self, seq: Sequence, n: int) -> None:
+        """n more of seq's tokens have their K/V in the cache (or will, once the step in flight runs)."""
+        seq.num_computed += n
+        self.blocks.cache_full_blocks(seq, seq.num_known)
+
+    def append(self, seq: Sequence, token: int) -> None:
+        """A new output token (PENDING: one the device has not returned yet); a real token replaces
+        a pending one."""
+        if token != PENDING and seq.output_ids and seq.output_ids[-1] == PENDING:
+            seq.output_ids[-1] = token
+        else:
+            seq.output_ids.append(token)
+        self.blocks.cache_full_blocks(seq, seq.num_known)
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a running sequence and free its blocks."""
+        """Retire a running sequence and free its blocks (its full blocks stay cached)."""
         seq.finish_reason = reason
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._release(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a waiting or running sequence at once, freeing its blocks."""
+        if seq in self.running:
+            self.finish(seq, "abort")
+        else:
+            self.waiting.remove(seq)
+            seq.finish_reason = "abort"
+
+    def _admission(self, budget: int, free: int):
+        """(sequence, its cached blocks, tokens to compute) for the oldest waiting sequence, if the
+        budget, max_num_seqs and `free` blocks admit it now; else None. Changes nothing."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        cached = self.blocks.match(seq)
+        start = len(cached) * self.block_size
+        n = min(seq.num_tokens - start, budget)
+        need = blocks_for(start + n, self.block_size) - len(cached) + self.blocks.num_free_in(cached)
+        return (seq, cached, n) if need <= free else None
+
+    def _admit(self, seq: Sequence, cached: list, n: int) -> None:
+        self.waiting.popleft()
+        self.blocks.take(cached)
+        seq.block_table = list(cached)
+        seq.num_registered = len(cached)
+        seq.num_computed = len(cached) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
+            self.blocks.hit_tokens += seq.num_computed
+        self._reserve(seq, seq.num_computed + n)
+        self.running.append(seq)
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
-        if need > self.allocator.num_free:
+        if need > self.blocks.num_free:
             return False
         if need > 0:
-            seq.block_table += self.allocator.allocate(need)
+            seq.block_table += self.blocks.allocate(need)
         return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.num_registered = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
