@@ -362,23 +362,33 @@ def test_pipelined_stream_equals_synchronous(cpu_model):
 def test_gpu_batch_equals_alone_same_composition(dtype):
     """The GPU attention kernels have no fp32 form, and fp16/bf16 results depend on the batch
     shape (different GEMM tiles, different rounding), so exact batched-vs-alone identity is only
-    asserted on the numpy backend above. Here: the 64-prompt batch under a budget that forces
-    preemption gives the same tokens on two runs with the same composition (recompute after
-    preemption is deterministic), and >= 90% of its outputs equal a run with room for everything
-    (no preemption); a greedy flip on a near-tie after a rounding difference is the only way
-    they may differ."""
+    asserted on the numpy backend above. Here, with recompute after preemption (no prefix cache):
+    the 64-prompt batch under a budget that forces preemption gives the same tokens on two runs
+    with the same composition (recompute is deterministic), and >= 90% of its outputs equal a run
+    with room for everything (no preemption); a greedy flip on a near-tie after a rounding
+    difference is the only way they may differ. With the prefix cache a preempted sequence takes
+    back its cached blocks instead of recomputing them: its outputs agree with the float32 NumPy
+    engine at least as often as the roomy run's do."""
     cfg = tiny_config(num_hidden_layers=2)
     model = Model.from_tensors(cfg, random_tensors(cfg, seed=3), "gpu", dtype)
     prompts = mixed_prompts(cfg.vocab_size)
     params = SamplingParams(max_new_tokens=16)
-    eng = make_engine(model, 4096)
+    eng = make_engine(model, 4096, enable_prefix_caching=False)
     first = eng.generate(prompts, params)
     assert eng.stats.preemptions > 0
-    second = make_engine(model, 4096).generate(prompts, params)
+    second = make_engine(model, 4096, enable_prefix_caching=False).generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     roomy = make_engine(model, 131072).generate(prompts, params)  # no preemption at all
     same = np.mean([a.token_ids == b.token_ids for a, b in zip(first, roomy)])
     assert same >= 0.9, f"only {same:.0%} of outputs agree with and without preemption"
+
+    cached_eng = make_engine(model, 4096)
+    cached = cached_eng.generate(prompts, params)
+    assert cached_eng.stats.preemptions > 0 and cached_eng.blocks.hit_tokens > 0
+    cpu = Model.from_tensors(cfg, random_tensors(cfg, seed=3), "cpu")
+    ref = make_engine(cpu, 131072).generate(prompts, params)
+    agree = lambda outs: np.mean([a.token_ids == b.token_ids for a, b in zip(outs, ref)])  # noqa: E731
+    assert agree(cached) >= agree(roomy), (agree(cached), agree(roomy))
 
 
 # ------------------------------------------------- against Hugging Face transformers (CPU)
