@@ -56,8 +56,9 @@ def test_prefix_caching_gives_the_same_greedy_tokens(cpu_model, pipelined):
     for caching in (True, False):
         eng = make_engine(cpu_model, 768, max_batch_tokens=96, enable_prefix_caching=caching, **kw)  # preempts
         runs[caching] = run_online(eng, prompts, params, abort_at)
-        assert eng.stats.preemptions > 0 or eng.scheduler.num_preemptions > 0
+        assert eng.scheduler.num_preemptions > 0
         if caching:
+            assert eng.scheduler.num_restored_tokens > 0
             assert eng.blocks.hit_tokens >= 4 * 64, "the shared system prompts were meant to hit"
             assert not pipelined or eng.stats.pipelined_steps > 0
     assert runs[True] == runs[False]

@@ -75,6 +75,7 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: list = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.num_restored_tokens = 0  # tokens of preempted sequences taken back from the prefix cache
 
     def add(self, seq: Sequence) -> None:
         need = blocks_for(seq.num_tokens, self.block_size)
@@ -181,6 +182,8 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
             self.blocks.hit_tokens += seq.num_computed
+        else:
+            self.num_restored_tokens += seq.num_computed
         self._reserve(seq, seq.num_computed + n)
         self.running.append(seq)
 
