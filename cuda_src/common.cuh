@@ -119,7 +119,7 @@ __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 //     and run its part before pdl_wait() (its block table, staged K/V rows, first weights) under
 //     this one. Since every kernel triggers only after its own wait, when kernel N+1 starts
 //     kernel N-1 has finished: what N+1 reads before its wait must not be written by N. (The
-//     GEMV used to trigger after its main loop; at once, a decode step is 6-11 % faster: notes/decode.md.)
+//     GEMV used to trigger after its main loop; at once, a decode step is 6-11 % faster: docs/decode.md.)
 // Without CUINFER_PDL (sm_80, or CUINFER_PDL=0) both compile to nothing.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(CUINFER_PDL) && __CUDA_ARCH__ >= 900

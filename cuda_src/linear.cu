@@ -1,7 +1,7 @@
 // Linear layers y = x @ W.T (+ bias) for decode batches (M = 1..16 rows of x) with the
 // weight dequantized in registers, and the dequantize-to-scratch kernel of the prefill path.
 //
-// Weight formats (cuinfer/quant.py documents the layouts):
+// Weight formats (cuinfer/ops/quant.py documents the layouts):
 //   WBITS 16: W [N, K] in T (fp16 / bf16), row-major.
 //   WBITS 8 : q int8 [N, K] row-major, w = q * scale[n] (fp16 scales, per output channel).
 //   WBITS 4 : w = (q - zero[n, g]) * scale[n, g] for groups of GS along K, rows in tiles of 16:

@@ -114,7 +114,7 @@ __device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, in
 // of the context (the others neither write partials nor arrive), w_s = sum_s * exp2(max_s - max).
 // Release: the CTA's writes, bar.sync, then thread 0's atomic with acq_rel semantics at gpu scope
 // (cumulative: it releases what the barrier ordered before it; two __threadfence() around a relaxed
-// atomic cost ~0.6 us a call more, notes/decode.md);
+// atomic cost ~0.6 us a call more, docs/decode.md);
 // acquire: the same atomic in the last CTA, then bar.sync. Other CTAs' partials are read with
 // ld.global.cg (L2, never a stale L1 line). Each thread merges 4 columns of one head on its own, CH
 // splits at a time: their (max, sum) pairs and partial outputs are loaded together (one round trip

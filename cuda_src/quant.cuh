@@ -1,4 +1,4 @@
-// Register-level weight formats of the quantized GEMV (linear.cu; cuinfer/quant.py documents the
+// Register-level weight formats of the quantized GEMV (linear.cu; cuinfer/ops/quant.py documents the
 // layouts): fp16 / bf16 pairs, int8 bytes and int4 nibbles as exact values of T for mma.sync's A
 // fragments, the int4 16-row tile index, and the k a lane quad covers per format.
 #pragma once

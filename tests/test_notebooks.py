@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "examples").glob("*.ipynb"))
 # Seconds a whole notebook may take on the CPU backend: 2-17 s each on a quiet 2-core machine, up to
-# 8x that on a shared one (notes/notebooks.md). A notebook that outgrows this should get cheaper.
+# 8x that on a shared one (docs/notebooks.md). A notebook that outgrows this should get cheaper.
 TIMEOUT_S = {"01_kernels_from_numpy": 120, "02_generate": 600, "03_paged_kv_cache": 120,
              "04_quantization": 400, "05_roofline": 120}
 

@@ -8,7 +8,7 @@ from the 50 MB L2.
 The peer of every row is cupy.matmul (cuBLAS) on an fp16 weight of the same shape; a
 `torch fp16` row (torch.nn.functional.linear) per shape is measured in the same run.
 `--sweep PRESET` instead times every M = 1 tile of the preset's four decode GEMVs with their fused
-epilogues (norm, SwiGLU, residual), as a decode graph replays them (notes/linear.md, run N).
+epilogues (norm, SwiGLU, residual), as a decode graph replays them (docs/linear.md).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ gptq_weights walks the decoder layer by layer: the calibration tokens run throug
 already quantized, the next layer's linear inputs (qkv, o, gate_up, down) give its four H, its
 weights are quantized, and the layer is run again with them to feed the next one. (Quantizing
 the four one after another, each on the inputs the quantized ones before it leave, measured no
-better on the default model: notes/linear.md.)
+better on the default model: docs/linear.md.)
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ..ops import runtime
 from ..ops.quant import GROUP_SIZES, QUANTIZED, Int4Weight, group_for, minmax_grid
 from .weights import LINEAR_FIELDS
 
-DAMP = 0.1  # of the mean diagonal of H, added to its diagonal (chosen on held-out text: notes/linear.md)
+DAMP = 0.1  # of the mean diagonal of H, added to its diagonal (chosen on held-out text: docs/linear.md)
 BLOCK = 128  # columns per lazy-batch block (a multiple of every group size)
 
 

@@ -63,11 +63,11 @@ def weight_bits(w) -> int:
 
 
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
-    """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (notes/linear.md).
+    """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (docs/linear.md).
 
     Quantized weights at M <= 8 (run 4 sweep; int8 from the decode-graph sweep of run N): U = 1
     int4 quad per stage below 64 quads of K, else 2 (int8: always 2; int4 also at 1-3 blocks per SM,
-    the grid in one wave: llama3-8b's o 6.5 -> 4.9 us in run 49's sweep; at 2-3 blocks only g128,
+    the grid in one wave: llama3-8b's o 6.5 -> 4.9 us in the H100 sweep; at 2-3 blocks only g128,
     whose U = 2 kernel fits the 80 registers of three 8-warp blocks an SM without spills (ptxas:
     g64 / g32 spill), and its launch bounds promise 3); 4 warps per block from 6
     blocks per SM on, int8 16 at 1-2 blocks per SM, else 8; a grid of fewer blocks than SMs splits
@@ -77,7 +77,7 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8; fp16 at M <= 8
     with >= 6 blocks per SM and K < 1024 (< 32 quads) U = 1 and 4 warps (smollm2's lm_head, 576 x
     49152: 23.1 us against 28.2 at U = 4 with 8 warps; llama3-8b's 4096 x 128256 keeps U = 4 with
-    8 warps, its best: notes/decode.md, session 19). With the SiLU epilogue half the warps take the
+    8 warps, its best: docs/decode.md). With the SiLU epilogue half the warps take the
     gate rows and half the up rows, each warp as in a plain GEMV."""
     nt = 1 if m <= 8 else 2
     rt = 2 if nt == 2 and epilogue != "silu_and_mul" and n >= 16 * 2 * 4 * sms else 1
@@ -85,7 +85,7 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     quads = -(-k // QUAD_K[bits])
     if bits == 16 or nt == 2:
         if bits == 16 and nt == 1 and blocks >= 6 * sms and quads < 32:
-            return Tile(1, 1, 1, 4, 1)  # short rows, many blocks (a small model's lm_head): run 37
+            return Tile(1, 1, 1, 4, 1)  # short rows, many blocks (a small model's lm_head)
         u = max(1, 4 // rt // (2 if bits == 4 else 1))
         return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
     one_wave = bits == 4 and sms <= blocks < (3 if group_size == 128 else 2) * sms  # at U = 2

@@ -210,7 +210,7 @@ def quantize(w, method, group_size=128, fit="minmax"):
       offset <= 0 refit by least squares to those q; the best becomes scale (fp16) and a
       fractional zero -offset / scale (fp16), and q is rounded once more on that stored grid.
       Outliers may be clipped (no half-step bound) for a smaller group error. On the default
-      model (notes/linear.md) "mse" at g32 reproduces its Q4_1 weights (perplexity -0.00%) but
+      model (docs/linear.md) "mse" at g32 reproduces its Q4_1 weights (perplexity -0.00%) but
       at g128 loses more than "minmax" (+57% against +31%): clipping its outliers costs more.
     """
     xp = _xp(w)

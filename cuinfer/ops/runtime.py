@@ -289,7 +289,7 @@ def launch(k, grid, block, args, smem: int = 0):
     sm_90 (and CUINFER_PDL is not 0) it launches through cuLaunchKernelEx with programmatic stream
     serialization, so in the graph's replays a kernel may start while the previous one finishes
     (the kernels are compiled with their pdl_wait / pdl_trigger calls, see common.cuh). Eager
-    launches keep CuPy's path: the ctypes one costs ~50 us of host time (notes/decode.md), taken
+    launches keep CuPy's path: the ctypes one costs ~50 us of host time (docs/decode.md), taken
     only by kernels with a by-value blob argument (`bytes`: a tensor_map), which CuPy cannot pass."""
     if smem and smem + k.shared_size_bytes > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem:
         k.max_dynamic_shared_size_bytes = smem
