@@ -3,7 +3,7 @@
 Without CKPT the default model (SmolLM2-135M-Instruct, converted once into the cache) is
 used. One prompt streams as it is generated; several run as one continuous batch and print
 in order. --chat opens an interactive conversation with the model's chat template. A final
-line gives prompt tokens, time to first token, prefill and decode speed, and the KV memory
+line on stderr (piped output is only the text) gives prompt tokens, time to first token, prefill and decode speed, and the KV memory
 the paged cache held against a contiguous cache of the full context per sequence.
 User errors end with one message and exit code 2, after whatever was already printed.
 """
@@ -64,6 +64,8 @@ def read_prompts(args) -> list:
             text = Path(args.prompts_file).read_text(encoding="utf-8")
         except OSError as e:
             raise runtime.CuinferError(f"{args.prompts_file}: cannot read prompts ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise runtime.CuinferError(f"{args.prompts_file}: not UTF-8 text (byte {e.start})") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts and not args.chat:
         raise runtime.CuinferError("nothing to do: give --prompt, --prompts-file or --chat")
@@ -113,7 +115,8 @@ def chat(engine, system, params, out):
             reply += text
             out.write(text)
             out.flush()
-        out.write("\n" + stats_line(engine) + "\n")
+        out.write("\n")
+        print(stats_line(engine), file=sys.stderr)
         turns.append({"role": "assistant", "content": reply})
 
 
@@ -141,7 +144,8 @@ def main(argv=None) -> int:
                        for p in prompts]
         if prompts:
             run_prompts(engine, prompts, params, out)
-            out.write(stats_line(engine) + "\n")
+            out.flush()
+            print(stats_line(engine), file=sys.stderr)
         if args.chat:
             chat(engine, args.system, params, out)
     except runtime.CuinferError as e:

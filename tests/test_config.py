@@ -62,6 +62,9 @@ def test_llama3_rope_scaling_and_transformers5_spelling():
     ({"num_attention_heads": 30}, "hidden_size 4096 is not a multiple"),
     ({"torch_dtype": "int8"}, "dtype 'int8' is not supported"),
     ({"hidden_size": None}, "missing hidden_size"),
+    ({"hidden_size": -4096}, "config: hidden_size is -4096, need a positive integer"),
+    ({"head_dim": 0}, "config: head_dim is 0, need a positive integer"),
+    ({"num_hidden_layers": "32"}, 'config: num_hidden_layers is "32", need a positive integer'),
 ])
 def test_refused_with_a_clear_message(bad, message):
     with pytest.raises(CuinferError, match=message):

@@ -21,9 +21,8 @@ def run(capsys, *argv):
 
 
 def test_one_prompt_streams_and_prints_stats(ckpt, capsys):
-    rc, out, err = run(capsys, ckpt, "--prompt", "Hello", "--max-new-tokens", "12", "--device", "cpu")
-    assert rc == 0 and err == ""
-    _, stats = out.rsplit("\n[", 1)
+    rc, out, stats = run(capsys, ckpt, "--prompt", "Hello", "--max-new-tokens", "12", "--device", "cpu")
+    assert rc == 0 and "[" not in out and stats.startswith("[") and stats.count("\n") == 1  # piped: text only
     assert "prompt tokens" in stats and "TTFT" in stats and "decode" in stats and "% saved" in stats
     assert "12 generated" in stats
 
@@ -46,9 +45,17 @@ def test_several_prompts_file_and_template(ckpt, capsys, tmp_path):
     (["CKPT", "--prompt", "a", "--device", "cpu", "--dtype", "float16"], "CPU backend runs float32"),
     (["CKPT", "--prompt", "a", "--device", "cpu", "--top-p", "0"], "top_p"),
     (["CKPT", "--prompts-file", "/nonexistent/p.txt", "--device", "cpu"], "cannot read prompts"),
+    (["CKPT", "--prompts-file", "LATIN1", "--device", "cpu"], "not UTF-8 text (byte 3)"),
+    (["CKPT", "--prompt", "ab\udcff", "--device", "cpu"], "prompt: not valid UTF-8 (character 2)"),
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--seed", "-1"], "seed: got -1, need in [0, 2**63)"),
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--temperature", "inf"], "temperature: got inf"),
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--stop", ""], "stop: got ('',), need non-empty strings"),
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--kv-tokens", "10000000000"], "GiB of host memory is free"),
 ])
-def test_user_errors_exit_2_with_one_message(ckpt, capsys, argv, message):
-    rc, _, err = run(capsys, *[ckpt if a == "CKPT" else a for a in argv])
+def test_user_errors_exit_2_with_one_message(ckpt, capsys, tmp_path, argv, message):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9\n".encode("latin-1"))
+    rc, _, err = run(capsys, *[{"CKPT": ckpt, "LATIN1": str(latin1)}.get(a, a) for a in argv])
     assert rc == 2
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
@@ -73,9 +80,9 @@ def test_default_model_cli(capsys):
         default_model_dir()
     except (CuinferError, ModuleNotFoundError) as e:
         pytest.skip(f"default model not available here: {e}")
-    rc, out, _ = run(capsys, "--prompt", "The capital of France is", "--max-new-tokens", "16",
-                     "--device", "cpu")
-    assert rc == 0 and "Paris" in out and "prompt tokens" in out
+    rc, out, err = run(capsys, "--prompt", "The capital of France is", "--max-new-tokens", "16",
+                       "--device", "cpu")
+    assert rc == 0 and "Paris" in out and "prompt tokens" in err
 
 
 def test_chat_keeps_history(ckpt):
@@ -83,7 +90,7 @@ def test_chat_keeps_history(ckpt):
                         "--max-new-tokens", "5", "--device", "cpu"], input="hi\n\nand again\n",
                        check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    stats = [l for l in r.stdout.splitlines() if "prompt tokens" in l]
+    stats = [l for l in r.stderr.splitlines() if "prompt tokens" in l]
     assert len(stats) == 2  # one per turn; the empty line is skipped
     first, second = (int(l.split("[")[1].split()[0]) for l in stats)
     assert second > first + 5  # the second turn's prompt carries the first exchange

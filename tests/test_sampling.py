@@ -95,3 +95,8 @@ def test_device_matches_host(cp):
     host = sample(logits, params, hist, us)
     dev = sample(cp.asarray(logits), params, hist, us)
     np.testing.assert_array_equal(dev, host)
+
+
+def test_a_stop_string_is_one_string():
+    assert SamplingParams(stop=".,").stop == (".,",)
+    assert SamplingParams(stop=[".", ","]).stop == (".", ",")

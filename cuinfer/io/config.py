@@ -116,6 +116,11 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads") if d.get(k) is None]
         if missing:
             raise CuinferError(f"config: missing {', '.join(missing)}")
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = d.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise CuinferError(f"config: {k} is {json.dumps(v)}, need a positive integer")
         n_heads = int(d["num_attention_heads"])
         n_kv = int(d.get("num_key_value_heads") or n_heads)
         hidden = int(d["hidden_size"])

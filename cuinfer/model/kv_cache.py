@@ -8,6 +8,7 @@ prefix cache, are serving's BlockManager: the arrays here know nothing of it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,15 @@ def kv_memory(token_counts, block_size: int, token_bytes: int, max_len: int) -> 
     contiguous = len(token_counts) * max_len * token_bytes
     return {"paged_bytes": paged, "contiguous_bytes": contiguous,
             "saving": 1.0 - paged / contiguous if contiguous else 0.0}
+
+
+def free_bytes(xp) -> int:
+    """Memory a new array could take: the host's available RAM (numpy), or the GPU's free memory
+    plus what CuPy's pool holds unused (cupy)."""
+    if xp is np:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free, _ = xp.cuda.runtime.memGetInfo()
+    return free + xp.get_default_memory_pool().free_bytes()
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,10 @@ class KVCache:
         if kv_tokens is None:
             if xp is np:
                 raise ValueError("kv_tokens: needed for a CPU cache (no free-memory query on the host)")
-            free, _ = xp.cuda.runtime.memGetInfo()
-            free += xp.get_default_memory_pool().free_bytes()  # cached by CuPy, reusable
-            kv_tokens = int(free * memory_fraction) // token_bytes
+            kv_tokens = int(free_bytes(xp) * memory_fraction) // token_bytes
+        elif kv_tokens * token_bytes > free_bytes(xp):
+            raise CuinferError(f"a KV cache of {kv_tokens} tokens needs {kv_tokens * token_bytes / 2 ** 30:.1f} GiB, "
+                               f"{free_bytes(xp) / 2 ** 30:.1f} GiB of {'host' if xp is np else 'GPU'} memory is free")
         num_blocks = kv_tokens // shape.block_size
         if num_blocks < 1:
             raise CuinferError(f"a KV budget of {kv_tokens} tokens is less than one block "

@@ -65,15 +65,15 @@ def weight_bits(w) -> int:
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
     """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (docs/linear.md).
 
-    Quantized weights at M <= 8 (run 4 sweep; int8 from the decode-graph sweep of run N): U = 1
+    Quantized weights at M <= 8 (the GEMV sweep; int8 from the decode-graph sweep): U = 1
     int4 quad per stage below 64 quads of K, else 2 (int8: always 2; int4 also at 1-3 blocks per SM,
     the grid in one wave: llama3-8b's o 6.5 -> 4.9 us in the H100 sweep; at 2-3 blocks only g128,
     whose U = 2 kernel fits the 80 registers of three 8-warp blocks an SM without spills (ptxas:
     g64 / g32 spill), and its launch bounds promise 3); 4 warps per block from 6
     blocks per SM on, int8 16 at 1-2 blocks per SM, else 8; a grid of fewer blocks than SMs splits
     K over a cluster of up to 4 blocks (sm_90), each keeping >= two pipeline stages (2 WARPS U
-    quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and M > 8 (run 3 tiles; the
-    M <= 8 rule measured slower there in run 5): RT = 2 at M > 8 once the grid still has >= 4
+    quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and M > 8 (the sweep's tiles; the
+    M <= 8 rule measured slower there): RT = 2 at M > 8 once the grid still has >= 4
     blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8; fp16 at M <= 8
     with >= 6 blocks per SM and K < 1024 (< 32 quads) U = 1 and 4 warps (smollm2's lm_head, 576 x
     49152: 23.1 us against 28.2 at U = 4 with 8 warps; llama3-8b's 4096 x 128256 keeps U = 4 with

@@ -152,6 +152,10 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise CuinferError("this engine has no tokenizer: pass prompts as token id lists")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # undecodable bytes from a command line arrive as surrogates
+                raise CuinferError(f"prompt: not valid UTF-8 (character {e.start})") from None
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 

@@ -12,6 +12,7 @@ the same tokens whatever batch it runs in and however often it is preempted.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +34,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        if isinstance(self.stop, str):  # one stop string, not its characters
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
-                  ("temperature", self.temperature >= 0, ">= 0"),
+                  ("temperature", 0 <= self.temperature < math.inf, ">= 0 and finite"),
+                  ("seed", self.seed is None or 0 <= self.seed < 2 ** 63, "in [0, 2**63)"),
+                  ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
                   ("top_k", self.top_k >= 0, ">= 0"),
                   ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
                   ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
