@@ -3,8 +3,9 @@
 Without CKPT the default model (SmolLM2-135M-Instruct, converted once into the cache) is
 used. One prompt streams as it is generated; several run as one continuous batch and print
 in order. --chat opens an interactive conversation with the model's chat template. A final
-line on stderr (piped output is only the text) gives prompt tokens, time to first token, prefill and decode speed, and the KV memory
-the paged cache held against a contiguous cache of the full context per sequence.
+line on stderr (piped output is only the text) gives prompt tokens, time to first token, prefill
+and decode speed, and the KV memory the paged cache held against a contiguous cache of the full
+context per sequence.
 User errors end with one message and exit code 2, after whatever was already printed.
 """
 from __future__ import annotations

@@ -147,7 +147,8 @@ def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budge
     blocks; wherever it says no, schedule() does something else and reserve_decodes changed nothing."""
     import copy
 
-    sched = Scheduler(BlockManager(num_blocks, bs, enable_prefix_caching=False), max_batch_tokens=budget, max_num_seqs=max_seqs)
+    sched = Scheduler(BlockManager(num_blocks, bs, enable_prefix_caching=False), max_batch_tokens=budget,
+                      max_num_seqs=max_seqs)
     seqs = [Sequence(i, [1] * n) for i, n in enumerate(prompt_lens) if blocks_for(n + 40, bs) <= num_blocks]
     for s in seqs[:len(seqs) - late]:
         sched.add(s)

@@ -73,7 +73,8 @@ def greedy_tokens(x, w_head, norm=None, out=None):
 def slot_mapping(tables, rows, positions, block_size: int):
     """int32 cache slot of each token: its row's block tables[rows, positions // block_size], offset
     positions % block_size (the one place a step's slots are computed, for Batch and DecodeInputs)."""
-    return (tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size).astype(np.int32)
+    block = tables[rows, positions // block_size].astype(np.int64)
+    return (block * block_size + positions % block_size).astype(np.int32)
 
 
 @dataclass

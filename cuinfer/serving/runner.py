@@ -88,7 +88,7 @@ class _Step:
     """The static buffers (and, once captured, the graph) of one (batch, width, greedy) bucket."""
     host: np.ndarray  # pinned int32 staging buffer
     device: object  # cupy int32 buffer, same layout
-    inputs: DecodeInputs  # views of `device`
+    inputs: object  # DecodeInputs: views of `device`
     workspace: object  # float32 paged_attention split partials, or None (no split)
     out: object = None  # static output, written by the graph
     graph: object = None
