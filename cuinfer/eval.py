@@ -81,12 +81,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m cuinfer.eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
-    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or GGUF file")
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu when one is found")
     p.add_argument("--dtype", default=None, help="GPU dtype: float16 or bfloat16 (default from the checkpoint)")
     p.add_argument("--quant", nargs="+", default=["none"],
                    help="weight formats to compare: none, int8, int4 (g128, fit minmax), int4-g32, int4-g32-mse, "
@@ -96,7 +96,7 @@ def main(argv=None):
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (sequences of 512)")
     args = parser.parse_args(argv)
     try:
-        from .io.checkpoint import load_checkpoint
+        from .io.checkpoint import load_checkpoint, resolve_checkpoint
         from .model.decoder import Model
         from .model.gptq import gptq_model
         from .ops.quant import parse_spec
@@ -104,6 +104,8 @@ def main(argv=None):
         gptq = [q for q in args.quant if q != "none" and parse_spec(q)[2] == "gptq"]  # a bad value fails here
         if gptq and not args.calib:
             raise runtime.CuinferError(f"--quant {gptq[0]}: needs --calib FILE (calibration text)")
+        args.device = runtime.pick_device(args.device)
+        args.checkpoint = resolve_checkpoint(args.checkpoint)
         ids = read_ids(args.checkpoint, args.text)[: args.max_tokens]
         config, tensors = load_checkpoint(args.checkpoint)
         calib_ids = read_ids(args.checkpoint, args.calib)[: args.calib_tokens] if gptq else None

@@ -20,7 +20,8 @@ from .serving.sampling import SamplingParams
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cuinfer.generate", description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: the default model)")
+    p.add_argument("checkpoint", nargs="?",
+                   help="checkpoint directory or GGUF file (converted once); default: the default model")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--template", action="store_true", help="wrap each prompt in the chat template")

@@ -76,7 +76,7 @@ def quantize_checkpoint(src, dst, spec, calib_ids=None, overwrite=False) -> Path
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cuinfer.quantize", description=__doc__.splitlines()[0])
-    p.add_argument("src", help="float checkpoint directory")
+    p.add_argument("src", help="float checkpoint directory or GGUF file")
     p.add_argument("dst", help="the quantized checkpoint directory to create")
     p.add_argument("--quant", required=True, metavar="SPEC",
                    help="int8, int4 (group 128, fit minmax), int4-g32, int4-g64-mse, int4-gptq, ... (quant.parse_spec)")
@@ -87,6 +87,9 @@ def main(argv=None) -> int:
     try:
         from .eval import read_ids
 
+        from .io.checkpoint import resolve_checkpoint
+
+        args.src = resolve_checkpoint(args.src)
         gptq = parse_spec(args.quant)[2] == "gptq"
         if args.calib and not gptq:
             raise CuinferError(f"--calib: only the -gptq formats calibrate, not --quant {args.quant}")

@@ -157,3 +157,19 @@ def test_unknown_tensor_name():
     assert cg.hf_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
     with pytest.raises(CuinferError, match="unknown GGUF tensor 'blk.0.attn_qkv.weight'"):
         cg.hf_name("blk.0.attn_qkv.weight")
+
+
+def test_commands_take_a_gguf_file(tmp_path, monkeypatch, capsys):
+    """generate (and every command that takes a checkpoint) accepts a GGUF file: converted once into
+    the cache, said on stderr, reused while the file is unchanged."""
+    from cuinfer import generate
+
+    monkeypatch.setenv("CUINFER_CACHE", str(tmp_path / "cache"))
+    config = small_config()
+    write_gguf(tmp_path / "m.gguf", config, random_tensors(config, "float32"))
+    argv = [str(tmp_path / "m.gguf"), "--prompt", "the", "--max-new-tokens", "3", "--device", "cpu"]
+    assert generate.main(argv) == 0
+    assert "converting" in capsys.readouterr().err
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 1
+    assert generate.main(argv) == 0
+    assert "converting" not in capsys.readouterr().err

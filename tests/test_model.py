@@ -272,3 +272,20 @@ def test_gpu_teacher_forced_argmax(dtype):
     # not vacuous: on the H100 bf16 had a clear margin at 22 of the 64 positions (all agreed),
     # fp16 (smaller error, so a smaller tol) at more than 32
     assert checked >= 16, f"only {checked} of 64 positions had a clear margin"
+
+
+@pytest.mark.parametrize("device, quant", [("cpu", None), ("cpu", "int8"),
+                                           pytest.param("gpu", "int4", marks=pytest.mark.gpu),
+                                           pytest.param("gpu", None, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name, value", [("model.layers.1.self_attn.k_proj.weight", np.nan),
+                                         ("model.norm.weight", np.inf)])
+def test_nonfinite_weights_are_refused_by_name(device, quant, name, value):
+    cfg = tiny_config(num_hidden_layers=2)
+    tensors = random_tensors(cfg, seed=1)
+    Model.from_tensors(cfg, tensors, device, quant=quant)  # finite: loads
+    bad = dict(tensors)
+    bad[name] = tensors[name].copy()
+    bad[name].flat[7] = value
+    shown = name if "k_proj" not in name else "model.layers.1.self_attn.q_proj.weight / model.layers.1.self_attn.k_proj"
+    with pytest.raises(runtime.CuinferError, match=f"checkpoint: {shown}.* holds NaN or Inf"):
+        Model.from_tensors(cfg, bad, device, quant=quant)

@@ -342,10 +342,27 @@ def _write_dir(tmp: Path, config, tensors, layout, shard_bytes, tokenizer_files_
 
 
 def resolve_checkpoint(path=None) -> Path:
-    """The checkpoint directory to load: `path` itself, or with None the default model (fetched
-    and converted once into the cache: io.default_model)."""
+    """The checkpoint directory to load: `path` itself; with None the default model (fetched and
+    converted once into the cache: io.default_model); a GGUF file is converted once into
+    <cache>/models/<its name>-<hash of its path, size and time> (float32, as the default model) and
+    that directory is reused while the file is unchanged."""
     if path is None:
         from .default_model import default_model_dir
 
         return default_model_dir()
-    return Path(path)
+    path = Path(path)
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return path
+    import hashlib
+    import sys
+
+    from .default_model import cache_root
+    from .gguf import convert_gguf
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{path.stem}-{key}"
+    if not (out / "config.json").exists():
+        print(f"converting {path} into {out} (once)", file=sys.stderr)
+        convert_gguf(path, out, "float32", overwrite=True)
+    return out

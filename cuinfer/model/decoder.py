@@ -36,7 +36,7 @@ from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope_inv_freq
 from ..ops.write_kv import write_kv
-from .weights import LINEAR_FIELDS, Weights, fuse, to_device
+from .weights import LINEAR_FIELDS, Weights, fuse, nonfinite_tensor, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
 
@@ -179,10 +179,12 @@ class Model:
         to LM_HEAD_QUANT."""
         fused = fuse(config, tensors)
         head = LM_HEAD_QUANT if quant else None
-        if device == "cpu":
-            return cls(config, to_device(fused, np, np.float32, quant, head))
-        cp = runtime.require_cupy()
-        return cls(config, to_device(fused, cp, kernel_dtype(config, dtype), quant, head))
+        xp, dt = (np, np.float32) if device == "cpu" else (runtime.require_cupy(), kernel_dtype(config, dtype))
+        weights = to_device(fused, xp, dt, quant, head)
+        bad = nonfinite_tensor(config, weights)
+        if bad is not None:
+            raise runtime.CuinferError(f"checkpoint: {bad} holds NaN or Inf values")
+        return cls(config, weights)
 
     def forward(self, batch: Batch, kv_cache, all_logits: bool = False):
         """float32 logits [num_seqs, vocab] of each sequence's last token ([tokens, vocab] if all_logits).

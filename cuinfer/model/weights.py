@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CuinferError
-from ..ops.quant import QUANTIZED, concat_rows, quantize_spec, split_rows
+from ..ops.quant import ARRAYS, QUANTIZED, concat_rows, quantize_spec, split_rows
 
 
 @dataclass
@@ -125,3 +125,25 @@ def to_device(w: Weights, xp, dtype, quant=None, lm_head_quant=None) -> Weights:
     else:
         lm_head = embed if w.lm_head is w.embed else linear_weight(w.lm_head, None)
     return Weights(embed=embed, layers=layers, norm=put(w.norm), lm_head=lm_head)
+
+
+def nonfinite_tensor(config, w: Weights):
+    """The name of the first weight holding NaN or Inf (for a fused one, the Hugging Face tensors
+    it stacks), else None. One reduction per array where it lives (quantized: its float scales)."""
+    from ..ops import runtime
+
+    modules = fused_modules(config)
+    named = [("model.embed_tokens.weight", w.embed), ("model.norm.weight", w.norm), ("lm_head.weight", w.lm_head)]
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        named += [(p + "input_layernorm.weight", lw.input_norm), (p + "post_attention_layernorm.weight", lw.post_norm),
+                  (" / ".join(f"{p}self_attn.{n}_proj.bias" for n in "qkv"), lw.qkv_bias)]
+        named += [(" / ".join(f"{p}{m}.weight" for m, _ in modules[f]), getattr(lw, f)) for f in LINEAR_FIELDS]
+    for name, a in named:
+        arrays = [] if a is None else [getattr(a, n) for n in ARRAYS[type(a)]] if isinstance(a, QUANTIZED) else [a]
+        for x in arrays:
+            if x.dtype.kind == "f" or x.dtype == runtime.bfloat16:
+                xp = runtime.require_cupy() if runtime.is_device_array(x) else np
+                if not bool(xp.isfinite(x if x.dtype.kind == "f" else x.astype(np.float32)).all()):  # bf16: cast
+                    return name
+    return None
