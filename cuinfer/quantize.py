@@ -86,7 +86,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         from .eval import read_ids
-
         from .io.checkpoint import resolve_checkpoint
 
         args.src = resolve_checkpoint(args.src)

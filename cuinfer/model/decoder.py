@@ -33,6 +33,7 @@ from ..ops.embedding import embedding
 from ..ops.flash_attention import flash_attention_paged
 from ..ops.linear import GEMV_MAX_M, KERNEL_DTYPES, linear, linear_argmax, linear_reference, weight_bits
 from ..ops.paged_attention import paged_attention, workspace_elems
+from ..ops.quant import QUANTIZED
 from ..ops.rms_norm import rms_norm
 from ..ops.rope import rope_inv_freq
 from ..ops.write_kv import write_kv
@@ -171,6 +172,10 @@ class Model:
         self.head_dim = config.head_dim
         inv_freq = rope_inv_freq(self.head_dim, config.rope_theta, config.rope_scaling)
         self.inv_freq = self.xp.asarray(np.asarray(inv_freq, dtype=np.float32))
+        if self.xp is np:  # the CPU backend multiplies by the dequantized weights: make them once, now
+            for w in [weights.lm_head] + [getattr(lw, f) for lw in weights.layers for f in LINEAR_FIELDS]:
+                if isinstance(w, QUANTIZED):
+                    w.dequantize()
 
     @classmethod
     def from_tensors(cls, config, tensors, device="cpu", dtype=None, quant=None) -> Model:

@@ -106,18 +106,32 @@ def unpack_int4(qweight, k):
 
 
 # ------------------------------------------------------------------------ weight objects
+def _once(weight, compute):
+    """compute() of a host weight, made once and kept read-only on the weight (the CPU backend's
+    linear layers reuse it every call); a device weight's is made on each call."""
+    if runtime.is_device_array(weight.qweight):
+        return compute()
+    if "dense" not in weight._memo:
+        a = compute()
+        a.setflags(write=False)
+        weight._memo["dense"] = a
+    return weight._memo["dense"]
+
+
 @dataclass(frozen=True)
 class Int8Weight:
     qweight: object  # int8 [N, K]
     scales: object  # fp16 [N]
     shape: tuple  # (N, K)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def to_device(self):
         return Int8Weight(_to_device(self.qweight), _to_device(self.scales), self.shape)
 
     def dequantize(self):
-        """float32 [N, K]."""
-        return asnumpy(self.qweight).astype(np.float32) * asnumpy(self.scales).astype(np.float32)[:, None]
+        """float32 [N, K] (read-only; made once for host arrays)."""
+        return _once(self, lambda: asnumpy(self.qweight).astype(np.float32)
+                     * asnumpy(self.scales).astype(np.float32)[:, None])
 
     @property
     def nbytes(self):
@@ -140,6 +154,7 @@ class Int4Weight:
     group_size: int
     shape: tuple  # (N, K)
     integer_zeros: bool = field(init=False, repr=False, compare=False)  # every zero in 0..15 is an integer
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):  # the GEMV then subtracts the zero in its nibble conversion (linear.cu)
         z = self.scales_zeros[..., 1]
@@ -178,7 +193,11 @@ class Int4Weight:
         return Int4Weight(_to_device(self.qweight), _to_device(self.scales_zeros), self.group_size, self.shape)
 
     def dequantize(self):
-        """float32 [N, K]: (q - zero) * scale, q - zero exact in float32."""
+        """float32 [N, K]: (q - zero) * scale, q - zero exact in float32 (read-only; made once for
+        host arrays)."""
+        return _once(self, self._dequantize)
+
+    def _dequantize(self):
         q = self.unpack().astype(np.float32)
         d = q - np.repeat(asnumpy(self.zeros).astype(np.float32), self.group_size, axis=1)
         return d * np.repeat(asnumpy(self.scales).astype(np.float32), self.group_size, axis=1)
