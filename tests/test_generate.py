@@ -106,3 +106,10 @@ def test_no_graphs_flag_gives_the_same_text(ckpt, capsys):
         assert rc == 0 and err == ""
         texts.append(out.rsplit("\n[", 1)[0])
     assert texts[0] == texts[1]
+
+
+def test_a_long_cpu_prefill_says_it_started(ckpt, capsys):
+    rc, out, err = run(capsys, ckpt, "--prompt", "word " * 1200, "--max-new-tokens", "2", "--device", "cpu")
+    assert rc == 0 and "prefilling" in err and "prompt tokens on the CPU backend" in err
+    rc, out, err = run(capsys, ckpt, "--prompt", "short", "--max-new-tokens", "2", "--device", "cpu")
+    assert rc == 0 and "prefilling" not in err

@@ -62,7 +62,7 @@ DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json")
 SHARD_BYTES = 5 * 2**30
-PROGRESS_BYTES = 2**30  # show a progress bar when a checkpoint holds more than this
+PROGRESS_BYTES = 2**28  # show a progress bar when a checkpoint holds more than this (the default model: 540 MB)
 
 
 def weight_shapes(config: ModelConfig) -> dict:

