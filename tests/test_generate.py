@@ -113,3 +113,13 @@ def test_a_long_cpu_prefill_says_it_started(ckpt, capsys):
     assert rc == 0 and "prefilling" in err and "prompt tokens on the CPU backend" in err
     rc, out, err = run(capsys, ckpt, "--prompt", "short", "--max-new-tokens", "2", "--device", "cpu")
     assert rc == 0 and "prefilling" not in err
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the choice on a machine without a GPU")
+def test_eval_picks_the_device_as_generate_does(ckpt, capsys, tmp_path):
+    from cuinfer import eval as cuinfer_eval
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    assert cuinfer_eval.main(["perplexity", ckpt, "--text", str(text), "--window", "32", "--stride", "16"]) == 0
+    assert "device cpu" in capsys.readouterr().out
