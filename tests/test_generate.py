@@ -123,3 +123,12 @@ def test_eval_picks_the_device_as_generate_does(ckpt, capsys, tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
     assert cuinfer_eval.main(["perplexity", ckpt, "--text", str(text), "--window", "32", "--stride", "16"]) == 0
     assert "device cpu" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the choice on a machine without a GPU")
+def test_from_pretrained_picks_the_device_as_the_cli_does(ckpt):
+    from cuinfer import Engine, SamplingParams
+
+    eng = Engine.from_pretrained(ckpt)
+    assert eng.model.xp.__name__ == "numpy"
+    assert len(eng.generate("Hello", SamplingParams(max_new_tokens=3))[0].token_ids) == 3
