@@ -274,13 +274,13 @@ def test_gpu_teacher_forced_argmax(dtype):
     assert checked >= 16, f"only {checked} of 64 positions had a clear margin"
 
 
-@pytest.mark.parametrize("device, quant", [("cpu", None), ("cpu", "int8"),
+@pytest.mark.parametrize("device, quant", [("cpu", None), ("cpu", "int8"), ("cpu", "int4"),
                                            pytest.param("gpu", "int4", marks=pytest.mark.gpu),
                                            pytest.param("gpu", None, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name, value", [("model.layers.1.self_attn.k_proj.weight", np.nan),
                                          ("model.norm.weight", np.inf)])
 def test_nonfinite_weights_are_refused_by_name(device, quant, name, value):
-    cfg = tiny_config(num_hidden_layers=2)
+    cfg = tiny_config(num_hidden_layers=2, intermediate_size=384)  # int4 groups divide every in_features
     tensors = random_tensors(cfg, seed=1)
     Model.from_tensors(cfg, tensors, device, quant=quant)  # finite: loads
     bad = dict(tensors)
