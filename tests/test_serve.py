@@ -1,0 +1,193 @@
+"""python -m cuinfer.serve in a subprocess on 127.0.0.1 (a tiny random checkpoint, the CPU backend),
+driven with the official openai client and httpx: answers equal the engine's, streaming equals
+non-streaming, concurrent clients equal sequential ones, a dropped stream frees its blocks, bad
+input gets its 4xx and never a 500."""
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import make_tiny_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+KEY = "test-key"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "cuinfer.serve", str(ckpt), "--device", "cpu", "--port", str(port),
+                             "--api-key", KEY, "--served-model-name", MODEL, "--kv-tokens", "8192"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        time.sleep(0.1)
+    yield url
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode is not None and "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    from cuinfer import Engine
+
+    return Engine.from_pretrained(ckpt, device="cpu", kv_tokens=8192)
+
+
+def chat(client, content, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def streamed(client, content, **kw):
+    pieces, usage = [], None
+    for c in chat(client, content, stream=True, stream_options={"include_usage": True}, **kw):
+        if c.usage:
+            usage = c.usage
+        pieces += [ch.delta.content or "" for ch in c.choices]
+    return "".join(pieces), usage
+
+
+def test_chat_greedy_equals_the_engine_and_streaming_equals_not(client, engine):
+    from cuinfer import SamplingParams
+
+    r = chat(client, "Tell me about the sea.", max_tokens=12, temperature=0)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea."}])
+    want = engine.generate([ids], SamplingParams(max_new_tokens=12))[0]
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.token_ids)
+    text, usage = streamed(client, "Tell me about the sea.", max_tokens=12, temperature=0)
+    assert text == want.text and usage.completion_tokens == len(want.token_ids)
+    again = chat(client, "Tell me about the sea.", max_tokens=12, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prefix cache kept its blocks
+
+
+def test_completions_prompts_n_seeds_and_stop(client):
+    r = client.completions.create(model=MODEL, prompt=["hello there", "the sea"], max_tokens=6, n=2,
+                                  temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 24
+    again = client.completions.create(model=MODEL, prompt=["hello there", "the sea"], max_tokens=6, n=2,
+                                      temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    greedy = client.completions.create(model=MODEL, prompt="hello there", max_tokens=16, temperature=0)
+    text = greedy.choices[0].text
+    stop = text[6:8]
+    if stop.strip():
+        cut = client.completions.create(model=MODEL, prompt="hello there", max_tokens=16, temperature=0, stop=[stop])
+        assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_concurrent_streams_equal_sequential(server):
+    prompts = [f"question number {i} about {w}" for i, w in enumerate(["cats", "ships", "rain", "maps"] * 4)]
+    aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+    async def one(p):
+        text = ""
+        async for c in await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                             max_tokens=8, temperature=0, stream=True):
+            text += "".join(ch.delta.content or "" for ch in c.choices)
+        return text
+
+    async def both():
+        together = await asyncio.gather(*(one(p) for p in prompts))
+        return together, [await one(p) for p in prompts]
+
+    together, alone = asyncio.run(both())
+    assert together == alone
+
+
+def metric(server, name):
+    text = httpx.get(server + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_a_dropped_stream_frees_its_blocks(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        for _ in range(3):
+            next(lines)
+        assert metric(server, "cuinfer_requests_running") == 1
+    for _ in range(100):
+        if metric(server, "cuinfer_requests_running") == 0 and metric(server, "cuinfer_kv_cache_usage") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(server, "cuinfer_requests_running") == 0 and metric(server, "cuinfer_kv_cache_usage") == 0
+
+
+def post(server, path, body, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, str):
+        return httpx.post(server + path, content=body, headers={**headers, "content-type": "application/json"})
+    return httpx.post(server + path, json=body, headers=headers)
+
+
+@pytest.mark.parametrize("path, body, key, status, message", [
+    ("/v1/completions", "{not json", KEY, 400, "not valid JSON"),
+    ("/v1/completions", {"model": MODEL}, KEY, 400, "prompt: Field required"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "temperature": "hot"}, KEY, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 0}, KEY, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 10 ** 6}, KEY, 400, "past the context"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, KEY, 400, "the context holds"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, KEY, 400, "non-empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 1}, KEY, 400, "not supported"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, KEY, 404, "does not exist"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, KEY, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, KEY, 400, "role"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a"}, None, 401, "API key"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a"}, "wrong", 401, "API key"),
+])
+def test_bad_requests_get_their_status_and_openais_error_body(server, path, body, key, status, message):
+    r = post(server, path, body, key)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=8),
+                           lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v, max_size=3),
+                           max_leaves=6)
+fields = st.sampled_from(["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                          "seed", "stop", "n", "stream", "repetition_penalty", "ignore_eos", "logprobs"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(fields, json_values, max_size=6), st.booleans())
+def test_fuzzed_bodies_never_give_a_500(server, body, chat_path):
+    body = {"model": MODEL, "max_tokens": 2, **body} if body.get("model") is None else body
+    path = "/v1/chat/completions" if chat_path else "/v1/completions"
+    r = httpx.post(server + path, content=json.dumps(body, allow_nan=True),
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"}, timeout=60)
+    assert r.status_code < 500, r.text
+    assert httpx.get(server + "/health").status_code == 200
