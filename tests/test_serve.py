@@ -175,7 +175,8 @@ def test_bad_requests_get_their_status_and_openais_error_body(server, path, body
     assert message in err["message"] and set(err) == {"message", "type", "param", "code"}
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=8),
+scalars = st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=8)
+json_values = st.recursive(scalars,
                            lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v, max_size=3),
                            max_leaves=6)
 fields = st.sampled_from(["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
