@@ -91,6 +91,8 @@ def header() -> dict:
                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
+    if runtime.pick_device() == "cpu":  # a suite that needs no GPU (bench serve --http)
+        return {"date": datetime.date.today().isoformat(), "commit": commit, "device": "no GPU", "copy_gbs": 0.0}
     info = runtime.device_info()
     return {"date": datetime.date.today().isoformat(), "commit": commit, "device": info["name"],
             "copy_gbs": copy_gbs()}

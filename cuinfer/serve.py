@@ -223,7 +223,7 @@ def build_app(engine, model_name: str, api_key: str | None = None):
                 async for i, out in merged(jobs):
                     if out.finished:
                         finals[i] = out
-                    if out.new_text or out.finished:
+                    if out.new_token_ids or out.finished:  # one chunk a token (its text may be held back)
                         piece = {"content": out.new_text} if chat else None
                         yield chunk([{"index": i, **({"delta": piece} if chat else {"text": out.new_text}),
                                       "finish_reason": out.finish_reason, "logprobs": None}])

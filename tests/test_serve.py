@@ -192,3 +192,14 @@ def test_fuzzed_bodies_never_give_a_500(server, body, chat_path):
                    headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"}, timeout=60)
     assert r.status_code < 500, r.text
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_bench_serve_http_drives_the_server(server, tmp_path):
+    """The load generator against this server: every request answered, usage-based token counts."""
+    from cuinfer import bench
+
+    out = tmp_path / "http.json"
+    assert bench.main(["serve", "--http", server, "--model", MODEL, "--api-key", KEY, "--workload", "mixed",
+                       "--scale", "0.01", "--vocab", "200", "--concurrency", "3", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["requests"] == 5 and r["out_tok_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]

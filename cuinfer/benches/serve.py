@@ -11,6 +11,7 @@ each request when its time comes and steps the engine, stamping every token as i
   at each --budgets step budget, and the 32 alone: their inter-token gaps while the long prompts
   prefill against alone;
 - rate: --num-requests mixed-shape requests with Poisson arrivals at --rate per second.
+--http URL sends the same workloads to an OpenAI-compatible server (benches/serve_http.py).
 Rows: output and total tok/s, TTFT and TPOT (a request's time per token after its first) p50/p99,
 peak KV usage, prefix-cache hit rate, preemptions. --peer runs the same prompts through
 transformers' continuous batching (generate_batch; one max_new_tokens for all: the workload's mean).
@@ -39,6 +40,11 @@ def add_arguments(parser):
     parser.add_argument("--num-requests", type=int, default=256, help="requests of the rate workload")
     parser.add_argument("--scale", type=float, default=1.0, help="scale every request count (quick runs)")
     parser.add_argument("--peer", action="store_true", help="also run transformers generate_batch")
+    parser.add_argument("--http", metavar="URL", help="drive this OpenAI-compatible server instead of the engine")
+    parser.add_argument("--model", help="--http: the model name the server serves")
+    parser.add_argument("--concurrency", type=int, default=0, help="--http: requests in flight at most (0: all)")
+    parser.add_argument("--api-key", help="--http: sent as Authorization: Bearer KEY")
+    parser.add_argument("--vocab", type=int, default=32000, help="--http: prompt token ids are drawn below this")
 
 
 @dataclass
@@ -47,7 +53,8 @@ class Request:
     max_new: int
     arrival: float = 0.0  # seconds after the start
     group: str = ""
-    times: list = field(default_factory=list)  # when each token came back
+    times: list = field(default_factory=list)  # when each token (over HTTP: each chunk) came back
+    n_out: int | None = None  # output tokens, when not one per stamp (the server's usage)
 
 
 def _ids(rng, n, vocab):
@@ -102,8 +109,9 @@ def pct(values, q):
 
 
 def row(name, requests, totals) -> dict:
-    ttft = [1000 * (r.times[0] - r.arrival) for r in requests]
-    tpot = [1000 * (r.times[-1] - r.times[0]) / (len(r.times) - 1) for r in requests if len(r.times) > 1]
+    ttft = [1000 * (r.times[0] - r.arrival) for r in requests if r.times]
+    tokens = [r.n_out or len(r.times) for r in requests]
+    tpot = [1000 * (r.times[-1] - r.times[0]) / (n - 1) for r, n in zip(requests, tokens) if n > 1 and r.times]
     wall = totals["wall_s"]
     return {"name": name, "ms": 1000 * wall, "requests": len(requests),
             "out_tok_s": totals["out_tok"] / wall, "total_tok_s": (totals["out_tok"] + totals["prompt_tok"]) / wall,
@@ -180,7 +188,24 @@ def peer_row(torch, model, name, requests) -> dict:
             "out_tok_s": out_tok / wall, "total_tok_s": (out_tok + prompt_tok) / wall, "peer_new_tokens": new}
 
 
+def run_http(args) -> list:
+    from .serve_http import drive_http
+
+    if not args.model:
+        raise runtime.CuinferError("--http: give --model, the name the server serves")
+    rows = []
+    for name in args.workload.split(","):
+        reqs = workload(name.strip(), args.vocab, args.scale, args.rate, args.num_requests)
+        totals = drive_http(args.http, args.model, reqs, args.concurrency, args.api_key)
+        r = {**row(f"{name.strip()} http c={args.concurrency or len(reqs)}", reqs, totals), "shape": args.model}
+        print(" · ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), flush=True)
+        rows.append(r)
+    return rows
+
+
 def run(args):
+    if args.http:
+        return run_http(args)
     from ..convert import load_preset
     from ..model.decoder import Model, kernel_dtype
     from .decode import random_weights
