@@ -295,8 +295,24 @@ def main(argv=None) -> int:
     app = build_app(engine, name, args.api_key)
     print(f"cuinfer serving {name} on {runtime.pick_device(args.device)} at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server.aengine = app.state.aengine
+    server.run()
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose SIGINT/SIGTERM first stops the engine: running requests end at
+        once with an error event, so the graceful shutdown that waits for them does not hang."""
+
+        def handle_exit(self, sig, frame):
+            self.aengine.shutdown()
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 if __name__ == "__main__":

@@ -203,3 +203,31 @@ def test_bench_serve_http_drives_the_server(server, tmp_path):
                        "--scale", "0.01", "--vocab", "200", "--concurrency", "3", "--json", str(out)]) == 0
     (r,) = json.loads(out.read_text())["rows"]
     assert r["requests"] == 5 and r["out_tok_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+
+
+def test_sigterm_ends_running_streams_with_an_error_event(ckpt):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "cuinfer.serve", str(ckpt), "--device", "cpu", "--port", str(port),
+                             "--served-model-name", MODEL, "--kv-tokens", "8192"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.terminate()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert any('"error"' in line and "shutting down" in line for line in rest), rest[-3:]
+        proc.wait(timeout=15)
+    finally:
+        proc.kill()
+    assert "Traceback" not in proc.stdout.read()
