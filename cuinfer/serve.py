@@ -65,6 +65,10 @@ class Metrics:
 
 
 def sampling_params(req, prompt_len: int, max_len: int, index: int) -> SamplingParams:
+    try:
+        logprobs = req.num_logprobs
+    except ValueError as e:
+        raise APIError(400, str(e), param="top_logprobs") from None
     limit = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if prompt_len >= max_len:
         raise APIError(400, f"prompt: {prompt_len} tokens, the context holds {max_len} (room for at least one "
@@ -76,8 +80,33 @@ def sampling_params(req, prompt_len: int, max_len: int, index: int) -> SamplingP
     seed = None if req.seed is None else (req.seed + index) % 2 ** 63
     return SamplingParams(max_new_tokens=limit or max_len - prompt_len, temperature=req.temperature,
                           top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
-                          repetition_penalty=req.repetition_penalty, seed=seed, stop=req.stops,
+                          repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, logprobs=logprobs, seed=seed, stop=req.stops,
                           ignore_eos=req.ignore_eos)
+
+
+def chat_logprobs(tokenizer, token_ids, entries) -> dict | None:
+    """OpenAI's chat `logprobs` object for these tokens (None when not asked)."""
+    if not entries:
+        return None
+
+    def one(t, lp):
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(a, v) for a, v in top]}
+                        for t, (lp, top) in zip(token_ids, entries)]}
+
+
+def completion_logprobs(tokenizer, token_ids, entries, offset: int = 0) -> dict | None:
+    """The completions endpoint's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if not entries:
+        return None
+    texts = [tokenizer.decode([t]) for t in token_ids]
+    offsets = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{tokenizer.decode([a]): v for a, v in top} for _, top in entries],
+            "text_offset": offsets}
 
 
 def build_app(engine, model_name: str, api_key: str | None = None):
@@ -195,17 +224,21 @@ def build_app(engine, model_name: str, api_key: str | None = None):
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not req.stream:
-            texts, finals = {}, {}
+            texts, finals, lps = {}, {}, {}
             try:
                 async for i, out in merged(jobs):
                     texts[i] = texts.get(i, "") + out.new_text
+                    lps.setdefault(i, []).extend(out.new_logprobs)
                     if out.finished:
                         finals[i] = out
             except CuinferError as e:
                 raise APIError(503 if "shutting down" in str(e) else 400, str(e)) from None
+            to_logprobs = chat_logprobs if chat else completion_logprobs
             choices = [{"index": i, "finish_reason": finals[i].finish_reason,
                         **({"message": {"role": "assistant", "content": texts[i]}} if chat
-                           else {"text": texts[i]}), "logprobs": None} for i in sorted(finals)]
+                           else {"text": texts[i]}),
+                        "logprobs": to_logprobs(engine.tokenizer, finals[i].token_ids, lps[i])}
+                       for i in sorted(finals)]
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
                                  "choices": choices, "usage": usage(finals)})
 
@@ -225,8 +258,10 @@ def build_app(engine, model_name: str, api_key: str | None = None):
                         finals[i] = out
                     if out.new_token_ids or out.finished:  # one chunk a token (its text may be held back)
                         piece = {"content": out.new_text} if chat else None
+                        lp = (chat_logprobs if chat else completion_logprobs)(
+                            engine.tokenizer, out.new_token_ids, out.new_logprobs)
                         yield chunk([{"index": i, **({"delta": piece} if chat else {"text": out.new_text}),
-                                      "finish_reason": out.finish_reason, "logprobs": None}])
+                                      "finish_reason": out.finish_reason, "logprobs": lp}])
             except CuinferError as e:
                 yield b"data: " + orjson.dumps({"error": {"message": str(e), "type": "server_error",
                                                           "param": None, "code": None}}) + b"\n\n"

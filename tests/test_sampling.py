@@ -100,3 +100,43 @@ def test_device_matches_host(cp):
 def test_a_stop_string_is_one_string():
     assert SamplingParams(stop=".,").stop == (".,",)
     assert SamplingParams(stop=[".", ","]).stop == (".", ",")
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    from cuinfer.serving.sampling import apply_presence_frequency
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32)
+    outputs = [[4, 4, 9, 4], [], [0, 49, 49]]
+    presence, frequency = [0.5, 1.0, -0.25], [0.3, 2.0, 1.5]
+    got = apply_presence_frequency(logits.copy(), outputs, presence, frequency, np)
+    want = logits.copy()
+    for i, out in enumerate(outputs):
+        for t in set(out):
+            want[i, t] -= frequency[i] * out.count(t) + presence[i]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_token_logprobs_are_the_log_softmax():
+    from cuinfer.serving.sampling import token_logprobs
+
+    rng = np.random.default_rng(1)
+    logits = (4 * rng.standard_normal((4, 97))).astype(np.float32)
+    tokens = np.array([3, 50, 96, 0])
+    x = logits.astype(np.float64)
+    ref = x - (x.max(1, keepdims=True) + np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)))
+    got = token_logprobs(logits, tokens, [0, 2, 3], [0, 5, 2], np)
+    for (chosen, top), i, k in zip(got, [0, 2, 3], [0, 5, 2]):
+        assert abs(chosen - ref[i, tokens[i]]) < 1e-5
+        assert [t for t, _ in top] == list(np.argsort(-ref[i])[:k])
+        assert all(abs(v - ref[i, t]) < 1e-5 for t, v in top)
+
+
+def test_sample_reports_logprobs_only_where_asked():
+    logits = np.random.default_rng(2).standard_normal((2, 30)).astype(np.float32)
+    params = [SamplingParams(logprobs=2), SamplingParams()]
+    tokens, lps = sample(logits, params, [(), ()], [0.0, 0.0], with_logprobs=True)
+    assert list(tokens) == list(np.argmax(logits, 1)) and lps[1] is None
+    assert lps[0][1][0][0] == tokens[0]  # greedy: the chosen token is the most likely
+    with pytest.raises(CuinferError, match="presence_penalty"):
+        SamplingParams(presence_penalty=3)

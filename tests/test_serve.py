@@ -90,6 +90,28 @@ def test_chat_greedy_equals_the_engine_and_streaming_equals_not(client, engine):
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prefix cache kept its blocks
 
 
+def test_logprobs_equal_the_engines_streamed_or_not(client, engine):
+    from cuinfer import SamplingParams
+
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a color."}])
+    rid = engine.add_request(ids, SamplingParams(max_new_tokens=5, logprobs=2))
+    want = []
+    while engine.has_unfinished_requests():
+        want += [lp for o in engine.step() if o.request_id == rid for lp in o.new_logprobs]
+    r = chat(client, "Name a color.", max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    got = r.choices[0].logprobs.content
+    assert [round(c.logprob, 4) for c in got] == [round(lp, 4) for lp, _ in want]
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in got)
+    streamed_lps = [c.logprob for chunk in chat(client, "Name a color.", max_tokens=5, temperature=0, logprobs=True,
+                                                top_logprobs=2, stream=True)
+                    for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+    assert streamed_lps == [c.logprob for c in got]
+    comp = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, temperature=0, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == comp.choices[0].text and all(len(t) == 3 for t in lp.top_logprobs)
+
+
 def test_completions_prompts_n_seeds_and_stop(client):
     r = client.completions.create(model=MODEL, prompt=["hello there", "the sea"], max_tokens=6, n=2,
                                   temperature=1.0, seed=7)
@@ -161,7 +183,11 @@ def post(server, path, body, key=KEY):
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 10 ** 6}, KEY, 400, "past the context"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, KEY, 400, "the context holds"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, KEY, 400, "non-empty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 1}, KEY, 400, "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True}, KEY, 400, "echo: not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, KEY, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 3}, KEY, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     KEY, 400, "needs logprobs"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, KEY, 404, "does not exist"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, KEY, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, KEY, 400, "role"),

@@ -147,3 +147,33 @@ def test_bench_serve_drives_a_workload(cpu_model):
     assert totals["hit_rate"] > 0 and totals["peak_kv"] > 0 and eng.kv_cache_usage() == 0.0
     out = row("x", reqs, totals)
     assert out["ttft_p50_ms"] <= out["ttft_p99_ms"] and out["out_tok_s"] > 0
+
+
+def test_logprobs_match_the_models_log_softmax_and_penalties_apply(cpu_model):
+    from cuinfer.model.decoder import Batch
+    from cuinfer.model.kv_cache import CacheShape, KVCache
+
+    eng = make_engine(cpu_model, 2048)
+    prompt = [5, 6, 7, 8, 9]
+    plain = eng.generate(prompt, SamplingParams(max_new_tokens=6))[0]
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=6, logprobs=3))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [t for o in outs for t in o.new_token_ids] == plain.token_ids and outs[-1].request_id == rid
+    cfg = cpu_model.config
+    cache = KVCache.allocate(CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16),
+                             np.float32, np, 256)
+    seq = prompt + plain.token_ids
+    logits = cpu_model.forward(Batch.from_chunks([(seq, 0, list(range(16)))], 16), cache, all_logits=True)
+    x = logits.astype(np.float64)
+    ref = x - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) - x.max(1, keepdims=True)
+    for j, o in enumerate(outs):
+        (chosen, top), = o.new_logprobs
+        pos = len(prompt) - 1 + j
+        assert abs(chosen - ref[pos, plain.token_ids[j]]) < 1e-4
+        assert [t for t, _ in top] == list(np.argsort(-ref[pos])[:3])
+    penalised = eng.generate(prompt, SamplingParams(max_new_tokens=12, frequency_penalty=2.0))[0].token_ids
+    free = eng.generate(prompt, SamplingParams(max_new_tokens=12))[0].token_ids
+    assert penalised != free
+    assert max(penalised.count(t) for t in penalised) <= max(free.count(t) for t in free)

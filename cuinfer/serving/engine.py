@@ -53,6 +53,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (end token or stop string), "length", "abort"
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     ttft_s: float = 0.0  # submission to the first token
+    # with SamplingParams.logprobs: per new token (its logprob, [(token, logprob)] of the top ones)
+    new_logprobs: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -85,10 +87,11 @@ class _Request:
     emitted: int = 0  # characters already handed to the caller
     ttft_s: float = 0.0
 
-    def output(self, new_text="", new_token_ids=()) -> RequestOutput:
+    def output(self, new_text="", new_token_ids=(), new_logprobs=()) -> RequestOutput:
         s = self.seq
         return RequestOutput(s.seq_id, s.prompt_ids, s.output_ids, self.text[:self.emitted], new_text,
-                             list(new_token_ids), s.finish_reason, s.num_cached_tokens, self.ttft_s)
+                             list(new_token_ids), s.finish_reason, s.num_cached_tokens, self.ttft_s,
+                             list(new_logprobs))
 
 
 @dataclass(eq=False)
@@ -238,7 +241,7 @@ class Engine:
         (one token past its prompt that yields its next token; a prompt's last token is prefill)."""
         return (self.async_decode and self.decoder is not None
                 and all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
-                and all(s.params.greedy and s.params.repetition_penalty == 1 for s, _ in plan))
+                and not any(s.params.needs_logits for s, _ in plan))
 
     def _may_pipeline(self, seqs) -> bool:
         """Whether the step after `seqs`' in-flight step may be launched before its tokens are read
@@ -301,15 +304,17 @@ class Engine:
             reqs = [self._requests[s.seq_id] for s in seqs]
             params = [s.params for s in seqs]
             histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
+            outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else () for s, p in zip(seqs, params)]
             uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids))
                         for r, s, p in zip(reqs, seqs, params)]
+            lps = [None] * len(ready)
             if tokens is None:
                 rows = logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))]
-                tokens = sample(rows, params, histories, uniforms)
+                tokens, lps = sample(rows, params, histories, uniforms, outputs, with_logprobs=True)
             else:
                 tokens = tokens[ready]
             now = time.perf_counter()
-            events = [self._append(r, int(t), now) for r, t in zip(reqs, tokens)]
+            events = [self._append(r, int(t), now, lp) for r, t, lp in zip(reqs, tokens, lps)]
         elapsed = time.perf_counter() - t0
         prompt_tokens = sum(n for s, n in plan if n > 1 or s.num_computed <= len(s.prompt_ids))
         if prompt_tokens:
@@ -324,7 +329,7 @@ class Engine:
         """(host argmax tokens, None) when the decoder took the step greedily, else (None, float32
         logits [num_seqs, vocab] on the model's device)."""
         if self.decoder is not None and all(n == 1 for _, n in plan):
-            greedy = all(s.params.greedy and s.params.repetition_penalty == 1 for s, _ in plan)
+            greedy = not any(s.params.needs_logits for s, _ in plan)
             out = self.decoder.run([s.token_at(s.num_computed) for s, _ in plan],
                                    [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan], greedy)
             return (out.get(), None) if greedy else (None, out)
@@ -333,7 +338,7 @@ class Engine:
         batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
         return None, self.model.forward(batch, self.kv_cache)
 
-    def _append(self, req: _Request, token: int, now: float) -> RequestOutput:
+    def _append(self, req: _Request, token: int, now: float, logprob=None) -> RequestOutput:
         seq, p = req.seq, req.seq.params
         if seq.num_known == len(seq.prompt_ids):
             req.ttft_s = now - req.submitted
@@ -361,7 +366,7 @@ class Engine:
         upto = max(req.emitted, len(req.text) - hold)
         new = req.text[req.emitted:upto]
         req.emitted = upto
-        return req.output(new, [token])
+        return req.output(new, [token], [] if logprob is None else [logprob])
 
     # ------------------------------------------------------------------ batches
 

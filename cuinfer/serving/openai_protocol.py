@@ -6,8 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-NOT_SUPPORTED = {"logprobs": False, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                 "echo": False, "best_of": None, "suffix": None, "tools": None, "response_format": None}
+NOT_SUPPORTED = {"echo": False, "best_of": None, "suffix": None, "tools": None, "response_format": None}
 
 
 class StreamOptions(BaseModel):
@@ -32,8 +31,8 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    logprobs: bool | int | None = False
-    top_logprobs: int | None = None
+    logprobs: bool | int | None = False  # chat: a bool (with top_logprobs); completions: how many alternatives
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     echo: bool = False
@@ -46,10 +45,12 @@ class Sampling(BaseModel):
     def _supported(self):
         for name, default in NOT_SUPPORTED.items():
             value = getattr(self, name, default)
-            if value not in (default, None) and not (name == "logprobs" and value in (0, False)):
+            if value not in (default, None):
                 raise ValueError(f"{name}: not supported by cuinfer yet (got {value!r})")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise ValueError("stop: at most 16 strings")
+        if not isinstance(self.logprobs, bool) and self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs: got {self.logprobs}, need 0 to 20")
         if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
             raise ValueError("stop: strings must be non-empty")
         return self
@@ -76,10 +77,20 @@ class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
     def prompts(self) -> list:
         p = self.prompt

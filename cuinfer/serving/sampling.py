@@ -1,13 +1,14 @@
 """Token sampling over a batch of logits, on the device that holds them.
 
-sample(logits, params, histories, uniforms) -> int64 [num_seqs]
+sample(logits, params, histories, uniforms, outputs) -> int64 [num_seqs]
     logits: float32 [num_seqs, vocab] (numpy or cupy: the same array-module code runs on both)
     params: one SamplingParams per row; histories: the token ids each row has seen (prompt and
-    output, for the repetition penalty); uniforms: float [num_seqs] in [0, 1), one draw per row.
+    output, for the repetition penalty); uniforms: float [num_seqs] in [0, 1), one draw per row;
+    outputs: each row's generated ids (presence and frequency penalties).
 
 Rows with temperature 0 take the argmax. Sampled rows go through temperature, top-k, top-p
-(of the top-k mass) and min-p on the sorted distribution, in Hugging Face's order, and pick a token by inverting its CDF at the row's
-uniform. The uniform comes from `draw_uniform(seed, step)`: a request with a seed gets
+(of the top-k mass) and min-p on the sorted distribution, in Hugging Face's order, and pick a
+token by inverting its CDF at the row's uniform. The uniform comes from `draw_uniform(seed, step)`: a request with a seed gets
 the same tokens whatever batch it runs in and however often it is preempted.
 """
 from __future__ import annotations
@@ -28,6 +29,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # > 1 discourages tokens already seen (CTRL / HF rule)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated (OpenAI)
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives
     seed: int | None = None
     stop: tuple = ()  # stop strings: the text ends before the first one
     stop_token_ids: tuple = ()  # extra to the model's end-of-sequence tokens
@@ -45,7 +49,10 @@ class SamplingParams:
                   ("top_k", self.top_k >= 0, ">= 0"),
                   ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
                   ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
-                  ("repetition_penalty", self.repetition_penalty > 0, "> 0")]
+                  ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+                  ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+                  ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+                  ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "None or in [0, 20]")]
         for name, ok, need in checks:
             if not ok:
                 raise runtime.CuinferError(f"{name}: got {getattr(self, name)}, need {need}")
@@ -53,6 +60,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether a step must bring this row's logits to the sampler (the fused argmax will not do)."""
+        return (not self.greedy or self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or self.logprobs is not None)
 
 
 def draw_uniform(seed: int, step: int) -> float:
@@ -76,6 +89,38 @@ def apply_repetition_penalty(logits, histories, penalties, xp):
     return logits
 
 
+def apply_presence_frequency(logits, outputs, presence, frequency, xp):
+    """OpenAI's penalties over each row's generated tokens (in place): a token generated c times
+    loses frequency * c + presence from its logit."""
+    rows = [i for i in range(len(outputs)) if (presence[i] or frequency[i]) and len(outputs[i])]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    counted = [np.unique(np.asarray(outputs[i], dtype=np.int64), return_counts=True) for i in rows]
+    flat_idx = np.concatenate([i * vocab + ids for i, (ids, _) in zip(rows, counted)])
+    minus = np.concatenate([frequency[i] * c + presence[i] for i, (_, c) in zip(rows, counted)]).astype(np.float32)
+    flat = logits.reshape(-1)
+    flat[xp.asarray(flat_idx)] -= xp.asarray(minus)
+    return logits
+
+
+def token_logprobs(logits, tokens, rows, ks, xp) -> list:
+    """[(logprob of the row's token, [(token, logprob)] of its ks[j] most likely)] for the given rows
+    of float32 logits [n, vocab]: log_softmax, in float32 on the logits' device."""
+    sel = xp.asarray(np.asarray(rows, dtype=np.int64))
+    x = logits[sel]
+    m = x.max(axis=-1, keepdims=True)
+    lp = x - (m + xp.log(xp.exp(x - m).sum(axis=-1, keepdims=True)))  # lp: [rows, vocab]
+    chosen = xp.take_along_axis(lp, xp.asarray(tokens)[sel][:, None], axis=-1)[:, 0]
+    k = max(ks)
+    top = xp.argsort(-lp, axis=-1)[:, :k]
+    top_lp = xp.take_along_axis(lp, top, axis=-1)
+    host = (lambda a: a.get()) if xp is not np else (lambda a: a)
+    chosen, top, top_lp = host(chosen), host(top), host(top_lp)
+    return [(float(chosen[j]), [(int(t), float(v)) for t, v in zip(top[j, :kj], top_lp[j, :kj])])
+            for j, kj in enumerate(ks)]
+
+
 def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
     """Sample one token per row of float32 logits [n, vocab] with per-row parameters ([n] arrays)."""
     _n, vocab = logits.shape
@@ -96,11 +141,16 @@ def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
     return xp.take_along_axis(order, idx[:, None], axis=-1)[:, 0]
 
 
-def sample(logits, params, histories, uniforms):
-    """Next token per row (int64 array on the host)."""
+def sample(logits, params, histories, uniforms, outputs=None, with_logprobs=False):
+    """Next token per row (int64 array on the host); with_logprobs: (tokens, [None, or per row that
+    asks (SamplingParams.logprobs), token_logprobs' entry]), logprobs of the logits after the
+    penalties, before temperature. outputs: each row's generated tokens (presence/frequency)."""
     xp = runtime.require_cupy() if runtime.is_device_array(logits) else np
     logits = logits.astype(np.float32, copy=True)
     logits = apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params], xp)
+    if outputs is not None:
+        logits = apply_presence_frequency(logits, outputs, [p.presence_penalty for p in params],
+                                          [p.frequency_penalty for p in params], xp)
     tokens = xp.argmax(logits, axis=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -109,4 +159,13 @@ def sample(logits, params, histories, uniforms):
         u = xp.asarray(np.asarray([uniforms[i] for i in rows], dtype=np.float32))
         tokens[sel] = sample_rows(logits[sel], col("temperature", np.float32), col("top_k", np.int64),
                                   col("top_p", np.float32), col("min_p", np.float32), u, xp)
-    return tokens.get() if xp is not np else tokens
+    host = tokens.get() if xp is not np else tokens
+    if not with_logprobs:
+        return host
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    lps = [None] * len(params)
+    if lp_rows:
+        found = token_logprobs(logits, tokens, lp_rows, [params[i].logprobs for i in lp_rows], xp)
+        for i, entry in zip(lp_rows, found):
+            lps[i] = entry
+    return host, lps
