@@ -304,7 +304,8 @@ class Engine:
             reqs = [self._requests[s.seq_id] for s in seqs]
             params = [s.params for s in seqs]
             histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
-            outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else () for s, p in zip(seqs, params)]
+            outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else ()
+                       for s, p in zip(seqs, params)]
             uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids))
                         for r, s, p in zip(reqs, seqs, params)]
             lps = [None] * len(ready)

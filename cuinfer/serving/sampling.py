@@ -8,8 +8,9 @@ sample(logits, params, histories, uniforms, outputs) -> int64 [num_seqs]
 
 Rows with temperature 0 take the argmax. Sampled rows go through temperature, top-k, top-p
 (of the top-k mass) and min-p on the sorted distribution, in Hugging Face's order, and pick a
-token by inverting its CDF at the row's uniform. The uniform comes from `draw_uniform(seed, step)`: a request with a seed gets
-the same tokens whatever batch it runs in and however often it is preempted.
+token by inverting its CDF at the row's uniform. The uniform comes from `draw_uniform(seed,
+step)`: a request with a seed gets the same tokens whatever batch it runs in and however often it
+is preempted.
 """
 from __future__ import annotations
 
