@@ -19,16 +19,18 @@ from .serving.sampling import SamplingParams
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                 headers=None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
-def error_response(status, message, type_="invalid_request_error", param=None, code=None):
+def error_response(status, message, type_="invalid_request_error", param=None, code=None, headers=None):
     from fastapi.responses import JSONResponse
 
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class Metrics:
@@ -109,7 +111,8 @@ def completion_logprobs(tokenizer, token_ids, entries, offset: int = 0) -> dict 
             "text_offset": offsets}
 
 
-def build_app(engine, model_name: str, api_key: str | None = None):
+def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: int = 1024):
+    """max_waiting: requests queued for admission past which new ones get 503 and Retry-After."""
     import orjson
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -135,7 +138,7 @@ def build_app(engine, model_name: str, api_key: str | None = None):
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -170,6 +173,9 @@ def build_app(engine, model_name: str, api_key: str | None = None):
 
     def run(ids_list, req):
         """The choices of a request: one engine request per prompt and per n."""
+        if aengine.stats()["waiting"] >= max_waiting:
+            raise APIError(503, f"the server is at capacity ({max_waiting} requests waiting): retry shortly",
+                           "server_overloaded", headers={"Retry-After": "1"})
         base = uuid.uuid4().hex
         jobs = []
         for p, ids in enumerate(ids_list):
@@ -303,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1/ endpoints")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one step (chunked prefill)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests waiting for admission past which new ones get 503 with Retry-After")
     p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint's folder name)")
     return p
@@ -327,7 +335,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or path.name
-    app = build_app(engine, name, args.api_key)
+    app = build_app(engine, name, args.api_key, args.max_waiting)
     print(f"cuinfer serving {name} on {runtime.pick_device(args.device)} at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

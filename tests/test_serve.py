@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -257,3 +258,39 @@ def test_sigterm_ends_running_streams_with_an_error_event(ckpt):
     finally:
         proc.kill()
     assert "Traceback" not in proc.stdout.read()
+
+
+def test_a_full_queue_answers_503_with_retry_after(ckpt):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "cuinfer.serve", str(ckpt), "--device", "cpu", "--port", str(port),
+                             "--served-model-name", MODEL, "--kv-tokens", "8192", "--max-num-seqs", "1",
+                             "--max-waiting", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        def hold():  # a stream that runs (or waits) until the server is killed
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass
+
+        for _ in range(2):
+            threading.Thread(target=hold, daemon=True).start()
+        for _ in range(200):
+            if metric(url, "cuinfer_requests_running") == 1 and metric(url, "cuinfer_requests_waiting") == 1:
+                break
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "capacity" in r.text
+    finally:
+        proc.kill()
