@@ -33,39 +33,6 @@ def error_response(status, message, type_="invalid_request_error", param=None, c
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class Metrics:
-    """The server's Prometheus metrics, in a registry of its own."""
-
-    def __init__(self, aengine):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = r = CollectorRegistry()
-        for name, key, doc in (("running", "running", "requests in the running batch"),
-                               ("waiting", "waiting", "requests waiting for admission"),
-                               ("kv_cache_usage", "kv_cache_usage", "fraction of KV blocks held by requests")):
-            gauge = Gauge(f"cuinfer_{name}" if key == "kv_cache_usage" else f"cuinfer_requests_{name}", doc,
-                          registry=r)
-            gauge.set_function(lambda key=key: aengine.stats()[key])
-        self.prompt_tokens = Counter("cuinfer_prompt_tokens", "prompt tokens", registry=r)
-        self.generation_tokens = Counter("cuinfer_generation_tokens", "generated tokens", registry=r)
-        self.cache_hits = Counter("cuinfer_prefix_cache_hit_tokens", "prompt tokens from the prefix cache",
-                                  registry=r)
-        self.ttft = Histogram("cuinfer_time_to_first_token_seconds", "time to first token", registry=r)
-        self.tpot = Histogram("cuinfer_time_per_output_token_seconds", "time per output token after the first",
-                              registry=r)
-        self.e2e = Histogram("cuinfer_e2e_request_latency_seconds", "request latency", registry=r)
-
-    def finished(self, out, started: float):
-        now = time.perf_counter()
-        self.prompt_tokens.inc(len(out.prompt_ids))
-        self.generation_tokens.inc(len(out.token_ids))
-        self.cache_hits.inc(out.num_cached_tokens)
-        self.ttft.observe(out.ttft_s)
-        self.e2e.observe(now - started)
-        if len(out.token_ids) > 1:
-            self.tpot.observe((now - started - out.ttft_s) / (len(out.token_ids) - 1))
-
-
 def sampling_params(req, prompt_len: int, max_len: int, index: int) -> SamplingParams:
     try:
         logprobs = req.num_logprobs
@@ -87,30 +54,6 @@ def sampling_params(req, prompt_len: int, max_len: int, index: int) -> SamplingP
                           ignore_eos=req.ignore_eos)
 
 
-def chat_logprobs(tokenizer, token_ids, entries) -> dict | None:
-    """OpenAI's chat `logprobs` object for these tokens (None when not asked)."""
-    if not entries:
-        return None
-
-    def one(t, lp):
-        text = tokenizer.decode([t])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    return {"content": [{**one(t, lp), "top_logprobs": [one(a, v) for a, v in top]}
-                        for t, (lp, top) in zip(token_ids, entries)]}
-
-
-def completion_logprobs(tokenizer, token_ids, entries, offset: int = 0) -> dict | None:
-    """The completions endpoint's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)."""
-    if not entries:
-        return None
-    texts = [tokenizer.decode([t]) for t in token_ids]
-    offsets = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
-    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{tokenizer.decode([a]): v for a, v in top} for _, top in entries],
-            "text_offset": offsets}
-
-
 def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: int = 1024):
     """max_waiting: requests queued for admission past which new ones get 503 and Retry-After."""
     import orjson
@@ -120,7 +63,13 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
     from prometheus_client import generate_latest
 
     from .serving.async_engine import AsyncEngine
-    from .serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from .serving.metrics import Metrics
+    from .serving.openai_protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        chat_logprobs,
+        completion_logprobs,
+    )
 
     aengine = AsyncEngine(engine)
     metrics = Metrics(aengine)

@@ -1,5 +1,6 @@
 """OpenAI request bodies as pydantic models: what the server accepts, validated before the engine
-sees it. Fields the engine cannot honour yet are refused by name (never silently ignored)."""
+sees it. Fields the engine cannot honour yet are refused by name (never silently ignored). Also the
+response pieces built from engine outputs (logprobs objects)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -97,3 +98,29 @@ class CompletionRequest(Sampling):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         return list(p)
+
+
+# ------------------------------------------------------------------ response pieces
+
+def chat_logprobs(tokenizer, token_ids, entries) -> dict | None:
+    """OpenAI's chat `logprobs` object for these tokens (None when not asked)."""
+    if not entries:
+        return None
+
+    def one(t, lp):
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(a, v) for a, v in top]}
+                        for t, (lp, top) in zip(token_ids, entries)]}
+
+
+def completion_logprobs(tokenizer, token_ids, entries, offset: int = 0) -> dict | None:
+    """The completions endpoint's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if not entries:
+        return None
+    texts = [tokenizer.decode([t]) for t in token_ids]
+    offsets = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{tokenizer.decode([a]): v for a, v in top} for _, top in entries],
+            "text_offset": offsets}
