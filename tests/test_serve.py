@@ -28,24 +28,31 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("serve"))
 
 
-@pytest.fixture(scope="module")
-def server(ckpt):
+def start_server(ckpt, *args):
+    """(process, URL) of python -m cuinfer.serve on a free port, once /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "cuinfer.serve", str(ckpt), "--device", "cpu", "--port", str(port),
-                             "--api-key", KEY, "--served-model-name", MODEL, "--kv-tokens", "8192"],
+                             "--served-model-name", MODEL, "--kv-tokens", "8192", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+                return proc, url
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
             raise RuntimeError(proc.stdout.read())
         time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health: {proc.stdout.read()}")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    proc, url = start_server(ckpt, "--api-key", KEY)
     yield url
     proc.terminate()
     out, _ = proc.communicate(timeout=30)
@@ -233,20 +240,8 @@ def test_bench_serve_http_drives_the_server(server, tmp_path):
 
 
 def test_sigterm_ends_running_streams_with_an_error_event(ckpt):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "cuinfer.serve", str(ckpt), "--device", "cpu", "--port", str(port),
-                             "--served-model-name", MODEL, "--kv-tokens", "8192"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(ckpt)
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         body = {"model": MODEL, "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
@@ -261,21 +256,9 @@ def test_sigterm_ends_running_streams_with_an_error_event(ckpt):
 
 
 def test_a_full_queue_answers_503_with_retry_after(ckpt):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "cuinfer.serve", str(ckpt), "--device", "cpu", "--port", str(port),
-                             "--served-model-name", MODEL, "--kv-tokens", "8192", "--max-num-seqs", "1",
-                             "--max-waiting", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(ckpt, "--max-num-seqs", "1", "--max-waiting", "1")
     body = {"model": MODEL, "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         def hold():  # a stream that runs (or waits) until the server is killed
             try:
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
