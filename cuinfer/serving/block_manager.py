@@ -87,12 +87,9 @@ class BlockManager:
         which must be computed to give logits. Changes nothing."""
         if not self.enable_prefix_caching:
             return []
-        bs, tokens = self.block_size, seq.token_ids
-        hashes, blocks = seq.block_hashes, []
-        for i in range((len(tokens) - 1) // bs):
-            if i == len(hashes):
-                hashes.append(chain_hash(hashes[-1] if hashes else b"", tokens[i * bs:(i + 1) * bs]))
-            b = self._block_of.get(hashes[i])
+        blocks = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            b = self._block_of.get(self._hash(seq, i))
             if b is None:
                 break
             blocks.append(b)
@@ -115,16 +112,20 @@ class BlockManager:
         blocks already done. A block whose prefix is cached elsewhere already is left unhashed."""
         if not self.enable_prefix_caching:
             return
-        bs, hashes = self.block_size, seq.block_hashes
-        full = min(seq.num_computed, num_known) // bs
-        tokens = seq.token_ids if full > len(hashes) else None
+        full = min(seq.num_computed, num_known) // self.block_size
         for i in range(seq.num_registered, full):
-            if i == len(hashes):
-                hashes.append(chain_hash(hashes[-1] if hashes else b"", tokens[i * bs:(i + 1) * bs]))
-            b, h = seq.block_table[i], hashes[i]
+            b, h = seq.block_table[i], self._hash(seq, i)
             if b not in self._hash_of and h not in self._block_of:
                 self._hash_of[b], self._block_of[h] = h, b
         seq.num_registered = max(seq.num_registered, full)
+
+    def _hash(self, seq, i: int) -> bytes:
+        """The chained hash of seq's full block i, made once (blocks in order) and kept on seq."""
+        hashes = seq.block_hashes
+        if i == len(hashes):
+            bs = self.block_size
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_slice(i * bs, (i + 1) * bs)))
+        return hashes[i]
 
     def check(self) -> None:
         """Internal consistency (tests): the free list is exactly the blocks without owners, and

@@ -334,7 +334,7 @@ class Engine:
             out = self.decoder.run([s.token_at(s.num_computed) for s, _ in plan],
                                    [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan], greedy)
             return (out.get(), None) if greedy else (None, out)
-        chunks = [(s.token_ids[s.num_computed:s.num_computed + n], s.num_computed, s.block_table)
+        chunks = [(s.token_slice(s.num_computed, s.num_computed + n), s.num_computed, s.block_table)
                   for s, n in plan]
         batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
         return None, self.model.forward(batch, self.kv_cache)

@@ -52,6 +52,13 @@ class Sequence:
         """Tokens whose ids the host knows (all but a pending one)."""
         return self.num_tokens - (1 if self.output_ids and self.output_ids[-1] == PENDING else 0)
 
+    def token_slice(self, start: int, stop: int) -> list:
+        """token_ids[start:stop] without building the whole list."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:n] + self.output_ids[max(start - n, 0):stop - n]
+
     def token_at(self, i: int) -> int:
         """token_ids[i] without building the list."""
         n = len(self.prompt_ids)
