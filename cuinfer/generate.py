@@ -97,7 +97,8 @@ CPU_QUIET_TOKENS = 1024  # a CPU prefill longer than this (seconds) says it has 
 
 def run_prompts(engine, prompts, params, out):
     if engine.model.xp is np:
-        lens = [len(engine.encode(p)) for p in prompts]
+        prompts = [engine.encode(p) for p in prompts]  # token ids: the engine does not encode them again
+        lens = [len(p) for p in prompts]
         n = sum(lens)
         if n > CPU_QUIET_TOKENS and max(lens) < engine.max_len:  # (a prompt too long is refused at once)
             print(f"prefilling {n} prompt tokens on the CPU backend (seconds before the first token)...",

@@ -233,9 +233,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             ids = engine.tokenizer.encode_chat(messages)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except CuinferError as e:
+        except (ValueError, CuinferError) as e:  # a non-text content part, a template that fails
             raise APIError(400, str(e), param="messages") from None
         return await respond(req, [ids], chat=True)
 
