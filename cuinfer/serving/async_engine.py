@@ -8,16 +8,20 @@
 Requests and aborts cross into the loop through one thread-safe queue; the loop drains it
 between steps (blocking on it when idle), so the engine is only ever touched by its own thread.
 Each request's outputs come back through its own asyncio.Queue, filled with
-loop.call_soon_threadsafe. A caller that stops iterating (a client that disconnects) aborts its
+loop.call_soon_threadsafe. The loop never detokenizes (engine.detokenize is turned off): each
+caller makes its request's text from the tokens (RequestText) and, when a stop string completes,
+ends its stream there and aborts the request. A caller that stops iterating (a client that disconnects) aborts its
 request, which frees its KV blocks at the loop's next turn.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 
 from ..errors import CuinferError
+from .detokenizer import RequestText
 
 
 class EngineStopped(CuinferError):
@@ -27,6 +31,7 @@ class EngineStopped(CuinferError):
 class AsyncEngine:
     def __init__(self, engine):
         self.engine = engine
+        engine.detokenize = False  # generate() makes the text, off the step loop
         self._inbox = queue.SimpleQueue()
         self._streams = {}  # request id -> (event loop, asyncio.Queue); loop thread only
         self._stopped = False
@@ -38,19 +43,21 @@ class AsyncEngine:
         if self._stopped:
             raise EngineStopped("the engine is shutting down")
         out_queue = asyncio.Queue()
+        text = RequestText(self.engine.tokenizer, params.stop)
         self._inbox.put(("add", request_id, prompt, params, asyncio.get_running_loop(), out_queue))
-        finished = False
+        engine_done = False  # the engine has finished the request (else it must be aborted)
         try:
             while True:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
-                yield item
-                if finished:
+                engine_done = item.finished
+                out = with_text(item, text)
+                yield out
+                if out.finished:
                     return
         finally:
-            if not finished:
+            if not engine_done:
                 self._inbox.put(("abort", request_id))
 
     def stats(self) -> dict:
@@ -116,3 +123,18 @@ class AsyncEngine:
         for rid in list(self._streams):
             self.engine.abort_request(rid)
             self._deliver(rid, error, True)
+
+
+def with_text(out, text: RequestText):
+    """The engine's output `out` (made without text) with its text from `text`; at a completed stop
+    string it ends there: finished "stop", without the tokens after the one that completed it."""
+    ids = out.new_token_ids[:-1] if out.finish_reason == "stop" else out.new_token_ids  # an end token has no text
+    for j, token in enumerate(ids):
+        if text.push(token):
+            extra = len(out.new_token_ids) - j - 1
+            return dataclasses.replace(
+                out, token_ids=out.token_ids[:len(out.token_ids) - extra], new_token_ids=out.new_token_ids[:j + 1],
+                new_logprobs=out.new_logprobs[:j + 1], finish_reason="stop", new_text=text.take(final=True),
+                text=text.taken)
+    new = text.take(final=out.finished)
+    return dataclasses.replace(out, new_text=new, text=text.taken)

@@ -29,6 +29,7 @@ from ..model.decoder import Batch, Model
 from ..model.kv_cache import CacheShape, KVCache, kv_memory
 from ..ops import runtime
 from .block_manager import BlockManager
+from .detokenizer import RequestText
 from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniform, sample
 from .scheduler import PENDING, Scheduler, Sequence
@@ -82,14 +83,12 @@ class _Request:
     seq: Sequence
     seed: int
     submitted: float
-    decoder: object = None  # tokenizer stream: token id -> new text
-    text: str = ""
-    emitted: int = 0  # characters already handed to the caller
+    text: RequestText | None  # None: the caller detokenizes (Engine.detokenize off)
     ttft_s: float = 0.0
 
     def output(self, new_text="", new_token_ids=(), new_logprobs=()) -> RequestOutput:
         s = self.seq
-        return RequestOutput(s.seq_id, s.prompt_ids, s.output_ids, self.text[:self.emitted], new_text,
+        return RequestOutput(s.seq_id, s.prompt_ids, s.output_ids, self.text.taken if self.text else "", new_text,
                              list(new_token_ids), s.finish_reason, s.num_cached_tokens, self.ttft_s,
                              list(new_logprobs))
 
@@ -125,6 +124,9 @@ class Engine:
         self._requests = {}  # request id -> _Request, until its final output is returned
         self._ids = itertools.count()
         self.stats = Stats()
+        # text and stop strings made here (RequestText); the AsyncEngine turns this off and makes
+        # them in its callers' thread, aborting a request whose stop string it finds
+        self.detokenize = True
 
     @classmethod
     def from_pretrained(cls, path=None, device=None, dtype=None, quant=None, kv_tokens=None,
@@ -175,9 +177,9 @@ class Engine:
             raise CuinferError(f"request id {rid!r} is in use")
         seq = Sequence(rid, ids, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
-        decoder = self.tokenizer.stream() if self.tokenizer is not None else None
+        text = RequestText(self.tokenizer, params.stop) if self.detokenize else None
         self.scheduler.add(seq)
-        self._requests[rid] = _Request(seq, seed, time.perf_counter(), decoder)
+        self._requests[rid] = _Request(seq, seed, time.perf_counter(), text)
         self.stats.prompt_tokens += len(ids)
         return rid
 
@@ -352,21 +354,14 @@ class Engine:
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         if token in stops:
             reason = "stop"
-        else:
-            if req.decoder is not None:
-                req.text += req.decoder.push(token)
-            cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                req.text, reason = req.text[:cut], "stop"
-            elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_len:
-                reason = "length"
+        elif req.text is not None and req.text.push(token):
+            reason = "stop"  # a stop string
+        elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_len:
+            reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._requests[seq.seq_id]
-        hold = 0 if reason else max((len(s) for s in p.stop), default=1) - 1
-        upto = max(req.emitted, len(req.text) - hold)
-        new = req.text[req.emitted:upto]
-        req.emitted = upto
+        new = req.text.take(final=reason is not None) if req.text is not None else ""
         return req.output(new, [token], [] if logprob is None else [logprob])
 
     # ------------------------------------------------------------------ batches
