@@ -481,9 +481,11 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) LINEAR_CLUSTER(SPLIT) linear
 }
 
 // grid: (M) · block: 1024 · smem: static 256 bytes
-// part_val / part_idx: [M, nb] from linear_kernel's EPI_ARGMAX; out: int32 [M], the index of
-// the largest value (ties: the lowest index, as numpy.argmax).
-__global__ void __launch_bounds__(1024) linear_argmax_reduce_kernel(const float* __restrict__ part_val,
+// part_val / part_idx: [M, nb] from linear_kernel's EPI_ARGMAX (V = float), or part_val the logits
+// [M, nb] themselves (V = T) with part_idx null (the index is the column); out: int32 [M], the
+// index of the largest value (ties: the lowest index, as numpy.argmax; NaN never wins).
+template <typename V>
+__global__ void __launch_bounds__(1024) linear_argmax_reduce_kernel(const V* __restrict__ part_val,
                                                                     const int* __restrict__ part_idx,
                                                                     int* __restrict__ out, int nb) {
   pdl_wait();  // every input of this kernel may come from the previous one
@@ -493,7 +495,8 @@ __global__ void __launch_bounds__(1024) linear_argmax_reduce_kernel(const float*
   const int m = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float best = __int_as_float(0xff800000u);  // -inf
   int idx = 0x7fffffff;
-  for (int j = threadIdx.x; j < nb; j += 1024) argmax_merge(best, idx, part_val[(size_t)m * nb + j], part_idx[(size_t)m * nb + j]);
+  for (int j = threadIdx.x; j < nb; j += 1024)
+    argmax_merge(best, idx, to_float(part_val[(size_t)m * nb + j]), part_idx ? part_idx[(size_t)m * nb + j] : j);
   argmax_warp(best, idx);
   if (lane == 0) vals[warp] = best, idxs[warp] = idx;
   __syncthreads();

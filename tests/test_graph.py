@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts, random_tensors, tiny_config
 
-from cuinfer.model.decoder import Batch, Model, graph_batch_limit, input_views, pack_inputs
+from cuinfer.model.decoder import Batch, Model, input_views, pack_inputs
 from cuinfer.serving.engine import Engine
-from cuinfer.serving.runner import bucket
+from cuinfer.serving.runner import BATCH_BUCKETS, batch_bucket, bucket
 from cuinfer.serving.sampling import SamplingParams
 
 
@@ -42,12 +42,10 @@ def test_copy_async_checks_its_arrays():
             copy_async(None, bad, ok, 4, 0, None)
 
 
-def test_graph_batch_limit_follows_the_gemv_limits():
-    cfg = tiny_config(intermediate_size=384)
-    fp = Model.from_tensors(cfg, random_tensors(cfg), "cpu").weights
-    q = Model.from_tensors(cfg, random_tensors(cfg), "cpu", quant="int4").weights
-    assert graph_batch_limit(fp, True) == graph_batch_limit(fp, False) == 16  # cuBLAS above 16 rows
-    assert graph_batch_limit(q, True) == graph_batch_limit(q, False) == 64  # the lm_head is int8 too
+def test_batch_buckets():
+    assert [batch_bucket(n) for n in (1, 3, 16, 17, 25, 33, 65, 129, 250, 256, 257, 300)] == \
+        [1, 4, 16, 24, 32, 48, 96, 160, 256, 256, 320, 320]
+    assert list(BATCH_BUCKETS) == sorted(set(BATCH_BUCKETS)) and all(batch_bucket(b) == b for b in BATCH_BUCKETS)
 
 
 def decode_inputs(model, seqs, block_size, b, width, scratch):
@@ -106,6 +104,25 @@ def run_requests(eng, ids, lengths, **params):
     while eng.has_unfinished_requests():
         eng.step()
     return [s.output_ids for s in seqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_gpu_every_batch_bucket_replays_the_eager_tokens(quant):
+    """256 requests finishing one a step: the batch shrinks through every bucket, past the GEMV's
+    rows too (cuBLAS inside the graph); graphs give exactly the eager step's tokens."""
+    cfg, t = gpu_case("llama3-gqa")
+    model = Model.from_tensors(cfg, t, "gpu", np.float16, quant=quant)
+    ids = prompts(cfg, [5 + i % 13 for i in range(256)], seed=3)
+    runs = {}
+    for use_graphs in (True, False):
+        eng = gpu_engine(model, use_graphs, kv_tokens=256 * 288)
+        runs[use_graphs] = run_requests(eng, ids, [1 + i for i in range(256)])
+        if use_graphs:
+            assert {b for b, _, _ in eng.decoder.steps} == set(BATCH_BUCKETS)
+            assert all(s.graph is not None for s in eng.decoder.steps.values())
+            assert eng.decoder.graph_bytes() > 0
+    assert runs[True] == runs[False]
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from .. import bench
-from ..model.decoder import LM_HEAD_QUANT, Batch, Model, graph_batch_limit, kernel_dtype
+from ..model.decoder import LM_HEAD_QUANT, Batch, Model, kernel_dtype
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
@@ -32,7 +32,7 @@ from ..ops.linear import linear, linear_argmax
 from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.quant import quantize_spec
 from ..serving.engine import Engine
-from ..serving.runner import MIN_CONTEXT_BUCKET, bucket, capture
+from ..serving.runner import MIN_CONTEXT_BUCKET, batch_bucket, bucket, capture
 from ..serving.sampling import SamplingParams
 
 PREFILL_TOKENS = 2048
@@ -108,21 +108,18 @@ def decode_run(engine, prompts, new_tokens):
 
 def largest_greedy_step(engine, batch):
     """The DecodeGraph step of this batch's bucket with the largest context bucket, greedy."""
-    steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == bucket(batch) and g]
+    steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == batch_bucket(batch) and g]
     return max(steps, key=lambda ws: ws[0])[1]
 
 
 def replay_ms(engine, batch):
-    """GPU ms of one replay of the largest-context greedy graph of this batch's bucket (None when the
-    bucket runs eagerly: past graph_batch_limit)."""
-    step = largest_greedy_step(engine, batch)
-    return None if step.graph is None else bench.time_ms(step.graph.launch, warmup=3, iters=20)
+    """GPU ms of one replay of the largest-context greedy graph of this batch's bucket."""
+    return bench.time_ms(largest_greedy_step(engine, batch).graph.launch, warmup=3, iters=20)
 
 
 def gemv_ms(cp, model, batch):
     """GPU ms of the greedy step's linear layers alone (fused norms, SwiGLU, residual and argmax, as
-    Model.layer calls them), replayed from one graph (eager where the step is: past
-    graph_batch_limit): same shapes and weights, random x."""
+    Model.layer calls them), replayed from one graph: same shapes and weights, random x."""
     cfg, w, eps = model.config, model.weights, model.config.rms_norm_eps
     x = lambda k: cp.random.standard_normal((batch, k), dtype=cp.float32).astype(model.dtype)
     xh, xq, xi = x(cfg.hidden_size), x(cfg.q_size), x(cfg.intermediate_size)
@@ -133,8 +130,6 @@ def gemv_ms(cp, model, batch):
             linear(xh, lw.gate_up, activation="silu_and_mul", norm=(lw.post_norm, eps)), linear(xi, lw.down, residual=xh)
         return linear_argmax(xh, w.lm_head, norm=model.final_norm)
 
-    if batch > graph_batch_limit(w, greedy=True):
-        return bench.time_ms(step, warmup=1, iters=5)  # cuBLAS (fp16 above 16 rows): not capturable
     cp.cuda.Device().synchronize()
     graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
     return bench.time_ms(graph.launch, warmup=3, iters=20)
@@ -250,7 +245,7 @@ def model_rows(cp, torch, name, config, base, args, batches, quants):
             d = {"tok_s": 1000 * b / ms, "replay_ms": replay_ms(engine, b), "gemv_ms": gemv_ms(cp, model, b),
                  "attn_ms": attention_ms(cp, engine, b, args.prompt_len + args.new_tokens),
                  "roofline_tok_s": b * bench.copy_gbs() * 1e9 / row["bytes"],
-                     "prefill_tok_s": prefill_tok_s(cp, engine)}
+                 "graph_mib": engine.decoder.graph_bytes() / 2**20, "prefill_tok_s": prefill_tok_s(cp, engine)}
             if b == 1:
                 eager_ms, eager_tokens = decode_run(make_engine(cp, model, b, args, use_graphs=False),
                                                     prompts, args.new_tokens)
@@ -299,7 +294,7 @@ def floor_row(cp, torch, hidden, n=150):
     return row
 
 
-DETAIL = ("tok_s", "replay_ms", "gemv_ms", "attn_ms", "roofline_tok_s", "prefill_tok_s", "eager_tok_s",
+DETAIL = ("tok_s", "replay_ms", "gemv_ms", "attn_ms", "roofline_tok_s", "graph_mib", "prefill_tok_s", "eager_tok_s",
           "graph_eq_eager", "hf_same_prefix")
 
 

@@ -31,7 +31,7 @@ from ..ops import runtime
 from ..ops.activation import silu_and_mul
 from ..ops.embedding import embedding
 from ..ops.flash_attention import flash_attention_paged
-from ..ops.linear import GEMV_MAX_M, KERNEL_DTYPES, linear, linear_argmax, linear_reference, weight_bits
+from ..ops.linear import KERNEL_DTYPES, linear, linear_argmax, linear_reference
 from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.quant import QUANTIZED
 from ..ops.rms_norm import rms_norm
@@ -121,14 +121,6 @@ class Batch:
         return Batch(**arrays, max_seqlen_q=self.max_seqlen_q)
 
 
-def graph_batch_limit(weights, greedy: bool) -> int:
-    """The largest batch whose decode step can be captured: every linear call must take the GEMV
-    (above GEMV_MAX_M rows it takes cuBLAS, which CuPy refuses to call under capture); the greedy
-    lm_head is linear_argmax, a GEMV at any batch. Larger buckets run the same step eagerly."""
-    mats = [getattr(lw, f) for lw in weights.layers for f in LINEAR_FIELDS]
-    return min(GEMV_MAX_M[weight_bits(w)] for w in mats + ([] if greedy else [weights.lm_head]))
-
-
 def input_views(buf, b: int, width: int) -> DecodeInputs:
     """DecodeInputs viewing one int32 buffer [b * (4 + width)] (numpy or cupy) in the layout above."""
     return DecodeInputs(token_ids=buf[:b], positions=buf[b:2 * b], slot_mapping=buf[2 * b:3 * b],
@@ -214,10 +206,6 @@ class Model:
         if greedy:
             return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm, out=tokens_out)
         return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
-
-    def graph_batch_limit(self, greedy: bool) -> int:
-        """The largest decode batch a CUDA graph can capture (module function graph_batch_limit)."""
-        return graph_batch_limit(self.weights, greedy)
 
     def decode_workspace_elems(self, batch: int, max_context_len: int) -> int:
         """float32 elements of the split-K partials a decode step of this shape needs (0: none)."""

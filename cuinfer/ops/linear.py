@@ -11,8 +11,9 @@ linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None) -> 
     residual), the decoder's residual add rounded as the separate add would round it.
 linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
     argmax over N of the logits x @ W.T rounded to x's dtype (ties: the lowest index), for
-    greedy decoding; norm as in linear. workspace: int32 [argmax_workspace_size(N)] of partial
-    maxima; None allocates one, so a CUDA graph capture must pass one allocated before it.
+    greedy decoding; norm as in linear. workspace: int32 [argmax_workspace_size(N)] of the GEMV's
+    partial maxima; None allocates one. Above GEMV_MAX_M rows the logits are made as linear makes
+    them (cuBLAS) and reduced per row; the workspace is not used.
 
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
 cupy arrays: the decode GEMV of cuda_src/linear.cu (tensor cores, weights dequantized in
@@ -21,13 +22,13 @@ to M = 64 in chunks of 16 rows (each chunk reads the weight again: still fewer b
 dequantized fp16 copy). With norm, every GEMV block first normalizes the rows of x into shared
 memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes; otherwise, and
 on the prefill path, ops.rms_norm runs first. Without norm the rows are copied there all the same
-when they fit, so the main loop's x reads never miss L1. Beyond that (prefill) the weight is dequantized to a
-scratch [N, K] array (allocated: not for capture) and multiplied by cuBLAS gemmEx in fp32 (a bias
-pre-filled in an fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the
-GEMV (cupy.matmul under stream capture is refused by CuPy, gemmEx too); the SiLU epilogue then
-runs unfused (ops.silu_and_mul on an [M, 2I] intermediate) and the residual is added after.
-Everything except that prefill path and the unfused norm allocates nothing when `out` (and for
-argmax `workspace`) is given: CUDA-graph safe.
+when they fit, so the main loop's x reads never miss L1. Beyond that the weight is dequantized to a
+scratch [N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in an
+fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; the SiLU
+epilogue then runs unfused (ops.silu_and_mul on an [M, 2I] intermediate) and the residual is added
+after. Every path can be captured in a CUDA graph: the GEMV, the reduction and the norm allocate
+nothing when `out` (and for argmax `workspace`) is given; the cuBLAS path's scratch arrays come from
+whatever pool the capture allocates from.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from . import runtime
 from .activation import act_and_mul_reference, silu_and_mul
+from .cublas import gemm
 from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
@@ -127,6 +129,11 @@ def stages_x(m: int, k: int, dtype, norm: bool) -> bool:
     return norm or (k % 8 == 0 and norm_fits(m, k, dtype))
 
 
+def reduce_instantiation(dtype) -> str:
+    """linear_argmax_reduce_kernel over float32 partials or over logits of `dtype`."""
+    return f"linear_argmax_reduce_kernel<{runtime.ctype(dtype)}>"
+
+
 def dequant_instantiation(dtype, bits: int, group_size: int) -> str:
     return f"linear_dequant_kernel<{runtime.ctype(dtype)}, {bits}, {group_size}>"
 
@@ -144,7 +151,7 @@ INSTANTIATIONS = sorted(
      for b, g, iz in _formats() for m in (1, 16) for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
      for epi in EPILOGUES for norm in {False, m == 1}}
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g, _ in _formats() if b < 16}
-    | {"linear_argmax_reduce_kernel"})
+    | {reduce_instantiation(dt) for dt in (np.float32, *KERNEL_DTYPES)})
 
 
 def linear_reference(x, w, bias=None):
@@ -270,6 +277,11 @@ def linear_argmax(x, w, out=None, workspace=None, norm=None):
         logits = linear_reference(xn, w).astype(x.dtype).astype(np.float32)  # rounded as linear() stores them
         out[...] = np.argmax(logits, axis=1)
         return out
+    if m > GEMV_MAX_M[bits]:  # the logits through cuBLAS, then one block per row
+        logits = linear(x, w, norm=norm)
+        runtime.launch(runtime.kernel("linear", reduce_instantiation(x.dtype)), (m,), (1024,),
+                       (logits, NULL, out, np.int32(n)))
+        return out
     if norm is not None and not norm_fits(m, k, x.dtype):
         x, norm = rms_norm(x, *norm), None
     cp = runtime.require_cupy()
@@ -279,7 +291,7 @@ def linear_argmax(x, w, out=None, workspace=None, norm=None):
     if workspace.size < argmax_workspace_size(n):
         raise ValueError(f"workspace: got {workspace.size} elements, need >= {argmax_workspace_size(n)} "
                          "(argmax_workspace_size(N))")
-    reduce = runtime.kernel("linear", "linear_argmax_reduce_kernel")
+    reduce = runtime.kernel("linear", reduce_instantiation(np.float32))
     for m0 in range(0, m, GEMV_ROWS):
         mc = min(GEMV_ROWS, m - m0)
         tile = _tile(w, mc, n, k, "argmax")
@@ -331,36 +343,15 @@ def _scales(w):
     return w.scales_zeros if isinstance(w, Int4Weight) else w.scales if isinstance(w, Int8Weight) else NULL
 
 
-CUDA_DTYPES = {np.dtype(np.float16): 2, runtime.bfloat16: 14}  # cudaDataType CUDA_R_16F, CUDA_R_16BF
-CUDA_R_32F = 0  # cudaDataType of the fp32 scratch a bias is added in
-CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION = 16  # cublas_api.h (not exported by every CuPy build)
-
-
 def _prefill(x, w, bias, out):
-    """out = x @ W.T + bias through cuBLAS gemmEx (fp32 compute), rounded once. With a bias the product
-    goes to an fp32 scratch pre-filled with it (beta = 1), then to T: into a T output cuBLAS may round
-    the product before it adds C (H100, bf16, K = 8: -5.234 + 4.719 gave -0.5, not -0.5156)."""
+    """out = x @ W.T + bias through cuBLAS (ops.cublas: fp32 compute, capturable), rounded once. With a
+    bias the product goes to an fp32 scratch pre-filled with it (beta = 1), then to T: into a T output
+    cuBLAS may round the product before it adds C (H100, bf16, K = 8: -5.234 + 4.719 gave -0.5, not
+    -0.5156)."""
     cp = runtime.require_cupy()
-    from cupy_backends.cuda.libs import cublas
-
     wt = w if weight_bits(w) == 16 else dequantize_weight(w, x.dtype)
-    (m, k), n = x.shape, wt.shape[0]
-    acc = out if bias is None else cp.broadcast_to(bias.astype(cp.float32), (m, n)).copy()
-    alpha, beta = np.ones(1, np.float32), np.full(1, 0 if bias is None else 1, np.float32)
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    pointer_mode, math_mode = cublas.getPointerMode(handle), cublas.getMathMode(handle)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    # split-K partial sums stay fp32 (cuBLAS may otherwise reduce them in fp16 / bf16: a second rounding)
-    cublas.setMathMode(handle, math_mode | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)
-    t = CUDA_DTYPES[x.dtype]
-    try:  # column-major out.T [N, M] = W [N, K] (wt row-major = col-major [K, N], transposed) @ x.T
-        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, alpha.ctypes.data, wt.data.ptr, t, k,
-                      x.data.ptr, t, k, beta.ctypes.data, acc.data.ptr, t if bias is None else CUDA_R_32F, n,
-                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
-    finally:
-        cublas.setPointerMode(handle, pointer_mode)
-        cublas.setMathMode(handle, math_mode)
-    if bias is not None:
-        out[...] = acc  # the one rounding to T
+    if bias is None:
+        return gemm(x, wt, out)
+    acc = gemm(x, wt, cp.broadcast_to(bias.astype(cp.float32), out.shape).copy(), beta=1.0)
+    out[...] = acc  # the one rounding to T
     return out

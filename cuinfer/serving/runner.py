@@ -8,7 +8,8 @@
     tokens = pending.wait()                 # waits on that event only: list of ints
 
 A decode step (one new token per sequence: Model.decode) has a fixed shape once the number of
-sequences is rounded up to a batch bucket (1, 2, 4, 8, ...) and the longest context up to a
+sequences is rounded up to a batch bucket (BATCH_BUCKETS: fine enough that padding wastes at most
+a fifth of a step past 16 rows, then multiples of 64) and the longest context up to a
 context bucket (256, 512, 1024, ... tokens): the bucket sets the block-table width and the
 `max_context_len` bound that fixes paged_attention's split count and workspace. A bucket's
 inputs live in one static int32 device buffer
@@ -43,8 +44,9 @@ cuinfer.bench gaps`).
 A bucket's pinned input buffer is rewritten only after an event recorded behind its last
 host-to-device copy has completed: with a step in flight, that copy may not have run yet when the
 next step is packed. use_graphs=False runs the same step eagerly on the same buffers (same kernels,
-same order: the same tokens), as do buckets past Model.graph_batch_limit (fp16 weights above 16 rows go
-through cuBLAS, which cannot be captured).
+same order: the same tokens). Every bucket is captured: the linear layers past the GEMV's rows go
+through ops.cublas, whose handle has its own workspace (CuPy's cuBLAS wrapper refuses capture).
+graph_bytes() reports the device memory the graphs' pool holds.
 """
 from __future__ import annotations
 
@@ -56,11 +58,18 @@ from ..model.decoder import input_views, pack_inputs
 from ..ops import runtime
 
 MIN_CONTEXT_BUCKET = 256  # tokens
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # then multiples of 64
 
 
 def bucket(n: int, smallest: int = 1) -> int:
     """The smallest power of two that is >= n and >= smallest."""
     return max(smallest, 1 << max(0, n - 1).bit_length())
+
+
+def batch_bucket(n: int) -> int:
+    """The rows a decode step of n sequences runs: the smallest BATCH_BUCKETS entry >= n, past the
+    last a multiple of 64."""
+    return next((b for b in BATCH_BUCKETS if b >= n), -(-n // 64) * 64)
 
 
 def capture(fn, stream, pool):
@@ -104,7 +113,6 @@ class DecodeGraph:
         self.pool = self.cp.cuda.MemoryPool()  # the captured steps' temporaries, nothing else's
         self.stream = self.cp.cuda.Stream(non_blocking=True)  # capture cannot run on the legacy stream
         self.steps = {}
-        self.graph_limit = {g: model.graph_batch_limit(g) for g in (True, False)}
         self.readback = TokenReadback(self.cp)
 
     def run(self, token_ids, positions, block_tables, greedy: bool, device_tokens=None):
@@ -115,7 +123,7 @@ class DecodeGraph:
         token_ids' on the device (token_ids' values are then ignored)."""
         n = len(token_ids)
         bs = self.kv_cache.block_size
-        b, width = bucket(n), bucket(max(positions) + 1, MIN_CONTEXT_BUCKET) // bs
+        b, width = batch_bucket(n), bucket(max(positions) + 1, MIN_CONTEXT_BUCKET) // bs
         step = self.steps.get((b, width, greedy)) or self._new_step(b, width, greedy)
         if step.copied is not None:
             step.copied.synchronize()  # the last copy out of step.host has run: it may be rewritten
@@ -132,12 +140,16 @@ class DecodeGraph:
         step.copied.record(stream)
         if device_tokens is not None and not in_place:  # after the inputs' copy, before the step
             copy_async(self.cp, step.inputs.token_ids, device_tokens, n, rt.memcpyDeviceToDevice, stream)
-        if not self.use_graphs or b > self.graph_limit[greedy]:
+        if not self.use_graphs:
             return self._decode(step, greedy)[:n]
         if step.graph is None:
             self._capture(step, greedy)
         step.graph.launch()
         return step.out[:n]
+
+    def graph_bytes(self) -> int:
+        """Device memory held by the captured steps' pool (their temporaries), in bytes."""
+        return self.pool.total_bytes()
 
     def read_async(self, tokens) -> PendingTokens:
         """Start copying a step's int32 tokens (run's greedy output) to the host; see TokenReadback."""
