@@ -139,6 +139,14 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
 
     async def merged(jobs):
         """(choice index, RequestOutput) from every job as they come."""
+        if len(jobs) == 1:  # the common case: no task and queue in between
+            index, ids, params, rid = jobs[0]
+            started = time.perf_counter()
+            async for out in aengine.generate(ids, params, rid):
+                if out.finished:
+                    metrics.finished(out, started)
+                yield index, out
+            return
         q = asyncio.Queue()
 
         async def pump(index, ids, params, rid):

@@ -7,8 +7,8 @@
 
 Requests and aborts cross into the loop through one thread-safe queue; the loop drains it
 between steps (blocking on it when idle), so the engine is only ever touched by its own thread.
-Each request's outputs come back through its own asyncio.Queue, filled with
-loop.call_soon_threadsafe. The loop never detokenizes (engine.detokenize is turned off): each
+Each request's outputs come back through its own asyncio.Queue, a step's outputs with one
+loop.call_soon_threadsafe per event loop. The loop never detokenizes (engine.detokenize is turned off): each
 caller makes its request's text from the tokens (RequestText) and, when a stop string completes,
 ends its stream there and aborts the request. A caller that stops iterating (a client that disconnects) aborts its
 request, which frees its KV blocks at the loop's next turn.
@@ -84,8 +84,7 @@ class AsyncEngine:
             except Exception as e:  # an engine failure ends every request with its message
                 self._fail_all(e if isinstance(e, CuinferError) else CuinferError(f"engine step failed: {e!r}"))
                 continue
-            for out in outs:
-                self._deliver(out.request_id, out, out.finished)
+            self._deliver_step(outs)
         self._stopped = True
         self._fail_all(EngineStopped("the server is shutting down"))
 
@@ -110,6 +109,21 @@ class AsyncEngine:
             except CuinferError as e:
                 self._deliver(rid, e, True)
 
+    def _deliver_step(self, outs):
+        """A step's outputs to their queues: one call_soon_threadsafe per event loop (one wake-up of
+        it, not one per token)."""
+        by_loop = {}
+        for out in outs:
+            target = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop has closed: nobody is listening
+                for _, out in items:
+                    self.engine.abort_request(out.request_id)
+
     def _deliver(self, rid, item, last: bool):
         target = self._streams.pop(rid, None) if last else self._streams.get(rid)
         if target is not None:
@@ -123,6 +137,11 @@ class AsyncEngine:
         for rid in list(self._streams):
             self.engine.abort_request(rid)
             self._deliver(rid, error, True)
+
+
+def _put_all(items):
+    for out_queue, item in items:
+        out_queue.put_nowait(item)
 
 
 def with_text(out, text: RequestText):
