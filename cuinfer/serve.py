@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
 stream=true), GET /v1/models, /health, /metrics (Prometheus). The engine steps in its own
-thread (serving.async_engine); FastAPI's event loop only validates, tokenizes and writes JSON.
+process (serving.async_engine); this one validates, tokenizes, detokenizes and writes JSON.
 Bad requests get OpenAI's error body with a 4xx status, and never reach the engine.
 Needs the serve extra: pip install -e '.[serve]'.
 """
@@ -54,15 +54,16 @@ def sampling_params(req, prompt_len: int, max_len: int, index: int) -> SamplingP
                           ignore_eos=req.ignore_eos)
 
 
-def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: int = 1024):
-    """max_waiting: requests queued for admission past which new ones get 503 and Retry-After."""
+def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting: int = 1024):
+    """aengine: a started AsyncEngine; max_waiting: requests queued for admission past which new
+    ones get 503 and Retry-After."""
     import orjson
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import generate_latest
 
-    from .serving.async_engine import AsyncEngine
+    from .serving.engine import encode_prompt
     from .serving.metrics import Metrics
     from .serving.openai_protocol import (
         ChatCompletionRequest,
@@ -71,7 +72,6 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
         completion_logprobs,
     )
 
-    aengine = AsyncEngine(engine)
     metrics = Metrics(aengine)
     app = FastAPI(title="cuinfer", on_shutdown=[aengine.shutdown])
     app.state.aengine = aengine
@@ -116,7 +116,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
 
     def encode(prompt) -> list:
         try:
-            return engine.encode(prompt)
+            return encode_prompt(aengine.tokenizer, prompt)
         except CuinferError as e:
             raise APIError(400, str(e), param="prompt") from None
 
@@ -131,7 +131,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
             for k in range(req.n):
                 index = p * req.n + k
                 try:
-                    params = sampling_params(req, len(ids), engine.max_len, k)
+                    params = sampling_params(req, len(ids), aengine.max_len, k)
                 except CuinferError as e:
                     raise APIError(400, str(e)) from None
                 jobs.append((index, ids, params, f"{base}-{index}"))
@@ -200,7 +200,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
             choices = [{"index": i, "finish_reason": finals[i].finish_reason,
                         **({"message": {"role": "assistant", "content": texts[i]}} if chat
                            else {"text": texts[i]}),
-                        "logprobs": to_logprobs(engine.tokenizer, finals[i].token_ids, lps[i])}
+                        "logprobs": to_logprobs(aengine.tokenizer, finals[i].token_ids, lps[i])}
                        for i in sorted(finals)]
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
                                  "choices": choices, "usage": usage(finals)})
@@ -222,7 +222,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
                     if out.new_token_ids or out.finished:  # one chunk a token (its text may be held back)
                         piece = {"content": out.new_text} if chat else None
                         lp = (chat_logprobs if chat else completion_logprobs)(
-                            engine.tokenizer, out.new_token_ids, out.new_logprobs)
+                            aengine.tokenizer, out.new_token_ids, out.new_logprobs)
                         yield chunk([{"index": i, **({"delta": piece} if chat else {"text": out.new_text}),
                                       "finish_reason": out.finish_reason, "logprobs": lp}])
             except CuinferError as e:
@@ -240,7 +240,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, max_waiting: 
         check_model(req)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = engine.tokenizer.encode_chat(messages)
+            ids = aengine.tokenizer.encode_chat(messages)
         except (ValueError, CuinferError) as e:  # a non-text content part, a template that fails
             raise APIError(400, str(e), param="messages") from None
         return await respond(req, [ids], chat=True)
@@ -280,18 +280,19 @@ def main(argv=None) -> int:
         return 2
     try:
         from .io.checkpoint import resolve_checkpoint
-        from .serving.engine import Engine
+        from .serving.async_engine import AsyncEngine
 
         path = resolve_checkpoint(args.checkpoint)
-        engine = Engine.from_pretrained(path, device=args.device, dtype=args.dtype, quant=args.quant,
-                                        kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
-                                        max_num_seqs=args.max_num_seqs)
+        device = runtime.pick_device(args.device)
+        aengine = AsyncEngine.start(path, device=device, dtype=args.dtype, quant=args.quant,
+                                    kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
+                                    max_num_seqs=args.max_num_seqs)
     except (CuinferError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or path.name
-    app = build_app(engine, name, args.api_key, args.max_waiting)
-    print(f"cuinfer serving {name} on {runtime.pick_device(args.device)} at http://{args.host}:{args.port}/v1",
+    app = build_app(aengine, name, args.api_key, args.max_waiting)
+    print(f"cuinfer serving {name} on {device} at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.aengine = app.state.aengine

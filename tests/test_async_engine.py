@@ -1,7 +1,7 @@
-"""AsyncEngine (the server's step loop): its text, stop strings included, equals Engine.generate's,
-and the step loop thread never detokenizes."""
+"""AsyncEngine (the server's engine process): its text, stop strings included, equals
+Engine.generate's; a stop string aborts the request in the engine; cut steps keep their tokens
+straight."""
 import asyncio
-import threading
 
 import pytest
 from helpers import make_tiny_checkpoint
@@ -19,23 +19,17 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("async"))
 
 
-def run_async(engine, prompts, params):
-    aengine = AsyncEngine(engine)
-
+def run_async(aengine, prompts, params):
     async def one(i, prompt):
-        outs = [out async for out in aengine.generate(engine.encode(prompt), params, f"r{i}")]
-        return outs
+        return [out async for out in aengine.generate(aengine.tokenizer.encode(prompt), params, f"r{i}")]
 
     async def main():
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
-    try:
-        return asyncio.run(main())
-    finally:
-        aengine.shutdown()
+    return asyncio.run(main())
 
 
-def test_text_and_stop_strings_equal_the_engines_and_the_loop_never_detokenizes(ckpt):
+def test_text_and_stop_strings_equal_the_engines(ckpt):
     plain = Engine.from_pretrained(ckpt, device="cpu", kv_tokens=4096)
     free = plain.generate(PROMPTS, SamplingParams(max_new_tokens=24))
     # a stop string from the middle of each free-running text: every request stops on one
@@ -45,19 +39,32 @@ def test_text_and_stop_strings_equal_the_engines_and_the_loop_never_detokenizes(
     want = plain.generate(PROMPTS, params)
     assert any(o.finish_reason == "stop" for o in want)
 
-    engine = Engine.from_pretrained(ckpt, device="cpu", kv_tokens=4096)
-    threads = set()
-    decode = engine.tokenizer.decode
-    engine.tokenizer.decode = lambda *a, **k: threads.add(threading.current_thread().name) or decode(*a, **k)
-    got = run_async(engine, PROMPTS, params)
+    aengine = AsyncEngine.start(ckpt, device="cpu", kv_tokens=4096)
+    try:
+        got = run_async(aengine, PROMPTS, params)
+        for outs, w in zip(got, want):
+            last = outs[-1]
+            assert "".join(o.new_text for o in outs) == last.text == w.text
+            assert last.token_ids == w.token_ids and last.finish_reason == w.finish_reason
+            assert sum(len(o.new_token_ids) for o in outs) == len(last.token_ids)
+        stats = aengine.stats()
+        for _ in range(100):  # the aborts of the stopped requests reach the engine process
+            if stats["running"] == 0:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+            stats = aengine.stats()
+        assert stats == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+    finally:
+        aengine.shutdown()
 
-    assert "cuinfer-step-loop" not in threads and threads
-    for outs, w in zip(got, want):
-        last = outs[-1]
-        assert "".join(o.new_text for o in outs) == last.text == w.text
-        assert last.token_ids == w.token_ids and last.finish_reason == w.finish_reason
-        assert sum(len(o.new_token_ids) for o in outs) == len(last.token_ids)
-    assert engine.scheduler.has_work() is False and engine.kv_cache_usage() == 0.0
+
+def test_a_bad_checkpoint_fails_start_with_its_message(tmp_path):
+    from cuinfer.errors import CuinferError
+
+    ckpt = make_tiny_checkpoint(tmp_path)
+    (ckpt / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    with pytest.raises(CuinferError, match="NoSuchForCausalLM|architecture"):
+        AsyncEngine.start(ckpt, device="cpu")
 
 
 class Chars:

@@ -42,6 +42,19 @@ class PromptTooLongError(CuinferError):
     pass
 
 
+def encode_prompt(tokenizer, prompt) -> list:
+    """A prompt as token ids: a list of ints is taken as is, a string goes through the tokenizer."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise CuinferError("this engine has no tokenizer: pass prompts as token id lists")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # undecodable bytes from a command line arrive as surrogates
+            raise CuinferError(f"prompt: not valid UTF-8 (character {e.start})") from None
+        return list(tokenizer.encode(prompt))
+    return [int(t) for t in prompt]
+
+
 @dataclass
 class RequestOutput:
     """A request after a step: the new text and tokens of this step, and everything so far."""
@@ -153,16 +166,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt) -> list:
-        """A prompt as token ids: a list of ints is taken as is, a string goes through the tokenizer."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise CuinferError("this engine has no tokenizer: pass prompts as token id lists")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # undecodable bytes from a command line arrive as surrogates
-                raise CuinferError(f"prompt: not valid UTF-8 (character {e.start})") from None
-            return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        """A prompt as token ids (encode_prompt with this engine's tokenizer)."""
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt, params: SamplingParams = DEFAULT_PARAMS, request_id=None) -> str:
         """Queue a prompt (a string or token ids) at any time; the next step() may run it."""
