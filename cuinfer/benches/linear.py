@@ -1,6 +1,8 @@
 """Linear layers: decode GEMV with fp16, INT8 and INT4 g128 weights against cuBLAS and torch fp16.
 
-Llama-3-8B shapes (in_features K, out_features N) at M = 1, 4, 16 rows of x. Bytes = the
+Llama-3-8B shapes (in_features K, out_features N) at M = 1, 4, 16 rows of x (decode GEMVs) and 32,
+64, 128, 256 (the serving batches: quantized weights in 16-row GEMV chunks up to 64, then like fp16
+past 16 rows a dequantized copy through cuBLAS). Bytes = the
 weight's bytes (qweight + scales + zeros) plus x and y. Every variant, ours and the
 peers', is timed over 20 back-to-back calls queued behind a long copy (queued_ms) that cycle
 through enough weight copies (>= 120 MB) that each call streams its weight from HBM, not
@@ -20,7 +22,7 @@ from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, stages_x, t
 from ..ops.quant import Int4Weight, Int8Weight
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
-ROWS_M = (1, 4, 16)
+ROWS_M = (1, 4, 16, 32, 64, 128, 256)
 REPS = 20
 ROTATE_BYTES = 120 << 20
 
