@@ -32,6 +32,7 @@ from .block_manager import BlockManager
 from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniform, sample
 from .scheduler import PENDING, Scheduler, Sequence
+from .spec import NO_DRAFT, make_speculator, verify
 
 CPU_KV_TOKENS = 16384
 DEFAULT_PARAMS = SamplingParams()
@@ -74,6 +75,14 @@ class Stats:
     preemptions: int = 0
     pipelined_steps: int = 0  # decode steps launched before the previous step's tokens were read
     peak_kv_blocks: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
+    accepted_tokens: int = 0  # of those, accepted
+    verify_rows: int = 0  # sequences' verify steps that carried drafts
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence gained per verify step with drafts (its accepted drafts plus one)."""
+        return (self.accepted_tokens + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
     kv: dict = field(default_factory=dict)  # kv_memory() of the finished sequences
 
 
@@ -105,11 +114,13 @@ class _Launched:
 class Engine:
     def __init__(self, model: Model, kv_cache: KVCache, tokenizer=None, eos_token_ids=(),
                  max_batch_tokens: int = 512, max_num_seqs: int = 256, seed: int = 0, use_graphs: bool = True,
-                 async_decode: bool = True, decoder=None, enable_prefix_caching: bool = True):
+                 async_decode: bool = True, decoder=None, enable_prefix_caching: bool = True,
+                 speculative=None, num_speculative_tokens: int = 4):
         """decoder: DecodeGraph's interface (run, read_async) for decode steps; default: a
         DecodeGraph on the GPU, none on the CPU (tests pass a stand-in, built as decoder(scratch
         block)). The decoder's scratch block is the pool's last, kept out of the block manager.
-        async_decode=False never pipelines."""
+        async_decode=False never pipelines. speculative: None, "ngram" or a draft Model (same
+        tokenizer), proposing up to num_speculative_tokens tokens a step (docs/speculative.md)."""
         self.model, self.kv_cache, self.tokenizer = model, kv_cache, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         if decoder is None and model.xp is not np:
@@ -125,6 +136,7 @@ class Engine:
         self._requests = {}  # request id -> _Request, until its final output is returned
         self._ids = itertools.count()
         self.stats = Stats()
+        self.spec = make_speculator(speculative, num_speculative_tokens, model, kv_cache)
 
     @classmethod
     def from_pretrained(cls, path=None, device=None, dtype=None, quant=None, kv_tokens=None,
@@ -213,6 +225,8 @@ class Engine:
                 raise CuinferError("the scheduler found nothing to run: the KV cache is too small")
             self.stats.preemptions += self.scheduler.num_preemptions - preempted
             self._note_kv_blocks()
+            if self.spec is not None and self.spec.wants(plan):
+                return self._spec_step(plan, t0)
             if not self._launches(plan):
                 return self._sync_step(plan, t0)
             self._inflight = self._launch([s for s, _ in plan], None)
@@ -246,6 +260,8 @@ class Engine:
     def _may_pipeline(self, seqs) -> bool:
         """Whether the step after `seqs`' in-flight step may be launched before its tokens are read
         (docs/serving.md); if so, the scheduler has reserved its KV slots. Host logic only."""
+        if self.spec is not None and any(self.spec.due(s) for s in seqs):
+            return False  # the next step verifies drafts: it is built from the real tokens
         waiting = bool(self.scheduler.waiting)
         for s in seqs:
             if s.finish_reason is not None:
@@ -324,6 +340,51 @@ class Engine:
         else:
             self.stats.decode_s += elapsed
             self.stats.decode_tokens += len(events)
+        return events
+
+    def _spec_step(self, plan, t0) -> list:
+        """A verify step (cuinfer/serving/spec.py): every sequence decodes its last token and the due
+        ones their drafts after it, in one forward; each keeps what the verification accepts, and
+        the slots of rejected drafts are rolled back. Without any draft: a plain synchronous step."""
+        seqs = [s for s, _ in plan]
+        reqs = [self._requests[s.seq_id] for s in seqs]
+        budgets = self.spec.budgets(seqs, self.max_len)
+        drafts = self.spec.propose(seqs, budgets, [r.seed for r in reqs])
+        drafts = [d if d.tokens and self.scheduler.reserve_draft(s, len(d.tokens)) else NO_DRAFT
+                  for s, d in zip(seqs, drafts)]
+        if not any(d.tokens for d in drafts):
+            for s, k in zip(seqs, budgets):
+                if k:
+                    self.spec.record(s, 0, 0)
+            return self._sync_step(plan, t0)
+        self._note_kv_blocks()
+        chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
+                  for s, d in zip(seqs, drafts)]
+        batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
+        logits = self.model.forward(batch, self.kv_cache, all_logits=True)
+        kept = verify(logits, seqs, drafts, [r.seed for r in reqs])
+        now = time.perf_counter()
+        events = []
+        for s, r, d, k, tokens in zip(seqs, reqs, drafts, budgets, kept):
+            self.scheduler.computed(s, len(tokens))  # the last token and the accepted drafts
+            outs = []
+            for t in tokens:
+                outs.append(self._append(r, t, now))
+                if s.finish_reason is not None:
+                    break
+            self.scheduler.rollback(s)
+            if k:
+                self.spec.record(s, len(d.tokens), len(tokens) - 1)
+            if d.tokens:
+                self.stats.draft_tokens += len(d.tokens)
+                self.stats.accepted_tokens += len(tokens) - 1
+                self.stats.verify_rows += 1
+            last = outs[-1]
+            last.new_text = "".join(o.new_text for o in outs)
+            last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+            events.append(last)
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.decode_tokens += sum(len(o.new_token_ids) for o in events)
         return events
 
     def _run_model(self, plan):
