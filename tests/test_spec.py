@@ -1,0 +1,242 @@
+"""Speculative decoding on the NumPy backend: the ngram proposer, greedy verification (the engine's
+tokens equal plain decoding at batch > 1 with prefix caching, preemption, abort, stops and
+pipelined decode), rejection sampling (chi-square tests that fail for a wrong sampler), backoff."""
+import numpy as np
+import pytest
+from test_engine import CharTokenizer, NumpyDecoder, make_engine, small_config
+from test_model import random_tensors, tiny_config
+from test_serving import run_online
+
+from cuinfer.errors import CuinferError
+from cuinfer.model.decoder import Batch, Model
+from cuinfer.serving import spec
+from cuinfer.serving.sampling import SamplingParams
+from cuinfer.serving.spec import accept_greedy, accept_sampled, inverse_cdf, ngram_match
+
+
+@pytest.fixture(scope="module")
+def cpu_model():
+    cfg = small_config()
+    return Model.from_tensors(cfg, random_tensors(cfg, seed=3), "cpu")
+
+
+def test_ngram_match_prefers_the_longest_suffix():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12
+    seq = [5, 1, 2, 9, 9, 7, 1, 2, 3, 4, 8, 1, 2]
+    assert ngram_match(seq, 3) == [3, 4, 8]  # "1 2" occurs at 1 and 6: the latest with 3 tokens after
+    assert ngram_match(seq + [3], 2) == [4, 8]  # "1 2 3" (n = 3) at 6
+    assert ngram_match([4, 5, 6, 7], 3) == []  # no earlier occurrence of any suffix
+    assert ngram_match([7, 7, 7], 4) == [7]  # the longest continuation when none holds k tokens
+    assert ngram_match([1, 2, 3, 4, 1, 2, 3, 4, 0, 2, 3, 4], 2) == [0, 2]  # "2 3 4" at 1 and 5: the latest
+    assert ngram_match([3], 2) == []
+
+
+def test_accept_greedy():
+    assert accept_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]
+    assert accept_greedy([4, 9, 6, 7], [4, 5, 6]) == [4, 9]
+    assert accept_greedy([1, 2], [3]) == [1]
+    assert accept_greedy([2], []) == [2]
+
+
+def chi2_fails(counts, probs, alpha_z=3.719) -> bool:
+    """Pearson's chi-square test of counts against probs at the 1e-4 level (z of the normal's
+    1 - 1e-4 quantile; the chi-square quantile by Wilson-Hilferty); cells expecting fewer than 5
+    draws are pooled."""
+    counts, expected = np.asarray(counts, float), np.asarray(probs, float) * np.sum(counts)
+    small = expected < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token with probability 0 was drawn"
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = keep.sum() - 1
+    crit = df * (1 - 2 / (9 * df) + alpha_z * np.sqrt(2 / (9 * df))) ** 3
+    return stat > crit
+
+
+def run_rejection(sampler, p, q, trials, rng):
+    """(first tokens, second tokens where there is one) of `sampler` with k = len(q) drafts drawn
+    from the rows of q (None: fixed draft tokens 0, 1, 2, ...)."""
+    k = len(p) - 1
+    first, second = [], []
+    for _ in range(trials):
+        drafts = [int(rng.choice(len(p[j]), p=q[j])) for j in range(k)] if q is not None else list(range(k))
+        out = sampler(p, drafts, q, rng.random(k + 1))
+        first.append(out[0])
+        if len(out) > 1:
+            second.append(out[1])
+    return np.bincount(first, minlength=p.shape[1]), np.bincount(second, minlength=p.shape[1])
+
+
+def wrong_sampler(p, drafts, q, u):
+    """The classic bug: a rejected draft replaced by a draw from p instead of max(0, p - q)."""
+    for j, x in enumerate(drafts):
+        if u[j] * q[j, x] >= p[j, x]:
+            return list(drafts[:j]) + [inverse_cdf(p[j], u[-1])]
+    return list(drafts) + [inverse_cdf(p[len(drafts)], u[-1])]
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_rejection_sampling_follows_the_target(with_q):
+    rng = np.random.default_rng(0)
+    vocab, k = 6, 3
+    p = rng.dirichlet(np.ones(vocab), size=k + 1)
+    q = rng.dirichlet(np.ones(vocab), size=k) if with_q else None
+    first, second = run_rejection(accept_sampled, p, q, 20000, rng)
+    assert not chi2_fails(first, p[0]) and not chi2_fails(second, p[1])
+    assert 0 < second.sum() < 20000  # drafts were both accepted and rejected
+    if with_q:
+        first, _ = run_rejection(wrong_sampler, p, q, 20000, rng)
+        assert chi2_fails(first, p[0]), "the test cannot tell a wrong sampler"
+
+
+def test_inverse_cdf_never_picks_a_zero_weight():
+    w = np.array([0.0, 0.3, 0.0, 0.7, 0.0])
+    assert [inverse_cdf(w, u) for u in (0.0, 0.29, 0.31, 0.999999)] == [1, 1, 3, 3]
+
+
+def repetitive_prompts(n, seed=0, vocab=97):
+    """Prompts that repeat a passage (what prompt lookup is for), some sharing a 40-token prefix."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, 40).tolist()
+    out = []
+    for i in range(n):
+        passage = rng.integers(0, vocab, int(rng.integers(8, 30))).tolist()
+        out.append((shared if i % 2 else []) + passage * 3 + passage[:int(rng.integers(1, 6))])
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_tokens_equal_plain_decoding_online(cpu_model, k):
+    """Requests arriving two a step, two aborted mid-way, a KV cache small enough to preempt, prefix
+    caching on: every finished request's tokens equal plain decoding's."""
+    prompts = repetitive_prompts(12)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    abort_at = {3: 5, 8: 9}
+    plain = run_online(make_engine(cpu_model, 4096), prompts, params, abort_at)
+    eng = make_engine(cpu_model, 640, max_batch_tokens=96, speculative="ngram", num_speculative_tokens=k)
+    got = run_online(eng, prompts, params, abort_at)
+    assert eng.scheduler.num_preemptions > 0 and eng.blocks.hit_tokens > 0
+    assert eng.stats.accepted_tokens > 0 and eng.stats.draft_tokens > eng.stats.accepted_tokens
+    assert set(got) == set(plain) and len(got) == len(prompts) - 2
+    for i in plain:
+        assert got[i] == plain[i], f"prompt {i}"
+        assert len(got[i]) == 30
+    eng.blocks.check()
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_greedy_with_stops_and_pipelined_decode(cpu_model):
+    """End tokens and stop strings inside accepted drafts end the text where plain decoding does;
+    with the pipelined decoder between verify steps the tokens are the same."""
+    tok = CharTokenizer()
+    prompts = repetitive_prompts(6, seed=1)
+    plain_eng = make_engine(cpu_model, 4096, tokenizer=tok)
+    full = plain_eng.generate(prompts, SamplingParams(max_new_tokens=40))
+    eos = full[0].token_ids[12]
+    stop = full[1].text[20:22]
+    params = SamplingParams(max_new_tokens=40, stop=(stop,))
+    want = make_engine(cpu_model, 4096, tokenizer=tok, eos=(eos,)).generate(prompts, params)
+    for kw in ({}, dict(decoder=NumpyDecoder, async_decode=True)):
+        eng = make_engine(cpu_model, 4096, tokenizer=tok, eos=(eos,), speculative="ngram", **kw)
+        got = eng.generate(prompts, params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
+            [(o.token_ids, o.text, o.finish_reason) for o in want]
+        assert eng.stats.accepted_tokens > 0
+    assert any(o.finish_reason == "stop" for o in want) and any(o.finish_reason == "length" for o in want)
+    assert eng.stats.pipelined_steps > 0  # backoff lets the decoder pipeline where drafts fail
+
+
+def test_streamed_text_and_tokens_are_complete(cpu_model):
+    tok = CharTokenizer()
+    eng = make_engine(cpu_model, 4096, tokenizer=tok, speculative="ngram")
+    prompts = repetitive_prompts(3, seed=2)
+    params = SamplingParams(max_new_tokens=25, ignore_eos=True)
+    rid = eng.add_request(prompts[0], params)
+    tokens, text, multi = [], "", False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id == rid
+            tokens += out.new_token_ids
+            text += out.new_text
+            multi |= len(out.new_token_ids) > 1
+    assert multi and tokens == out.token_ids and text == out.text and len(tokens) == 25
+
+
+def test_backoff_stops_verifying_what_never_matches(cpu_model):
+    """Drafts that are always rejected: after each miss the sequence decodes plainly for twice as
+    many tokens (up to MAX_BACKOFF), so 200 tokens take few verify steps, and the same tokens."""
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    prompt = list(range(40))
+    plain = make_engine(cpu_model, 4096).generate([prompt], params)[0].token_ids
+    never = min(set(range(97)) - set(plain))
+    eng = make_engine(cpu_model, 4096, speculative="ngram", num_speculative_tokens=4)
+    eng.spec.proposer = type("Wrong", (), {"propose": lambda self, seqs, ks, seeds: [
+        spec.Draft([never] * k) for k in ks]})()
+    assert eng.generate([prompt], params)[0].token_ids == plain
+    assert eng.stats.accepted_tokens == 0 and 0 < eng.stats.verify_rows <= 10
+    s = spec.Speculator(spec.NgramProposer(), 4)
+    seq = eng.scheduler.running or type("S", (), {})()
+    seq.params, seq.output_ids = params, [0] * 10
+    assert s.due(seq)
+    s.record(seq, 4, 0)
+    s.record(seq, 4, 0)
+    assert not s.due(seq)
+    seq.output_ids += [0] * 4
+    assert s.due(seq)
+    s.record(seq, 4, 2)
+    assert s.due(seq)
+
+
+def test_bad_options_are_one_clear_error(cpu_model):
+    with pytest.raises(CuinferError, match="speculative: got 'eagle'"):
+        make_engine(cpu_model, 1024, speculative="eagle")
+    with pytest.raises(CuinferError, match="num_speculative_tokens: got 0"):
+        make_engine(cpu_model, 1024, speculative="ngram", num_speculative_tokens=0)
+
+
+def next_token_probs(model, prefixes):
+    """float64 [len(prefixes), vocab]: softmax of the model's next-token logits after each prefix."""
+    from cuinfer.model.kv_cache import CacheShape, KVCache
+
+    cfg = model.config
+    out = []
+    for ids in prefixes:
+        cache = KVCache.allocate(CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16),
+                                 model.dtype, np, 64)
+        batch = Batch.from_chunks([(ids, 0, list(range(4)))], 16)
+        z = model.forward(batch, cache)[0].astype(np.float64)
+        out.append(np.exp(z - z.max()) / np.exp(z - z.max()).sum())
+    return np.array(out)
+
+
+def sampled_triples(model, prompt, n):
+    """Counts [vocab ** 3] of the three tokens of n seeded requests (temperature 1, all admitted in
+    one step: the first token comes from the prompt's step, the next two from a verify step of one
+    draft), and the engine's stats."""
+    vocab = model.config.vocab_size
+    eng = make_engine(model, 65536, max_batch_tokens=32768, max_num_seqs=n, speculative="ngram",
+                      num_speculative_tokens=3)
+    outs = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s) for s in range(n)])
+    cells = [(o.token_ids[0] * vocab + o.token_ids[1]) * vocab + o.token_ids[2] for o in outs]
+    return np.bincount(cells, minlength=vocab ** 3), eng.stats
+
+
+def test_sampled_tokens_follow_the_model_in_the_engine(monkeypatch):
+    """Four-token vocabulary, a prompt whose continuation prompt lookup drafts: over 3,000 seeds the
+    three tokens follow the model's joint distribution; always accepting the drafts fails."""
+    cfg = tiny_config(vocab_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = Model.from_tensors(cfg, random_tensors(cfg, seed=5), "cpu")
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    p1 = next_token_probs(model, [prompt])[0]
+    p2 = next_token_probs(model, [prompt + [a] for a in range(4)])
+    p3 = next_token_probs(model, [prompt + [a, b] for a in range(4) for b in range(4)]).reshape(4, 4, 4)
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    counts, stats = sampled_triples(model, prompt, 3000)
+    assert stats.verify_rows == 3000 and 300 < stats.accepted_tokens < 2700
+    assert not chi2_fails(counts, joint)
+    monkeypatch.setattr(spec, "accept_sampled", lambda p, d, q, u: list(d) + [inverse_cdf(p[len(d)], u[-1])])
+    counts, _ = sampled_triples(model, prompt, 3000)
+    assert chi2_fails(counts, joint), "the test cannot tell a sampler that keeps every draft"
