@@ -55,9 +55,10 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """Numbers for /metrics, read without locking (each is one attribute read)."""
-        sched = self.engine.scheduler
+        sched, st = self.engine.scheduler, self.engine.stats
         return {"running": len(sched.running), "waiting": len(sched.waiting),
-                "kv_cache_usage": self.engine.kv_cache_usage()}
+                "kv_cache_usage": self.engine.kv_cache_usage(),
+                "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens}
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._inbox.put(("stop",))

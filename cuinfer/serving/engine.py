@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import CuinferError
 from ..model.decoder import Batch, Model
-from ..model.kv_cache import CacheShape, KVCache, kv_memory
+from ..model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_memory
 from ..ops import runtime
 from .block_manager import BlockManager
 from .runner import DecodeGraph
@@ -136,14 +136,18 @@ class Engine:
         self._requests = {}  # request id -> _Request, until its final output is returned
         self._ids = itertools.count()
         self.stats = Stats()
-        self.spec = make_speculator(speculative, num_speculative_tokens, model, kv_cache)
+        self.spec = make_speculator(speculative, num_speculative_tokens, model, kv_cache, use_graphs)
 
     @classmethod
     def from_pretrained(cls, path=None, device=None, dtype=None, quant=None, kv_tokens=None,
                         block_size: int = 16, max_batch_tokens: int = 512, max_num_seqs: int = 256,
                         seed: int = 0, use_graphs: bool = True, async_decode: bool = True,
-                        enable_prefix_caching: bool = True) -> Engine:
-        """path: a checkpoint directory (None: the default model); device None: the GPU if found."""
+                        enable_prefix_caching: bool = True, speculative=None, speculative_model=None,
+                        num_speculative_tokens: int = 4) -> Engine:
+        """path: a checkpoint directory (None: the default model); device None: the GPU if found.
+        speculative "ngram", or speculative_model (a checkpoint with the same tokenizer, loaded
+        like the target: its KV cache holds as many tokens as the target's, the two sharing the
+        default memory budget)."""
         from ..io.checkpoint import load_checkpoint, resolve_checkpoint
         from ..io.tokenizer import Tokenizer
 
@@ -152,13 +156,24 @@ class Engine:
         config, tensors = load_checkpoint(path)
         model = Model.from_tensors(config, tensors, device, dtype, quant)
         del tensors
+        fraction = 0.8
+        if speculative_model is not None:
+            if speculative is not None:
+                raise CuinferError("speculative: give 'ngram' or a speculative model, not both")
+            draft_config, draft_tensors = load_checkpoint(resolve_checkpoint(speculative_model))
+            speculative = Model.from_tensors(draft_config, draft_tensors, device, dtype)
+            del draft_tensors
+            per_token = [bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, m.dtype)
+                         for c, m in ((config, model), (draft_config, speculative))]
+            fraction *= per_token[0] / sum(per_token)
         shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
         if device == "cpu" and kv_tokens is None:
             kv_tokens = CPU_KV_TOKENS
-        cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
+        cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens, memory_fraction=fraction)
         tok = Tokenizer.from_pretrained(path)
         return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, max_num_seqs, seed=seed,
-                   use_graphs=use_graphs, async_decode=async_decode, enable_prefix_caching=enable_prefix_caching)
+                   use_graphs=use_graphs, async_decode=async_decode, enable_prefix_caching=enable_prefix_caching,
+                   speculative=speculative, num_speculative_tokens=num_speculative_tokens)
 
     # ------------------------------------------------------------------ requests
 

@@ -186,7 +186,7 @@ def verify(logits, seqs, drafts, seeds) -> list:
     return kept
 
 
-def make_speculator(speculative, num_tokens: int, target, kv_cache):
+def make_speculator(speculative, num_tokens: int, target, kv_cache, use_graphs: bool = True):
     """The engine's Speculator: None (no speculation), "ngram", or a draft Model with the target's
     vocabulary (it gets a KV cache of kv_cache's size: serving/draft.py)."""
     if speculative is None:
@@ -197,4 +197,4 @@ def make_speculator(speculative, num_tokens: int, target, kv_cache):
         raise CuinferError(f"speculative: got {speculative!r}, need 'ngram' or a draft model")
     from .draft import DraftProposer
 
-    return Speculator(DraftProposer(speculative, target, kv_cache), num_tokens)
+    return Speculator(DraftProposer(speculative, target, kv_cache, use_graphs), num_tokens)
