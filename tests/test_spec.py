@@ -240,3 +240,68 @@ def test_sampled_tokens_follow_the_model_in_the_engine(monkeypatch):
     monkeypatch.setattr(spec, "accept_sampled", lambda p, d, q, u: list(d) + [inverse_cdf(p[len(d)], u[-1])])
     counts, _ = sampled_triples(model, prompt, 3000)
     assert chi2_fails(counts, joint), "the test cannot tell a sampler that keeps every draft"
+
+
+@pytest.fixture(scope="module")
+def other_model():
+    """small_config with other weights: a draft that is often wrong."""
+    cfg = small_config()
+    return Model.from_tensors(cfg, random_tensors(cfg, seed=4), "cpu")
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_greedy_tokens_equal_plain_decoding_online(cpu_model, other_model, draft):
+    prompts = repetitive_prompts(10, seed=3)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    abort_at = {2: 6}
+    plain = run_online(make_engine(cpu_model, 4096), prompts, params, abort_at)
+    d = cpu_model if draft == "same" else other_model
+    eng = make_engine(cpu_model, 640, max_batch_tokens=96, speculative=d, num_speculative_tokens=3)
+    assert run_online(eng, prompts, params, abort_at) == plain
+    assert eng.scheduler.num_preemptions > 0
+    st = eng.stats
+    if draft == "same":  # the target drafting for itself: every draft accepted
+        assert st.accepted_tokens == st.draft_tokens > 0 and st.mean_accepted_length > 3
+    else:
+        assert st.draft_tokens > st.accepted_tokens
+    proposer = eng.spec.proposer
+    proposer.blocks.check()
+    proposer.propose([], [], [])  # drops the finished sequences' state
+    assert proposer.blocks.num_free == proposer.blocks.num_blocks
+
+
+def test_draft_model_sampled_tokens_follow_the_target(monkeypatch):
+    """As the ngram test, with a draft model whose distributions q differ from the target's: the
+    three tokens follow the target; resampling a rejected draft from p instead of max(0, p - q) fails."""
+    cfg = tiny_config(vocab_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = Model.from_tensors(cfg, random_tensors(cfg, seed=5), "cpu")
+    draft = Model.from_tensors(cfg, random_tensors(cfg, seed=6), "cpu")
+    prompt = [3, 1, 0, 2, 2, 1]
+    p1 = next_token_probs(model, [prompt])[0]
+    p2 = next_token_probs(model, [prompt + [a] for a in range(4)])
+    p3 = next_token_probs(model, [prompt + [a, b] for a in range(4) for b in range(4)]).reshape(4, 4, 4)
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+
+    def triples():
+        eng = make_engine(model, 65536, max_batch_tokens=32768, max_num_seqs=3000, speculative=draft,
+                          num_speculative_tokens=3)
+        outs = eng.generate([prompt] * 3000, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s)
+                                              for s in range(3000)])
+        cells = [(o.token_ids[0] * 4 + o.token_ids[1]) * 4 + o.token_ids[2] for o in outs]
+        return np.bincount(cells, minlength=64), eng.stats
+
+    counts, stats = triples()
+    assert stats.verify_rows == 3000 and 300 < stats.accepted_tokens < 2700
+    assert not chi2_fails(counts, joint)
+    monkeypatch.setattr(spec, "accept_sampled", wrong_sampler)
+    counts, _ = triples()
+    assert chi2_fails(counts, joint), "the test cannot tell a sampler that resamples from p"
+
+
+def test_draft_model_needs_the_target_vocabulary(cpu_model):
+    cfg = tiny_config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    small = Model.from_tensors(cfg, random_tensors(cfg, seed=1), "cpu")
+    with pytest.raises(CuinferError, match="vocabulary of 50 tokens, the target's has 97"):
+        make_engine(cpu_model, 1024, speculative=small)
