@@ -305,3 +305,35 @@ def test_draft_model_needs_the_target_vocabulary(cpu_model):
     small = Model.from_tensors(cfg, random_tensors(cfg, seed=1), "cpu")
     with pytest.raises(CuinferError, match="vocabulary of 50 tokens, the target's has 97"):
         make_engine(cpu_model, 1024, speculative=small)
+
+
+def test_padded_verify_batch_gives_the_rows_of_the_chunks(cpu_model):
+    """The GPU verifier's static layout (chunks padded to one q_len, the batch to a bucket, slot -1
+    for padding), run on the NumPy backend: the real rows' logits and the KV cache equal those of
+    the chunks as they are, and padding writes no slot."""
+    from cuinfer.model.kv_cache import CacheShape, KVCache
+    from cuinfer.serving.verify import batch_views, pack_chunks
+
+    cfg, bs = cpu_model.config, 16
+    shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs)
+    caches = [KVCache.allocate(shape, np.float32, np, 1024) for _ in range(2)]
+    rng = np.random.default_rng(0)
+    chunks = [(rng.integers(0, 97, n).tolist(), start, table)
+              for n, start, table in ((3, 0, [5]), (1, 17, [2, 7]), (5, 30, [9, 3, 4]))]
+    prefixes = [(rng.integers(0, 97, start).tolist(), 0, table) for _, start, table in chunks if start]
+    for cache in caches:  # the same cached prefixes in both
+        cpu_model.forward(Batch.from_chunks(prefixes, bs), cache)
+    want = cpu_model.forward(Batch.from_chunks(chunks, bs), caches[0], all_logits=True)
+    b, q, width = 4, 5, 4
+    buf = np.zeros(b * (3 * q + 2 + width) + 1, dtype=np.int32)
+    pack_chunks(buf, chunks, b, q, width, bs)
+    batch = batch_views(buf, b, q, width)
+    assert (batch.slot_mapping == -1).sum() == b * q - 9
+    got = cpu_model.forward(batch, caches[1], all_logits=True)
+    rows = [0, 1, 2, 5, 10, 11, 12, 13, 14]
+    np.testing.assert_allclose(got[rows], want, rtol=1e-5, atol=1e-5)
+    unused = sorted(set(range(caches[1].num_blocks)) - {b for _, _, t in chunks for b in t})
+    for layer in range(cfg.num_hidden_layers):
+        for a, c in zip(caches[0].layer(layer), caches[1].layer(layer)):
+            np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5)
+            assert not c[unused].any()

@@ -33,6 +33,7 @@ from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniform, sample
 from .scheduler import PENDING, Scheduler, Sequence
 from .spec import NO_DRAFT, make_speculator, verify
+from .verify import Verifier
 
 CPU_KV_TOKENS = 16384
 DEFAULT_PARAMS = SamplingParams()
@@ -137,6 +138,7 @@ class Engine:
         self._ids = itertools.count()
         self.stats = Stats()
         self.spec = make_speculator(speculative, num_speculative_tokens, model, kv_cache, use_graphs)
+        self.verifier = Verifier(model, kv_cache, use_graphs) if self.spec is not None else None
 
     @classmethod
     def from_pretrained(cls, path=None, device=None, dtype=None, quant=None, kv_tokens=None,
@@ -375,8 +377,7 @@ class Engine:
         self._note_kv_blocks()
         chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
                   for s, d in zip(seqs, drafts)]
-        batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
-        logits = self.model.forward(batch, self.kv_cache, all_logits=True)
+        logits = self.verifier.run(chunks)
         kept = verify(logits, seqs, drafts, [r.seed for r in reqs])
         now = time.perf_counter()
         events = []

@@ -1,0 +1,116 @@
+"""Verify steps of speculative decoding, replayed from CUDA graphs per (batch bucket, q_len, context bucket).
+
+    verifier = Verifier(model, kv_cache)
+    logits = verifier.run(chunks)   # chunks: [(k_i + 1 tokens, position of the first, block table)]
+    # float32 [sum(k_i + 1), vocab] on the model's device: the logits of every row, chunks in order
+
+A verify step is Model.forward over each sequence's last token and its drafts (paged prefill
+attention over the cached prefix, all_logits). On the CPU it runs on the chunks as they are. On
+the GPU its shape is fixed once every chunk is padded to q_len = the longest chunk, the number
+of sequences to a batch bucket (1, 2, 4, ...) and the block tables to a context bucket (256, 512,
+... tokens, as DecodeGraph's); the inputs live in one static int32 device buffer
+
+    [token_ids T | positions T | slot_mapping T | cu_seqlens_q b+1 | context_lens b | block_tables b x width]
+
+(T = b * q_len), filled each step by one asynchronous copy from pinned host memory. Padding tokens
+(after a short chunk, and the rows of padding sequences) have slot -1: write_kv skips them, so they
+write no KV block; they attend to whatever their table rows point at, and their logits are dropped.
+Capture follows DecodeGraph's rules (runner.capture: an eager warm-up, then stream capture, in a
+private memory pool); steps of more rows than Model.graph_batch_limit (cuBLAS, not capturable)
+run eagerly on the same buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model.decoder import Batch, slot_mapping
+from ..ops import runtime
+from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async
+
+
+def batch_views(buf, b: int, q: int, width: int) -> Batch:
+    """A Batch viewing one int32 buffer [b * (3 * q + 2 + width) + 1] in the layout above."""
+    t = b * q
+    return Batch(token_ids=buf[:t], positions=buf[t:2 * t], slot_mapping=buf[2 * t:3 * t],
+                 cu_seqlens_q=buf[3 * t:3 * t + b + 1], context_lens=buf[3 * t + b + 1:3 * t + 2 * b + 1],
+                 block_tables=buf[3 * t + 2 * b + 1:].reshape(b, width), max_seqlen_q=q)
+
+
+def pack_chunks(buf, chunks, b: int, q: int, width: int, block_size: int) -> None:
+    """Write a verify step's chunks into the host buffer, padded as described above."""
+    v = batch_views(buf, b, q, width)
+    v.token_ids[:], v.slot_mapping[:], v.block_tables[...] = 0, -1, 0
+    positions = np.tile(np.arange(q), b)  # padding sequences: positions 0..q-1
+    for i, (tokens, start, table) in enumerate(chunks):
+        n = len(tokens)
+        v.token_ids[i * q:i * q + n] = tokens
+        positions[i * q:(i + 1) * q] += start
+        v.block_tables[i, :len(table)] = table
+        rows = np.full(n, i)
+        v.slot_mapping[i * q:i * q + n] = slot_mapping(v.block_tables, rows, positions[i * q:i * q + n], block_size)
+    v.positions[:] = positions
+    v.cu_seqlens_q[:] = np.arange(b + 1) * q
+    v.context_lens[:] = positions.reshape(b, q)[:, -1] + 1
+
+
+@dataclass(eq=False)
+class _Step:
+    host: np.ndarray  # pinned int32 staging buffer
+    device: object  # cupy int32 buffer, same layout
+    batch: Batch  # views of `device`
+    out: object = None  # static logits [T, vocab], written by the graph
+    graph: object = None
+    copied: object = None  # event after the last copy out of `host`
+
+
+class Verifier:
+    def __init__(self, model, kv_cache, use_graphs: bool = True):
+        self.model, self.kv_cache, self.use_graphs = model, kv_cache, use_graphs
+        if model.xp is not np:
+            self.cp = runtime.require_cupy()
+            self.pool = self.cp.cuda.MemoryPool()  # the captured steps' temporaries, nothing else's
+            self.stream = self.cp.cuda.Stream(non_blocking=True)
+            self.graph_limit = model.graph_batch_limit(False)
+        self.steps = {}
+
+    def run(self, chunks):
+        bs = self.kv_cache.block_size
+        if self.model.xp is np:
+            return self.model.forward(Batch.from_chunks(chunks, bs), self.kv_cache, all_logits=True)
+        cp = self.cp
+        q = max(len(t) for t, _, _ in chunks)
+        b = bucket(len(chunks))
+        width = bucket(max(s + q for _, s, _ in chunks), MIN_CONTEXT_BUCKET) // bs
+        step = self.steps.get((b, q, width)) or self._new_step(b, q, width)
+        if step.copied is not None:
+            step.copied.synchronize()  # the last copy out of step.host has run: it may be rewritten
+        pack_chunks(step.host, chunks, b, q, width, bs)
+        stream = cp.cuda.get_current_stream()
+        copy_async(cp, step.device, step.host, step.host.size, cp.cuda.runtime.memcpyHostToDevice, stream)
+        if step.copied is None:
+            step.copied = cp.cuda.Event(disable_timing=True)
+        step.copied.record(stream)
+        if not self.use_graphs or b * q > self.graph_limit:
+            out = self._forward(step)
+        else:
+            if step.graph is None:
+                cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
+                step.graph, step.out, _ = capture(lambda: self._forward(step), self.stream, self.pool)
+            step.graph.launch()
+            out = step.out
+        rows = np.concatenate([i * q + np.arange(len(t)) for i, (t, _, _) in enumerate(chunks)])
+        return out[cp.asarray(rows)]
+
+    def _new_step(self, b: int, q: int, width: int) -> _Step:
+        cp = self.cp
+        size = b * (3 * q + 2 + width) + 1
+        host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+        device = cp.zeros(size, dtype=np.int32)
+        step = _Step(host, device, batch_views(device, b, q, width))
+        self.steps[(b, q, width)] = step
+        return step
+
+    def _forward(self, step: _Step):
+        return self.model.forward(step.batch, self.kv_cache, all_logits=True)
