@@ -337,3 +337,55 @@ def test_padded_verify_batch_gives_the_rows_of_the_chunks(cpu_model):
         for a, c in zip(caches[0].layer(layer), caches[1].layer(layer)):
             np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5)
             assert not c[unused].any()
+
+
+# ------------------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_gpu_verify_graph_equals_eager(cp, dtype):
+    """A verify step replayed from its CUDA graph gives the eager step's logits bit for bit (same
+    kernels on the same padded buffers), for several (batch, q_len) shapes, and writes the same KV."""
+    from cuinfer.model.kv_cache import CacheShape, KVCache
+    from cuinfer.ops import runtime
+    from cuinfer.serving.verify import Verifier
+
+    dt = runtime.bfloat16 if dtype == "bfloat16" else dtype
+    cfg = tiny_config(num_hidden_layers=2)
+    model = Model.from_tensors(cfg, random_tensors(cfg, seed=3), "gpu", dt)
+    shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16)
+    rng = np.random.default_rng(0)
+    for n_seqs, q in ((1, 2), (1, 9), (3, 5)):
+        caches = [KVCache.allocate(shape, model.dtype, cp, 4096) for _ in range(2)]
+        tables = [list(range(20 * i, 20 * i + 20)) for i in range(n_seqs)]
+        starts = rng.integers(1, 300, n_seqs).tolist()
+        prefixes = [(rng.integers(0, cfg.vocab_size, s).tolist(), 0, t) for s, t in zip(starts, tables)]
+        for cache in caches:
+            model.forward(Batch.from_chunks(prefixes, 16).to(cp), cache)
+        chunks = [(rng.integers(0, cfg.vocab_size, int(rng.integers(1, q + 1))).tolist(), s, t)
+                  for s, t in zip(starts, tables)]
+        graph = Verifier(model, caches[0]).run(chunks)
+        eager = Verifier(model, caches[1], use_graphs=False).run(chunks)
+        cp.testing.assert_array_equal(graph, eager)
+        cp.testing.assert_array_equal(caches[0].k, caches[1].k)
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_greedy_agrees_with_plain(cp):
+    """On the GPU the verify step (flash prefill attention, k + 1 rows) and the decode step (split-K
+    paged attention, one row) round differently in fp16, so a near-tie may flip a greedy token (see
+    test_engine's GPU test): >= 90% of the sequences equal plain decoding's, with ngram and with the
+    target as its own draft, whose drafts are then (almost) all accepted."""
+    cfg = tiny_config(num_hidden_layers=2)
+    model = Model.from_tensors(cfg, random_tensors(cfg, seed=3), "gpu", np.float16)
+    prompts = repetitive_prompts(16, seed=5, vocab=cfg.vocab_size)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    plain = make_engine(model, 16384).generate(prompts, params)
+    for speculative in ("ngram", model):
+        eng = make_engine(model, 16384, speculative=speculative, num_speculative_tokens=4)
+        outs = eng.generate(prompts, params)
+        same = np.mean([a.token_ids == b.token_ids for a, b in zip(outs, plain)])
+        assert same >= 0.9, f"{speculative}: only {same:.0%} of outputs equal plain decoding's"
+        assert eng.stats.accepted_tokens > 0
+        if speculative is model:
+            assert eng.stats.accepted_tokens >= 0.95 * eng.stats.draft_tokens

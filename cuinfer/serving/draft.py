@@ -1,8 +1,8 @@
 """Draft-model speculation: a smaller model with the target's tokenizer proposes the drafts.
 
-The draft model runs through the same code as the target (Model.forward for a sequence's
-catch-up chunk, then one decode step per further draft token: DecodeGraph's CUDA graphs on the
-GPU) with its own paged KV cache and its own BlockManager (no prefix cache), as many blocks as the
+The draft model runs through the same code as the target (the catch-up chunk of a sequence as a
+verify step, Verifier's CUDA graphs on the GPU, or Model.forward when it is a long prefill; then
+one decode step per further draft token, DecodeGraph's CUDA graphs) with its own paged KV cache and its own BlockManager (no prefix cache), as many blocks as the
 target's. Per sequence it keeps a block table and how many of the sequence's tokens have their
 draft K/V in place (`computed`). Proposing k tokens for a sequence of N tokens:
 
@@ -29,6 +29,7 @@ from .block_manager import BlockManager, blocks_for
 from .runner import DecodeGraph
 from .sampling import token_probs
 from .spec import NO_DRAFT, Draft, inverse_cdf, spec_uniforms
+from .verify import Verifier
 
 
 @dataclass(eq=False)
@@ -53,6 +54,7 @@ class DraftProposer:
         on_gpu = draft.xp is not np
         self.blocks = BlockManager(self.cache.num_blocks - on_gpu, bs, enable_prefix_caching=False)
         self.decoder = DecodeGraph(draft, self.cache, self.blocks.num_blocks, use_graphs) if on_gpu else None
+        self.verifier = Verifier(draft, self.cache, use_graphs)  # short catch-up chunks, as verify steps
         self.state = {}  # Sequence -> _DraftSeq
 
     def propose(self, seqs, budgets, seeds) -> list:
@@ -66,8 +68,11 @@ class DraftProposer:
         for i in rows:
             s, st = seqs[i], self.state[seqs[i]]
             chunks.append((s.token_slice(st.computed, s.num_tokens), st.computed, st.table))
-        batch = Batch.from_chunks(chunks, bs).to(self.model.xp)
-        logits = self.model.forward(batch, self.cache)
+        if max(len(t) for t, _, _ in chunks) <= max(budgets) + 1:  # the steady state: 1 or 2 tokens
+            ends = np.cumsum([len(t) for t, _, _ in chunks]) - 1
+            logits = self.verifier.run(chunks)[self.model.xp.asarray(ends)]
+        else:  # a first proposal or one after a backoff: a prefill
+            logits = self.model.forward(Batch.from_chunks(chunks, bs).to(self.model.xp), self.cache)
         uniforms = {i: spec_uniforms(seeds[i], len(seqs[i].output_ids), 1, budgets[i]) for i in rows}
         out = {i: ([], []) for i in rows}  # tokens, q rows
         for j in range(max(budgets[i] for i in rows)):
