@@ -375,17 +375,25 @@ def test_gpu_speculative_greedy_agrees_with_plain(cp):
     """On the GPU the verify step (flash prefill attention, k + 1 rows) and the decode step (split-K
     paged attention, one row) round differently in fp16, so a near-tie may flip a greedy token (see
     test_engine's GPU test): >= 90% of the sequences equal plain decoding's, with ngram and with the
-    target as its own draft, whose drafts are then (almost) all accepted."""
+    target as its own draft, whose drafts are then (almost) all accepted. Four sequences at a time
+    with k = 3: 16 rows, a captured verify step in fp16."""
     cfg = tiny_config(num_hidden_layers=2)
     model = Model.from_tensors(cfg, random_tensors(cfg, seed=3), "gpu", np.float16)
     prompts = repetitive_prompts(16, seed=5, vocab=cfg.vocab_size)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     plain = make_engine(model, 16384).generate(prompts, params)
     for speculative in ("ngram", model):
-        eng = make_engine(model, 16384, speculative=speculative, num_speculative_tokens=4)
+        eng = make_engine(model, 16384, speculative=speculative, num_speculative_tokens=3, max_num_seqs=4)
         outs = eng.generate(prompts, params)
         same = np.mean([a.token_ids == b.token_ids for a, b in zip(outs, plain)])
         assert same >= 0.9, f"{speculative}: only {same:.0%} of outputs equal plain decoding's"
         assert eng.stats.accepted_tokens > 0
         if speculative is model:
             assert eng.stats.accepted_tokens >= 0.95 * eng.stats.draft_tokens
+
+
+def test_graph_draft_limit():
+    from cuinfer.serving.verify import graph_draft_limit
+
+    assert [graph_draft_limit(16, n) for n in (1, 2, 3, 4, 8, 16)] == [15, 7, 3, 3, 1, 0]
+    assert graph_draft_limit(64, 16) == 3

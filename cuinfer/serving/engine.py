@@ -242,7 +242,7 @@ class Engine:
                 raise CuinferError("the scheduler found nothing to run: the KV cache is too small")
             self.stats.preemptions += self.scheduler.num_preemptions - preempted
             self._note_kv_blocks()
-            if self.spec is not None and self.spec.wants(plan):
+            if self._verifies(plan):
                 return self._spec_step(plan, t0)
             if not self._launches(plan):
                 return self._sync_step(plan, t0)
@@ -277,7 +277,7 @@ class Engine:
     def _may_pipeline(self, seqs) -> bool:
         """Whether the step after `seqs`' in-flight step may be launched before its tokens are read
         (docs/serving.md); if so, the scheduler has reserved its KV slots. Host logic only."""
-        if self.spec is not None and any(self.spec.due(s) for s in seqs):
+        if self._verifies([(s, 1) for s in seqs]):
             return False  # the next step verifies drafts: it is built from the real tokens
         waiting = bool(self.scheduler.waiting)
         for s in seqs:
@@ -359,13 +359,18 @@ class Engine:
             self.stats.decode_tokens += len(events)
         return events
 
+    def _verifies(self, plan) -> bool:
+        """Whether the step `plan` is a verify step (cuinfer/serving/spec.py): speculation is on, its
+        verify step can take drafts (Verifier.draft_limit) and Speculator.wants it."""
+        return self.spec is not None and self.spec.wants(plan, self.verifier.draft_limit(len(plan)))
+
     def _spec_step(self, plan, t0) -> list:
         """A verify step (cuinfer/serving/spec.py): every sequence decodes its last token and the due
         ones their drafts after it, in one forward; each keeps what the verification accepts, and
         the slots of rejected drafts are rolled back. Without any draft: a plain synchronous step."""
         seqs = [s for s, _ in plan]
         reqs = [self._requests[s.seq_id] for s in seqs]
-        budgets = self.spec.budgets(seqs, self.max_len)
+        budgets = self.spec.budgets(seqs, self.max_len, self.verifier.draft_limit(len(seqs)))
         drafts = self.spec.propose(seqs, budgets, [r.seed for r in reqs])
         drafts = [d if d.tokens and self.scheduler.reserve_draft(s, len(d.tokens)) else NO_DRAFT
                   for s, d in zip(seqs, drafts)]

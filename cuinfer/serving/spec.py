@@ -134,15 +134,18 @@ class Speculator:
         b = self._backoff.get(seq)
         return speculable(seq.params) and (b is None or len(seq.output_ids) >= b.resume_at)
 
-    def wants(self, plan) -> bool:
+    def wants(self, plan, limit) -> bool:
         """Whether the step `plan` ([(sequence, tokens)]) becomes a verify step: every sequence
-        decodes and one is due."""
+        decodes, one is due, and the verify step can take drafts (limit: None, or drafts per
+        sequence it takes, Verifier.draft_limit)."""
         decoding = all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
-        return decoding and any(self.due(s) for s, _ in plan)
+        return decoding and limit != 0 and any(self.due(s) for s, _ in plan)
 
-    def budgets(self, seqs, max_len: int) -> list:
-        """Draft tokens each sequence may take: k, less what would pass max_new_tokens or the context."""
-        return [max(0, min(self.k, s.params.max_new_tokens - len(s.output_ids) - 1, max_len - s.num_tokens - 1))
+    def budgets(self, seqs, max_len: int, limit=None) -> list:
+        """Draft tokens each sequence may take: k (at most `limit`), less what would pass
+        max_new_tokens or the context."""
+        k = self.k if limit is None else min(self.k, limit)
+        return [max(0, min(k, s.params.max_new_tokens - len(s.output_ids) - 1, max_len - s.num_tokens - 1))
                 if self.due(s) else 0 for s in seqs]
 
     def propose(self, seqs, budgets, seeds) -> list:

@@ -55,6 +55,14 @@ def pack_chunks(buf, chunks, b: int, q: int, width: int, block_size: int) -> Non
     v.context_lens[:] = positions.reshape(b, q)[:, -1] + 1
 
 
+def graph_draft_limit(graph_limit: int, num_seqs: int) -> int:
+    """Drafts per sequence that keep a verify step of num_seqs sequences (padded to their bucket) at
+    most graph_limit rows (Model.graph_batch_limit): an eager verify step is launch-bound, several
+    times a decode step's cost, so the engine speculates only where the step is captured (0: not
+    at all at this batch)."""
+    return max(0, graph_limit // bucket(num_seqs) - 1)
+
+
 @dataclass(eq=False)
 class _Step:
     host: np.ndarray  # pinned int32 staging buffer
@@ -74,6 +82,13 @@ class Verifier:
             self.stream = self.cp.cuda.Stream(non_blocking=True)
             self.graph_limit = model.graph_batch_limit(False)
         self.steps = {}
+
+    def draft_limit(self, num_seqs: int):
+        """The most drafts per sequence with which a verify step of num_seqs sequences still replays
+        from a CUDA graph (graph_draft_limit); None (no limit) on the CPU or without graphs."""
+        if self.model.xp is np or not self.use_graphs:
+            return None
+        return graph_draft_limit(self.graph_limit, num_seqs)
 
     def run(self, chunks):
         bs = self.kv_cache.block_size
