@@ -79,12 +79,12 @@ class Stats:
     draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
     accepted_tokens: int = 0  # of those, accepted
     verify_rows: int = 0  # sequences' verify steps that carried drafts
+    kv: dict = field(default_factory=dict)  # kv_memory() of the finished sequences
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens a sequence gained per verify step with drafts (its accepted drafts plus one)."""
         return (self.accepted_tokens + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
-    kv: dict = field(default_factory=dict)  # kv_memory() of the finished sequences
 
 
 @dataclass(eq=False)
