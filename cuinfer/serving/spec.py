@@ -6,9 +6,10 @@ A step in which every sequence decodes becomes a verify step when some sequence 
 speculate (Speculator.wants). Each due sequence gets up to k draft tokens from the proposer:
 NgramProposer (prompt lookup: the continuation of the longest earlier match of the sequence's last
 n tokens, n = 4..1) or DraftProposer (a smaller model with the same tokenizer, cuinfer/serving/
-draft.py). The target scores [last token, d1..dk] of every sequence in one Model.forward (q_len
-k_i + 1, the logits of every row); each sequence keeps the drafts the verification accepts plus
-one token of the target's, so a step yields 1..k+1 tokens per sequence:
+draft.py). The target scores [last token, d1..dk] of every sequence in one step (Verifier,
+cuinfer/serving/verify.py: Model.forward with q_len k_i + 1 and the logits of every row, a CUDA
+graph on the GPU); each sequence keeps the drafts the verification accepts plus one token of the
+target's, so a step yields 1..k+1 tokens per sequence (docs/speculative.md):
 - greedy rows (accept_greedy): the drafts that equal the target's argmax, then the argmax after
   them, which is the token plain greedy decoding would give;
 - sampled rows (accept_sampled): rejection sampling; draft x is accepted with probability
@@ -54,7 +55,7 @@ def speculable(params) -> bool:
 def spec_uniforms(seed: int, step: int, stream: int, n: int) -> np.ndarray:
     """n uniforms in [0, 1) for a request's verify step at output length `step` (stream 0: the
     verification, 1: the draft model's sampling): reproducible in any batch, as draw_uniform."""
-    return np.random.default_rng([seed, step, stream, 1]).random(n)
+    return np.random.default_rng([seed, step, stream]).random(n)
 
 
 def ngram_match(tokens, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) -> list:
@@ -103,9 +104,7 @@ def accept_sampled(p, drafts, q, uniforms) -> list:
     (probability min(1, p/q)); the first rejected one is replaced by a draw from max(0, p_j - q_j),
     normalised; when all are kept, a last token is drawn from p_k."""
     for j, x in enumerate(drafts):
-        qj = np.zeros_like(p[j]) if q is None else q[j]
-        if q is None:
-            qj[x] = 1.0
+        qj = q[j] if q is not None else np.eye(1, p.shape[1], x)[0]  # a point mass at x
         if uniforms[j] * qj[x] < p[j, x]:
             continue
         residual = np.maximum(p[j] - qj, 0.0)
