@@ -166,7 +166,8 @@ def test_streamed_text_and_tokens_are_complete(cpu_model):
 
 def test_backoff_stops_verifying_what_never_matches(cpu_model):
     """Drafts that are always rejected: after each miss the sequence decodes plainly for twice as
-    many tokens (up to MAX_BACKOFF), so 200 tokens take few verify steps, and the same tokens."""
+    many tokens (up to MAX_BACKOFF), so 200 tokens take few verify steps, and the same tokens.
+    A verify step that gains fewer tokens than it costs in plain steps is a miss too."""
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
     prompt = list(range(40))
     plain = make_engine(cpu_model, 4096).generate([prompt], params)[0].token_ids
@@ -186,6 +187,15 @@ def test_backoff_stops_verifying_what_never_matches(cpu_model):
     seq.output_ids += [0] * 4
     assert s.due(seq)
     s.record(seq, 4, 2)
+    assert s.due(seq)
+    # a verify step that cost 4 plain steps pays only if it gained more than 4 tokens
+    assert s.cost(1, 0.004) == 1.0  # no plain step timed yet
+    s.note_plain_step(1, 0.001)
+    assert s.cost(1, 0.004) == pytest.approx(4.0) and s.cost(3, 0.004) == 1.0  # other batch bucket
+    s.record(seq, 4, 3, s.cost(1, 0.004))
+    assert not s.due(seq)
+    seq.output_ids += [0] * 2
+    s.record(seq, 4, 4, s.cost(1, 0.004))
     assert s.due(seq)
 
 

@@ -263,8 +263,11 @@ class Engine:
                 # the scheduler has work (callers loop on has_unfinished_requests())
                 self._resolve(self._inflight)
                 self._inflight = None
-        self.stats.decode_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.decode_s += elapsed
         self.stats.decode_tokens += len(events)
+        if self.spec is not None:
+            self.spec.note_plain_step(len(current.seqs), elapsed)
         return events
 
     def _launches(self, plan) -> bool:
@@ -357,6 +360,8 @@ class Engine:
         else:
             self.stats.decode_s += elapsed
             self.stats.decode_tokens += len(events)
+            if self.spec is not None:
+                self.spec.note_plain_step(len(plan), elapsed)
         return events
 
     def _verifies(self, plan) -> bool:
@@ -385,7 +390,7 @@ class Engine:
         logits = self.verifier.run(chunks)
         kept = verify(logits, seqs, drafts, [r.seed for r in reqs])
         now = time.perf_counter()
-        events = []
+        events, results = [], []
         for s, r, d, k, tokens in zip(seqs, reqs, drafts, budgets, kept):
             self.scheduler.computed(s, len(tokens))  # the last token and the accepted drafts
             outs = []
@@ -395,7 +400,7 @@ class Engine:
                     break
             self.scheduler.rollback(s)
             if k:
-                self.spec.record(s, len(d.tokens), len(tokens) - 1)
+                results.append((s, len(d.tokens), len(tokens) - 1))
             if d.tokens:
                 self.stats.draft_tokens += len(d.tokens)
                 self.stats.accepted_tokens += len(tokens) - 1
@@ -404,7 +409,11 @@ class Engine:
             last.new_text = "".join(o.new_text for o in outs)
             last.new_token_ids = [t for o in outs for t in o.new_token_ids]
             events.append(last)
-        self.stats.decode_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        cost = self.spec.cost(len(seqs), elapsed)
+        for s, proposed, accepted in results:
+            self.spec.record(s, proposed, accepted, cost)
+        self.stats.decode_s += elapsed
         self.stats.decode_tokens += sum(len(o.new_token_ids) for o in events)
         return events
 

@@ -17,10 +17,12 @@ target's, so a step yields 1..k+1 tokens per sequence (docs/speculative.md):
   target's distribution p exactly, whatever the draft distribution q (a point mass for ngram).
 Rows with penalties or logprobs never speculate (their distribution depends on every token before).
 
-Backoff: a verify step in which a sequence's drafts are all rejected (or it had none to propose)
-is a miss; after m misses in a row the sequence decodes plainly for the next min(2**m, MAX_BACKOFF)
-tokens, through the pipelined CUDA-graph decode path, so text that drafts do not predict is
-not slowed. One accepted draft resets it.
+Backoff: a verify step is a miss for a sequence when it gained no more tokens than the step cost
+in plain decode steps of the same batch (measured: the engine times both kinds of step), or at
+least when none of its drafts was accepted (or it had none to propose). After m misses in a row
+the sequence decodes plainly for the next min(2**m, MAX_BACKOFF) tokens, through the pipelined
+CUDA-graph decode path, so text the drafts do not predict, or drafts that cost more than they
+gain, do not slow decoding. A verify step that pays resets it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from ..errors import CuinferError
 from ..ops import runtime
+from .runner import bucket
 from .sampling import token_probs
 
 MAX_SPECULATIVE_TOKENS = 16
@@ -126,6 +129,7 @@ class Speculator:
             raise CuinferError(f"num_speculative_tokens: got {num_tokens}, need 1..{MAX_SPECULATIVE_TOKENS}")
         self.proposer, self.k = proposer, num_tokens
         self._backoff = {}  # Sequence -> _Backoff, while it runs
+        self._plain_s = {}  # batch bucket -> moving average of a plain decode step's seconds
 
     def due(self, seq) -> bool:
         """Whether seq proposes drafts at its next decode step (from lengths only: the pipelined
@@ -151,10 +155,22 @@ class Speculator:
         self._backoff = {s: b for s, b in self._backoff.items() if s.finish_reason is None}
         return self.proposer.propose(seqs, budgets, seeds)
 
-    def record(self, seq, proposed: int, accepted: int) -> None:
-        """A due sequence's verify result: a miss (nothing proposed or nothing accepted) backs off."""
+    def note_plain_step(self, num_seqs: int, seconds: float) -> None:
+        """A decode step without drafts of num_seqs sequences took `seconds` (wall time)."""
+        b, old = bucket(num_seqs), self._plain_s.get(bucket(num_seqs))
+        self._plain_s[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def cost(self, num_seqs: int, seconds: float) -> float:
+        """A verify step's wall time in plain decode steps of the same batch bucket (1.0 until one
+        was timed)."""
+        plain = self._plain_s.get(bucket(num_seqs))
+        return seconds / plain if plain else 1.0
+
+    def record(self, seq, proposed: int, accepted: int, cost: float = 1.0) -> None:
+        """A due sequence's verify result: a miss (it gained accepted + 1 tokens in a step that cost
+        as much as `cost` plain steps, or nothing was accepted) backs off."""
         b = self._backoff.setdefault(seq, _Backoff())
-        if proposed and accepted:
+        if proposed and accepted and accepted + 1 > cost:
             b.misses, b.resume_at = 0, 0
         else:
             b.misses += 1
