@@ -402,8 +402,12 @@ def test_gpu_speculative_greedy_agrees_with_plain(cp):
             assert eng.stats.accepted_tokens >= 0.95 * eng.stats.draft_tokens
 
 
-def test_graph_draft_limit():
-    from cuinfer.serving.verify import graph_draft_limit
+def test_graph_draft_limit_and_step_shape():
+    from cuinfer.serving.verify import graph_draft_limit, step_shape
+
+    assert step_shape([([1, 2], 10, [0]), ([1, 2, 3], 250, list(range(16)))], 16) == (2, 3, 16)
+    assert step_shape([([1], 300, list(range(19))), ([1], 0, [1]), ([1], 0, [2])], 16) == (4, 1, 32)
+    assert step_shape([([1, 2], 254, list(range(17)))], 16) == (1, 2, 32)  # a table past the context
 
     assert [graph_draft_limit(16, n) for n in (1, 2, 3, 4, 8, 16)] == [15, 7, 3, 3, 1, 0]
     assert graph_draft_limit(64, 16) == 3

@@ -38,6 +38,14 @@ def batch_views(buf, b: int, q: int, width: int) -> Batch:
                  block_tables=buf[3 * t + 2 * b + 1:].reshape(b, width), max_seqlen_q=q)
 
 
+def step_shape(chunks, block_size: int) -> tuple:
+    """(batch bucket, q_len, block-table width) of a verify step: q_len the longest chunk, the
+    width a context bucket that covers every padded chunk and every block table."""
+    q = max(len(t) for t, _, _ in chunks)
+    tokens = max(max(s + q, len(table) * block_size) for _, s, table in chunks)
+    return bucket(len(chunks)), q, bucket(tokens, MIN_CONTEXT_BUCKET) // block_size
+
+
 def pack_chunks(buf, chunks, b: int, q: int, width: int, block_size: int) -> None:
     """Write a verify step's chunks into the host buffer, padded as described above."""
     v = batch_views(buf, b, q, width)
@@ -95,9 +103,7 @@ class Verifier:
         if self.model.xp is np:
             return self.model.forward(Batch.from_chunks(chunks, bs), self.kv_cache, all_logits=True)
         cp = self.cp
-        q = max(len(t) for t, _, _ in chunks)
-        b = bucket(len(chunks))
-        width = bucket(max(s + q for _, s, _ in chunks), MIN_CONTEXT_BUCKET) // bs
+        b, q, width = step_shape(chunks, bs)
         step = self.steps.get((b, q, width)) or self._new_step(b, q, width)
         if step.copied is not None:
             step.copied.synchronize()  # the last copy out of step.host has run: it may be rewritten
