@@ -106,7 +106,11 @@ class DraftProposer:
                 qs.append(row)
 
     def _decode(self, tokens, positions, tables):
-        """float32 logits [n, vocab] of one decode step of the draft model."""
+        """float32 logits [n, vocab] of one decode step of the draft model; the tables are cut to the
+        blocks up to each position (they hold the slots of later drafts too, which DecodeGraph's
+        context bucket, sized by the positions, may not cover)."""
+        bs = self.cache.block_size
+        tables = [t[:blocks_for(p + 1, bs)] for t, p in zip(tables, positions)]
         if self.decoder is not None:
             return self.decoder.run(tokens, positions, tables, greedy=False)
         batch = Batch.from_chunks([([t], p, b) for t, p, b in zip(tokens, positions, tables)],
