@@ -5,10 +5,10 @@
     # float32 [sum(k_i + 1), vocab] on the model's device: the logits of every row, chunks in order
 
 A verify step is Model.forward over each sequence's last token and its drafts (paged prefill
-attention over the cached prefix, all_logits). On the CPU it runs on the chunks as they are. On
-the GPU its shape is fixed once every chunk is padded to q_len = the longest chunk, the number
-of sequences to a batch bucket (1, 2, 4, ...) and the block tables to a context bucket (256, 512,
-... tokens, as DecodeGraph's); the inputs live in one static int32 device buffer
+attention over the cached prefix, all_logits). Its shape is fixed once every chunk is padded to
+q_len = the longest chunk, the number of sequences to a batch bucket (1, 2, 4, ...) and the block
+tables to a context bucket (256, 512, ... tokens, as DecodeGraph's); the inputs live in one static
+int32 device buffer
 
     [token_ids T | positions T | slot_mapping T | cu_seqlens_q b+1 | context_lens b | block_tables b x width]
 
@@ -17,7 +17,8 @@ of sequences to a batch bucket (1, 2, 4, ...) and the block tables to a context 
 write no KV block; they attend to whatever their table rows point at, and their logits are dropped.
 Capture follows DecodeGraph's rules (runner.capture: an eager warm-up, then stream capture, in a
 private memory pool); steps of more rows than Model.graph_batch_limit (cuBLAS, not capturable)
-run eagerly on the same buffers.
+run eagerly on the same buffers. The CPU runs the same padded step on NumPy buffers (so the CPU
+tests check the layout the graphs use).
 """
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ def graph_draft_limit(graph_limit: int, num_seqs: int) -> int:
 
 @dataclass(eq=False)
 class _Step:
-    host: np.ndarray  # pinned int32 staging buffer
-    device: object  # cupy int32 buffer, same layout
+    host: np.ndarray  # int32 staging buffer (GPU: pinned; CPU: the inputs themselves)
+    device: object  # the int32 inputs the step reads, same layout (CPU: host itself)
     batch: Batch  # views of `device`
     out: object = None  # static logits [T, vocab], written by the graph
     graph: object = None
@@ -83,52 +84,59 @@ class _Step:
 
 class Verifier:
     def __init__(self, model, kv_cache, use_graphs: bool = True):
-        self.model, self.kv_cache, self.use_graphs = model, kv_cache, use_graphs
+        self.model, self.kv_cache = model, kv_cache
+        self.graph_limit = None  # rows a captured step may have (None: no graphs, CPU)
         if model.xp is not np:
             self.cp = runtime.require_cupy()
             self.pool = self.cp.cuda.MemoryPool()  # the captured steps' temporaries, nothing else's
             self.stream = self.cp.cuda.Stream(non_blocking=True)
-            self.graph_limit = model.graph_batch_limit(False)
+            self.graph_limit = model.graph_batch_limit(False) if use_graphs else None
         self.steps = {}
 
     def draft_limit(self, num_seqs: int):
         """The most drafts per sequence with which a verify step of num_seqs sequences still replays
         from a CUDA graph (graph_draft_limit); None (no limit) on the CPU or without graphs."""
-        if self.model.xp is np or not self.use_graphs:
-            return None
-        return graph_draft_limit(self.graph_limit, num_seqs)
+        return None if self.graph_limit is None else graph_draft_limit(self.graph_limit, num_seqs)
 
     def run(self, chunks):
-        bs = self.kv_cache.block_size
-        if self.model.xp is np:
-            return self.model.forward(Batch.from_chunks(chunks, bs), self.kv_cache, all_logits=True)
-        cp = self.cp
-        b, q, width = step_shape(chunks, bs)
+        """Logits of every row of the chunks (module docstring); the same padded step on the CPU,
+        run by Model.forward's NumPy path."""
+        b, q, width = step_shape(chunks, self.kv_cache.block_size)
         step = self.steps.get((b, q, width)) or self._new_step(b, q, width)
+        self._load(step, chunks, b, q, width)
+        if self.graph_limit is None or b * q > self.graph_limit:
+            out = self._forward(step)
+        else:
+            if step.graph is None:
+                self.cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
+                step.graph, step.out, _ = capture(lambda: self._forward(step), self.stream, self.pool)
+            step.graph.launch()
+            out = step.out
+        rows = np.concatenate([i * q + np.arange(len(t)) for i, (t, _, _) in enumerate(chunks)])
+        return out[self.model.xp.asarray(rows)]
+
+    def _load(self, step: _Step, chunks, b: int, q: int, width: int) -> None:
+        """Pack the chunks into the step's host buffer and (GPU) copy it to the device asynchronously."""
         if step.copied is not None:
             step.copied.synchronize()  # the last copy out of step.host has run: it may be rewritten
-        pack_chunks(step.host, chunks, b, q, width, bs)
+        pack_chunks(step.host, chunks, b, q, width, self.kv_cache.block_size)
+        if self.model.xp is np:
+            return
+        cp = self.cp
         stream = cp.cuda.get_current_stream()
         copy_async(cp, step.device, step.host, step.host.size, cp.cuda.runtime.memcpyHostToDevice, stream)
         if step.copied is None:
             step.copied = cp.cuda.Event(disable_timing=True)
         step.copied.record(stream)
-        if not self.use_graphs or b * q > self.graph_limit:
-            out = self._forward(step)
-        else:
-            if step.graph is None:
-                cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
-                step.graph, step.out, _ = capture(lambda: self._forward(step), self.stream, self.pool)
-            step.graph.launch()
-            out = step.out
-        rows = np.concatenate([i * q + np.arange(len(t)) for i, (t, _, _) in enumerate(chunks)])
-        return out[cp.asarray(rows)]
 
     def _new_step(self, b: int, q: int, width: int) -> _Step:
-        cp = self.cp
         size = b * (3 * q + 2 + width) + 1
-        host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
-        device = cp.zeros(size, dtype=np.int32)
+        if self.model.xp is np:
+            host = device = np.zeros(size, dtype=np.int32)
+        else:
+            cp = self.cp
+            host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+            device = cp.zeros(size, dtype=np.int32)
         step = _Step(host, device, batch_views(device, b, q, width))
         self.steps[(b, q, width)] = step
         return step
