@@ -411,3 +411,36 @@ def test_graph_draft_limit_and_step_shape():
 
     assert [graph_draft_limit(16, n) for n in (1, 2, 3, 4, 8, 16)] == [15, 7, 3, 3, 1, 0]
     assert graph_draft_limit(64, 16) == 3
+
+
+@pytest.mark.parametrize("source", ["ngram", "self"])
+def test_mixed_requests_in_one_batch(cpu_model, source):
+    """Greedy, sampled, penalized and logprobs requests decoding together: rows with a penalty or
+    logprobs never speculate and get plain decoding's tokens (and logprobs), greedy ones too, and
+    sampled ones their max_new_tokens. With the target as its own draft every draft is accepted."""
+    prompts = repetitive_prompts(8, seed=7)
+    kinds = [SamplingParams(max_new_tokens=20, ignore_eos=True),
+             SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3),
+             SamplingParams(max_new_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+             SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=2)]
+    params = [kinds[i % 4] for i in range(8)]
+    plain = make_engine(cpu_model, 4096).generate(prompts, params)
+    eng = make_engine(cpu_model, 4096, speculative="ngram" if source == "ngram" else cpu_model)
+    got = []
+    ids = [eng.add_request(p, q) for p, q in zip(prompts, params)]
+    lps = {rid: [] for rid in ids}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            lps[out.request_id] += out.new_logprobs
+            if out.finished:
+                got.append(out)
+    got.sort(key=lambda o: ids.index(o.request_id))
+    st = eng.stats
+    assert st.verify_rows > 0
+    if source == "self":
+        assert st.accepted_tokens == st.draft_tokens > 0
+    for i, (a, b) in enumerate(zip(got, plain)):
+        assert len(a.token_ids) == 20
+        if i % 4 != 1:
+            assert a.token_ids == b.token_ids, i
+    assert all(len(lps[ids[i]]) == 20 for i in (3, 7))

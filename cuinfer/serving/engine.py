@@ -338,16 +338,9 @@ class Engine:
         if ready:
             seqs = [plan[i][0] for i in ready]
             reqs = [self._requests[s.seq_id] for s in seqs]
-            params = [s.params for s in seqs]
-            histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
-            outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else ()
-                       for s, p in zip(seqs, params)]
-            uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids))
-                        for r, s, p in zip(reqs, seqs, params)]
             lps = [None] * len(ready)
             if tokens is None:
-                rows = logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))]
-                tokens, lps = sample(rows, params, histories, uniforms, outputs, with_logprobs=True)
+                tokens, lps = self._sample(seqs, logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))])
             else:
                 tokens = tokens[ready]
             now = time.perf_counter()
@@ -363,6 +356,16 @@ class Engine:
             if self.spec is not None:
                 self.spec.note_plain_step(len(plan), elapsed)
         return events
+
+    def _sample(self, seqs, logits):
+        """(tokens, logprobs entries) of seqs from their rows of float32 logits [len(seqs), vocab]:
+        penalties, sampling and uniforms as every plain step draws them."""
+        reqs = [self._requests[s.seq_id] for s in seqs]
+        params = [s.params for s in seqs]
+        histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
+        outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else () for s, p in zip(seqs, params)]
+        uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids)) for r, s, p in zip(reqs, seqs, params)]
+        return sample(logits, params, histories, uniforms, outputs, with_logprobs=True)
 
     def _verifies(self, plan) -> bool:
         """Whether the step `plan` is a verify step (cuinfer/serving/spec.py): speculation is on, its
@@ -387,17 +390,12 @@ class Engine:
         self._note_kv_blocks()
         chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
                   for s, d in zip(seqs, drafts)]
-        logits = self.verifier.run(chunks)
-        kept = verify(logits, seqs, drafts, [r.seed for r in reqs])
+        kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), [len(c[0]) for c in chunks])
         now = time.perf_counter()
         events, results = [], []
-        for s, r, d, k, tokens in zip(seqs, reqs, drafts, budgets, kept):
+        for s, r, d, k, tokens, lp in zip(seqs, reqs, drafts, budgets, kept, lps):
             self.scheduler.computed(s, len(tokens))  # the last token and the accepted drafts
-            outs = []
-            for t in tokens:
-                outs.append(self._append(r, t, now))
-                if s.finish_reason is not None:
-                    break
+            events.append(self._append_all(r, tokens, lp, now))
             self.scheduler.rollback(s)
             if k:
                 results.append((s, len(d.tokens), len(tokens) - 1))
@@ -405,10 +403,6 @@ class Engine:
                 self.stats.draft_tokens += len(d.tokens)
                 self.stats.accepted_tokens += len(tokens) - 1
                 self.stats.verify_rows += 1
-            last = outs[-1]
-            last.new_text = "".join(o.new_text for o in outs)
-            last.new_token_ids = [t for o in outs for t in o.new_token_ids]
-            events.append(last)
         elapsed = time.perf_counter() - t0
         cost = self.spec.cost(len(seqs), elapsed)
         for s, proposed, accepted in results:
@@ -416,6 +410,39 @@ class Engine:
         self.stats.decode_s += elapsed
         self.stats.decode_tokens += sum(len(o.new_token_ids) for o in events)
         return events
+
+    def _verify(self, seqs, drafts, logits, lens):
+        """(tokens, logprobs entries or None) per sequence from a verify step's logits (lens: each
+        sequence's rows): drafted sequences through spec.verify, the others sampled as a plain
+        step samples them (penalties, logprobs and seeded draws included)."""
+        xp, starts = self.model.xp, np.cumsum([0] + lens)
+        drafted = [i for i, d in enumerate(drafts) if d.tokens]
+        plain = [i for i, d in enumerate(drafts) if not d.tokens]
+        kept, lps = [None] * len(seqs), [None] * len(seqs)
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in drafted])
+        found = verify(logits[xp.asarray(rows)], [seqs[i] for i in drafted], [drafts[i] for i in drafted],
+                       [self._requests[seqs[i].seq_id].seed for i in drafted])
+        for i, tokens in zip(drafted, found):
+            kept[i] = tokens
+        if plain:
+            tokens, entries = self._sample([seqs[i] for i in plain], logits[xp.asarray(starts[plain])])
+            for i, t, entry in zip(plain, tokens, entries):
+                kept[i], lps[i] = [int(t)], [entry]
+        return kept, lps
+
+    def _append_all(self, req: _Request, tokens, logprobs, now: float) -> RequestOutput:
+        """Append a step's tokens one by one until the sequence finishes (the rest are dropped); one
+        RequestOutput with all of them."""
+        outs = []
+        for t, entry in zip(tokens, logprobs or [None] * len(tokens)):
+            outs.append(self._append(req, t, now, entry))
+            if req.seq.finish_reason is not None:
+                break
+        last = outs[-1]
+        last.new_text = "".join(o.new_text for o in outs)
+        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        last.new_logprobs = [e for o in outs for e in o.new_logprobs]
+        return last
 
     def _run_model(self, plan):
         """(host argmax tokens, None) when the decoder took the step greedily, else (None, float32

@@ -15,7 +15,8 @@ target's, so a step yields 1..k+1 tokens per sequence (docs/speculative.md):
 - sampled rows (accept_sampled): rejection sampling; draft x is accepted with probability
   min(1, p(x) / q(x)), else the token comes from norm(max(0, p - q)): the tokens follow the
   target's distribution p exactly, whatever the draft distribution q (a point mass for ngram).
-Rows with penalties or logprobs never speculate (their distribution depends on every token before).
+Rows with penalties or logprobs never speculate (their distribution depends on every token before);
+a sequence without drafts in a verify step is sampled from its one row as a plain step samples it.
 
 Backoff: a verify step is a miss for a sequence when it gained no more tokens than the step cost
 in plain decode steps of the same batch (measured: the engine times both kinds of step), or at
