@@ -11,6 +11,7 @@ from cuinfer.errors import CuinferError
 from cuinfer.model.decoder import Batch, Model
 from cuinfer.serving import spec
 from cuinfer.serving.sampling import SamplingParams
+from cuinfer.serving.scheduler import Sequence
 from cuinfer.serving.spec import accept_greedy, accept_sampled, inverse_cdf, ngram_match
 
 
@@ -189,14 +190,26 @@ def test_backoff_stops_verifying_what_never_matches(cpu_model):
     s.record(seq, 4, 2)
     assert s.due(seq)
     # a verify step that cost 4 plain steps pays only if it gained more than 4 tokens
-    assert s.cost(1, 0.004) == 1.0  # no plain step timed yet
-    s.note_plain_step(1, 0.001)
-    assert s.cost(1, 0.004) == pytest.approx(4.0) and s.cost(3, 0.004) == 1.0  # other batch bucket
-    s.record(seq, 4, 3, s.cost(1, 0.004))
+    assert s.note_verify_step(1, 0.004) == 1.0  # no plain step timed yet
+    s.note_plain_step(1, 0.002)
+    s.note_plain_step(1, 0.001)  # the fastest recent plain step is the unit
+    s.note_plain_step(1, 0.003)
+    assert s.note_verify_step(3, 0.004) == 1.0  # another batch bucket
+    s.record(seq, 4, 3, s.note_verify_step(1, 0.004))
     assert not s.due(seq)
     seq.output_ids += [0] * 2
-    s.record(seq, 4, 4, s.cost(1, 0.004))
+    s.record(seq, 4, 4, s.note_verify_step(1, 0.004))
     assert s.due(seq)
+    # a plain step is timed first in each batch bucket, and again after PROBE_EVERY verify steps
+    probe = spec.Speculator(spec.NgramProposer(), 4)
+    live = Sequence(0, [1, 2, 3], params)
+    live.output_ids, live.num_computed = [4], 3
+    assert not probe.wants([(live, 1)], None)
+    probe.note_plain_step(1, 0.001)
+    assert probe.wants([(live, 1)], None) and not probe.wants([(live, 1)], 0)
+    for _ in range(spec.PROBE_EVERY):
+        probe.note_verify_step(1, 0.001)
+    assert not probe.wants([(live, 1)], None)
 
 
 def test_bad_options_are_one_clear_error(cpu_model):
@@ -221,34 +234,43 @@ def next_token_probs(model, prefixes):
     return np.array(out)
 
 
-def sampled_triples(model, prompt, n):
-    """Counts [vocab ** 3] of the three tokens of n seeded requests (temperature 1, all admitted in
-    one step: the first token comes from the prompt's step, the next two from a verify step of one
-    draft), and the engine's stats."""
+def joint_probs(model, prompt, n: int) -> np.ndarray:
+    """float64 [vocab ** n]: the model's probability of each n-token continuation of prompt."""
     vocab = model.config.vocab_size
-    eng = make_engine(model, 65536, max_batch_tokens=32768, max_num_seqs=n, speculative="ngram",
+    joint = np.ones(1)
+    for i in range(n):
+        prefixes = [prompt + list(np.unravel_index(c, (vocab,) * i)) for c in range(vocab ** i)]
+        joint = (joint[:, None] * next_token_probs(model, prefixes)).reshape(-1)
+    return joint
+
+
+TINY = dict(vocab_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16)
+
+
+def sampled_quads(model, prompt, n, speculative):
+    """Counts [vocab ** 4] of the four tokens of n seeded requests (temperature 1, all admitted in
+    one step: the first token comes from the prompt's step, the second from a plain step (timed
+    before any verify step), the last two from a verify step of one draft), and the engine's stats."""
+    vocab = model.config.vocab_size
+    eng = make_engine(model, 131072, max_batch_tokens=65536, max_num_seqs=n, speculative=speculative,
                       num_speculative_tokens=3)
-    outs = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s) for s in range(n)])
-    cells = [(o.token_ids[0] * vocab + o.token_ids[1]) * vocab + o.token_ids[2] for o in outs]
-    return np.bincount(cells, minlength=vocab ** 3), eng.stats
+    outs = eng.generate([prompt] * n, [SamplingParams(max_new_tokens=4, temperature=1.0, seed=s) for s in range(n)])
+    cells = [np.ravel_multi_index(o.token_ids, (vocab,) * 4) for o in outs]
+    return np.bincount(cells, minlength=vocab ** 4), eng.stats
 
 
 def test_sampled_tokens_follow_the_model_in_the_engine(monkeypatch):
-    """Four-token vocabulary, a prompt whose continuation prompt lookup drafts: over 3,000 seeds the
-    three tokens follow the model's joint distribution; always accepting the drafts fails."""
-    cfg = tiny_config(vocab_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    model = Model.from_tensors(cfg, random_tensors(cfg, seed=5), "cpu")
+    """Four-token vocabulary, a prompt whose continuation prompt lookup drafts: over 4,000 seeds the
+    four tokens follow the model's joint distribution; always accepting the drafts fails."""
+    model = Model.from_tensors(tiny_config(**TINY), random_tensors(tiny_config(**TINY), seed=5), "cpu")
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-    p1 = next_token_probs(model, [prompt])[0]
-    p2 = next_token_probs(model, [prompt + [a] for a in range(4)])
-    p3 = next_token_probs(model, [prompt + [a, b] for a in range(4) for b in range(4)]).reshape(4, 4, 4)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
-    counts, stats = sampled_triples(model, prompt, 3000)
-    assert stats.verify_rows == 3000 and 300 < stats.accepted_tokens < 2700
+    joint = joint_probs(model, prompt, 4)
+    counts, stats = sampled_quads(model, prompt, 4000, "ngram")
+    assert stats.verify_rows == 4000 and 400 < stats.accepted_tokens < 3600
     assert not chi2_fails(counts, joint)
     monkeypatch.setattr(spec, "accept_sampled", lambda p, d, q, u: list(d) + [inverse_cdf(p[len(d)], u[-1])])
-    counts, _ = sampled_triples(model, prompt, 3000)
+    counts, _ = sampled_quads(model, prompt, 4000, "ngram")
     assert chi2_fails(counts, joint), "the test cannot tell a sampler that keeps every draft"
 
 
@@ -282,30 +304,16 @@ def test_draft_model_greedy_tokens_equal_plain_decoding_online(cpu_model, other_
 
 def test_draft_model_sampled_tokens_follow_the_target(monkeypatch):
     """As the ngram test, with a draft model whose distributions q differ from the target's: the
-    three tokens follow the target; resampling a rejected draft from p instead of max(0, p - q) fails."""
-    cfg = tiny_config(vocab_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    model = Model.from_tensors(cfg, random_tensors(cfg, seed=5), "cpu")
-    draft = Model.from_tensors(cfg, random_tensors(cfg, seed=6), "cpu")
+    four tokens follow the target; resampling a rejected draft from p instead of max(0, p - q) fails."""
+    model = Model.from_tensors(tiny_config(**TINY), random_tensors(tiny_config(**TINY), seed=5), "cpu")
+    draft = Model.from_tensors(tiny_config(**TINY), random_tensors(tiny_config(**TINY), seed=6), "cpu")
     prompt = [3, 1, 0, 2, 2, 1]
-    p1 = next_token_probs(model, [prompt])[0]
-    p2 = next_token_probs(model, [prompt + [a] for a in range(4)])
-    p3 = next_token_probs(model, [prompt + [a, b] for a in range(4) for b in range(4)]).reshape(4, 4, 4)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
-
-    def triples():
-        eng = make_engine(model, 65536, max_batch_tokens=32768, max_num_seqs=3000, speculative=draft,
-                          num_speculative_tokens=3)
-        outs = eng.generate([prompt] * 3000, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s)
-                                              for s in range(3000)])
-        cells = [(o.token_ids[0] * 4 + o.token_ids[1]) * 4 + o.token_ids[2] for o in outs]
-        return np.bincount(cells, minlength=64), eng.stats
-
-    counts, stats = triples()
-    assert stats.verify_rows == 3000 and 300 < stats.accepted_tokens < 2700
+    joint = joint_probs(model, prompt, 4)
+    counts, stats = sampled_quads(model, prompt, 4000, draft)
+    assert stats.verify_rows == 4000 and 400 < stats.accepted_tokens < 3600
     assert not chi2_fails(counts, joint)
     monkeypatch.setattr(spec, "accept_sampled", wrong_sampler)
-    counts, _ = triples()
+    counts, _ = sampled_quads(model, prompt, 4000, draft)
     assert chi2_fails(counts, joint), "the test cannot tell a sampler that resamples from p"
 
 

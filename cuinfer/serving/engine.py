@@ -404,7 +404,7 @@ class Engine:
                 self.stats.accepted_tokens += len(tokens) - 1
                 self.stats.verify_rows += 1
         elapsed = time.perf_counter() - t0
-        cost = self.spec.cost(len(seqs), elapsed)
+        cost = self.spec.note_verify_step(len(seqs), elapsed)
         for s, proposed, accepted in results:
             self.spec.record(s, proposed, accepted, cost)
         self.stats.decode_s += elapsed

@@ -19,15 +19,17 @@ Rows with penalties or logprobs never speculate (their distribution depends on e
 a sequence without drafts in a verify step is sampled from its one row as a plain step samples it.
 
 Backoff: a verify step is a miss for a sequence when it gained no more tokens than the step cost
-in plain decode steps of the same batch (measured: the engine times both kinds of step), or at
-least when none of its drafts was accepted (or it had none to propose). After m misses in a row
+in plain decode steps of the same batch (measured: the engine times both kinds of step, and runs a
+plain step to time it before the first verify step of a batch bucket and after every PROBE_EVERY),
+or at least when none of its drafts was accepted (or it had none to propose). After m misses in a row
 the sequence decodes plainly for the next min(2**m, MAX_BACKOFF) tokens, through the pipelined
 CUDA-graph decode path, so text the drafts do not predict, or drafts that cost more than they
 gain, do not slow decoding. A verify step that pays resets it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +40,8 @@ from .sampling import token_probs
 
 MAX_SPECULATIVE_TOKENS = 16
 MAX_BACKOFF = 64  # output tokens decoded without drafts after repeated misses, at most
+PROBE_EVERY = 32  # verify steps of a batch bucket after which a plain step is timed again
+PLAIN_SAMPLES = 8  # plain step times kept per batch bucket (their minimum is the estimate)
 NGRAM_MAX, NGRAM_MIN = 4, 1
 
 
@@ -119,6 +123,13 @@ def accept_sampled(p, drafts, q, uniforms) -> list:
 
 
 @dataclass
+class _PlainTimes:
+    """A batch bucket's plain decode steps: their last wall times, and verify steps since."""
+    seconds: deque = field(default_factory=lambda: deque(maxlen=PLAIN_SAMPLES))
+    verifies: int = 0
+
+
+@dataclass
 class _Backoff:
     resume_at: int = 0  # output length from which the sequence proposes again
     misses: int = 0
@@ -130,7 +141,7 @@ class Speculator:
             raise CuinferError(f"num_speculative_tokens: got {num_tokens}, need 1..{MAX_SPECULATIVE_TOKENS}")
         self.proposer, self.k = proposer, num_tokens
         self._backoff = {}  # Sequence -> _Backoff, while it runs
-        self._plain_s = {}  # batch bucket -> moving average of a plain decode step's seconds
+        self._plain = {}  # batch bucket -> _PlainTimes
 
     def due(self, seq) -> bool:
         """Whether seq proposes drafts at its next decode step (from lengths only: the pipelined
@@ -143,7 +154,7 @@ class Speculator:
         decodes, one is due, and the verify step can take drafts (limit: None, or drafts per
         sequence it takes, Verifier.draft_limit)."""
         decoding = all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
-        return decoding and limit != 0 and any(self.due(s) for s, _ in plan)
+        return decoding and limit != 0 and not self._probe(len(plan)) and any(self.due(s) for s, _ in plan)
 
     def budgets(self, seqs, max_len: int, limit=None) -> list:
         """Draft tokens each sequence may take: k (at most `limit`), less what would pass
@@ -156,16 +167,25 @@ class Speculator:
         self._backoff = {s: b for s, b in self._backoff.items() if s.finish_reason is None}
         return self.proposer.propose(seqs, budgets, seeds)
 
+    def _probe(self, num_seqs: int) -> bool:
+        """Whether the next decode step of this batch bucket must be plain, to be timed: none was
+        yet, or PROBE_EVERY verify steps ran since the last."""
+        t = self._plain.get(bucket(num_seqs))
+        return t is None or not t.seconds or t.verifies >= PROBE_EVERY
+
     def note_plain_step(self, num_seqs: int, seconds: float) -> None:
         """A decode step without drafts of num_seqs sequences took `seconds` (wall time)."""
-        b, old = bucket(num_seqs), self._plain_s.get(bucket(num_seqs))
-        self._plain_s[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        t = self._plain.setdefault(bucket(num_seqs), _PlainTimes())
+        t.seconds.append(seconds)
+        t.verifies = 0
 
-    def cost(self, num_seqs: int, seconds: float) -> float:
-        """A verify step's wall time in plain decode steps of the same batch bucket (1.0 until one
-        was timed)."""
-        plain = self._plain_s.get(bucket(num_seqs))
-        return seconds / plain if plain else 1.0
+    def note_verify_step(self, num_seqs: int, seconds: float) -> float:
+        """A verify step of num_seqs sequences took `seconds`: its cost in plain decode steps of
+        the same batch bucket (their fastest recent one: a graph capture or a stall does not make
+        verify steps look cheap), 1.0 while none was timed."""
+        t = self._plain.setdefault(bucket(num_seqs), _PlainTimes())
+        t.verifies += 1
+        return seconds / min(t.seconds) if t.seconds else 1.0
 
     def record(self, seq, proposed: int, accepted: int, cost: float = 1.0) -> None:
         """A due sequence's verify result: a miss (it gained accepted + 1 tokens in a step that cost
