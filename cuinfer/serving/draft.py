@@ -50,7 +50,10 @@ class DraftProposer:
         cfg, bs = draft.config, kv_cache.block_size
         shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs)
         self.model = draft
-        self.cache = KVCache.allocate(shape, draft.dtype, draft.xp, kv_cache.num_blocks * bs)
+        try:
+            self.cache = KVCache.allocate(shape, draft.dtype, draft.xp, kv_cache.num_blocks * bs)
+        except CuinferError as e:
+            raise CuinferError(f"speculative model: its KV cache: {e} (give the target a smaller one)") from None
         on_gpu = draft.xp is not np
         self.blocks = BlockManager(self.cache.num_blocks - on_gpu, bs, enable_prefix_caching=False)
         self.decoder = DecodeGraph(draft, self.cache, self.blocks.num_blocks, use_graphs) if on_gpu else None
