@@ -4,8 +4,9 @@ Without CKPT the default model (SmolLM2-135M-Instruct, converted once into the c
 used. One prompt streams as it is generated; several run as one continuous batch and print
 in order. --chat opens an interactive conversation with the model's chat template. A final
 line on stderr (piped output is only the text) gives prompt tokens, time to first token, prefill
-and decode speed, and the KV memory the paged cache held against a contiguous cache of the full
-context per sequence.
+and decode speed, with speculative decoding the draft tokens accepted of those proposed and the
+mean accepted length (tokens a sequence gains per verify step), and the KV memory the paged cache
+held against a contiguous cache of the full context per sequence.
 User errors end with one message and exit code 2, after whatever was already printed.
 """
 from __future__ import annotations
@@ -47,7 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true",
                    help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
+    add_speculative_arguments(p)
     return p
+
+
+def add_speculative_arguments(p) -> None:
+    """--speculative, --speculative-model, --num-speculative-tokens (generate and serve)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--speculative", choices=("ngram",),
+                   help="speculative decoding with prompt lookup (drafts from the prompt and output)")
+    g.add_argument("--speculative-model", metavar="CKPT",
+                   help="speculative decoding with a draft model: a checkpoint with the same tokenizer "
+                        "(e.g. an int4 copy of the target made by python -m cuinfer.quantize)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens verified per step (default 4)")
+
+
+def speculative_options(args) -> dict:
+    """Engine.from_pretrained's speculative keywords from the parsed flags."""
+    return dict(speculative=args.speculative, speculative_model=args.speculative_model,
+                num_speculative_tokens=args.num_speculative_tokens)
 
 
 def quant_spec(value: str) -> str:
@@ -87,9 +107,11 @@ def stats_line(engine) -> str:
     mib = lambda b: f"{b / 2 ** 20:.1f} MiB"
     kv_text = (f"KV {mib(kv['paged_bytes'])} paged vs {mib(kv['contiguous_bytes'])} contiguous "
                f"({100 * kv['saving']:.1f}% saved)") if kv else "KV -"
+    spec = (f" · drafts {s.accepted_tokens}/{s.draft_tokens} accepted, mean accepted length "
+            f"{s.mean_accepted_length:.2f}") if engine.spec is not None else ""
     return (f"[{s.prompt_tokens} prompt tokens · TTFT {1000 * s.ttft_s:.0f} ms · prefill "
             f"{rate(s.prefill_tokens, s.prefill_s)} tok/s · decode {rate(s.decode_tokens, s.decode_s)} tok/s "
-            f"· {s.generated_tokens} generated · {kv_text}]")
+            f"· {s.generated_tokens} generated{spec} · {kv_text}]")
 
 
 CPU_QUIET_TOKENS = 1024  # a CPU prefill longer than this (seconds) says it has started
@@ -152,7 +174,7 @@ def main(argv=None) -> int:
 
         engine = Engine.from_pretrained(args.checkpoint, device=device, dtype=args.dtype,
                                         quant=args.quant, kv_tokens=args.kv_tokens,
-                                        use_graphs=not args.no_graphs)
+                                        use_graphs=not args.no_graphs, **speculative_options(args))
         if args.template:
             prompts = [engine.tokenizer.encode_chat(messages(args.system, [{"role": "user", "content": p}]))
                        for p in prompts]

@@ -15,6 +15,7 @@ import uuid
 
 from .errors import CuinferError
 from .ops import runtime
+from .generate import add_speculative_arguments, speculative_options
 from .serving.sampling import SamplingParams
 
 
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for admission past which new ones get 503 with Retry-After")
     p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint's folder name)")
+    add_speculative_arguments(p)
     return p
 
 
@@ -286,7 +288,7 @@ def main(argv=None) -> int:
         device = runtime.pick_device(args.device)
         aengine = AsyncEngine.start(path, device=device, dtype=args.dtype, quant=args.quant,
                                     kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
-                                    max_num_seqs=args.max_num_seqs)
+                                    max_num_seqs=args.max_num_seqs, **speculative_options(args))
     except (CuinferError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -78,9 +78,12 @@ PREFIXES = [[7] * 13, list(range(20)), list(range(5, 40))]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals (many sharing a prefix), steps with random finishes, aborts; after every
-    rule: no block leaked or held twice without sharing, reference counts equal the tables holding
-    each block, a block a sequence will still write is never shared, usage 0.0 when idle."""
+    """Random arrivals (many sharing a prefix), steps with random finishes, aborts, speculative
+    verify steps (drafts written to reserved slots, a random number accepted, the rest rolled
+    back); after every rule: no block leaked or held twice without sharing, reference counts equal
+    the tables holding each block, a block a sequence will still write is never shared, usage 0.0
+    when idle, and every block in the prefix cache holds exactly the tokens of its hash (the
+    machine records which token each step wrote to each slot): never a rejected draft."""
 
     def __init__(self):
         super().__init__()
@@ -88,6 +91,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched = Scheduler(self.bm, max_batch_tokens=32, max_num_seqs=6)
         self.seqs = []
         self.next_id = 0
+        self.written = {}  # block -> {offset: token id last written there}
+
+    def write(self, seq, tokens):
+        """A step wrote K/V of `tokens` at seq's positions from num_computed on."""
+        for pos, t in enumerate(tokens, seq.num_computed):
+            self.written.setdefault(seq.block_table[pos // 4], {})[pos % 4] = t
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 50), max_size=12),
           keep=st.integers(1, 40))
@@ -108,12 +117,37 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(n for _, n in plan) <= self.sched.max_batch_tokens
         for seq, n in plan:
             assert len(seq.block_table) * 4 >= seq.num_computed + n
+            self.write(seq, seq.token_slice(seq.num_computed, seq.num_computed + n))
             self.sched.computed(seq, n)
         for i, (seq, _) in enumerate(plan):
             if seq.num_computed == seq.num_tokens:
                 self.sched.append(seq, token)
                 if i in finish or len(seq.output_ids) >= 8:
                     self.sched.finish(seq, "length")
+
+    @precondition(lambda self: self.sched.has_work())
+    @rule(drafts=st.lists(st.integers(0, 50), min_size=1, max_size=6), accepted=st.integers(0, 6),
+          finish=st.sets(st.integers(0, 5)))
+    def verify(self, drafts, accepted, finish):
+        """A step whose decoding sequences carry drafts where their slots fit (prefill chunks run as
+        usual): each keeps `accepted` of them plus a token that differs from the next draft."""
+        for i, (seq, n) in enumerate(self.sched.schedule()):
+            decoding = n == 1 and seq.remaining == 1 and seq.num_computed >= len(seq.prompt_ids)
+            d = drafts if decoding and self.sched.reserve_draft(seq, len(drafts)) else []
+            a = min(accepted, len(d))
+            bonus = (d[a] + 1) % 51 if a < len(d) else 7
+            self.write(seq, seq.token_slice(seq.num_computed, seq.num_computed + n) + d)
+            self.sched.computed(seq, n + a)
+            if seq.num_computed < seq.num_tokens:
+                continue
+            for t in d[:a] + [bonus]:
+                self.sched.append(seq, t)
+                if i in finish or len(seq.output_ids) >= 8:
+                    self.sched.finish(seq, "length")
+                    break
+            self.sched.rollback(seq)
+            if seq.finish_reason is None:
+                assert len(seq.block_table) == -(-seq.num_computed // 4)
 
     @precondition(lambda self: any(s.finish_reason is None for s in self.seqs))
     @rule(pick=st.integers(0, 1000))
@@ -136,6 +170,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(not s.block_table for s in self.seqs if s.finish_reason is not None)
         if not self.sched.running:
             assert self.bm.usage() == 0.0
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self):
+        tokens_of = {h: s.token_slice(4 * i, 4 * i + 4) for s in self.seqs for i, h in enumerate(s.block_hashes)}
+        for b, h in self.bm._hash_of.items():
+            assert [self.written[b].get(j) for j in range(4)] == tokens_of[h], f"block {b} holds other tokens"
+        for s in self.sched.running:
+            for pos in range(s.num_computed):
+                assert self.written[s.block_table[pos // 4]][pos % 4] == s.token_at(pos)
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

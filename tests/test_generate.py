@@ -38,7 +38,24 @@ def test_several_prompts_file_and_template(ckpt, capsys, tmp_path):
         f"--- [{i}] (length, 4 tokens)" for i in range(3)]
 
 
+@pytest.mark.parametrize("flags", [["--speculative", "ngram"], ["--speculative-model", "CKPT"]])
+def test_speculative_flags_give_the_same_text_and_report_drafts(ckpt, capsys, flags):
+    argv = [ckpt, "--prompt", "one two three one two three one two", "--max-new-tokens", "24", "--device", "cpu"]
+    _, plain, _ = run(capsys, *argv)
+    rc, out, stats = run(capsys, *argv, *[ckpt if f == "CKPT" else f for f in flags], "--num-speculative-tokens", "3")
+    assert rc == 0 and out == plain
+    assert "24 generated" in stats and "mean accepted length" in stats
+    accepted, proposed = map(int, stats.split(" · drafts ")[1].split(" accepted")[0].split("/"))
+    assert 0 < proposed and 0 <= accepted <= proposed
+    if flags[0] == "--speculative-model":  # the target as its own draft: every draft accepted
+        assert accepted == proposed
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--speculative", "ngram", "--num-speculative-tokens", "0"],
+     "num_speculative_tokens: got 0, need 1..16"),
+    (["CKPT", "--prompt", "a", "--device", "cpu", "--speculative-model", "/nonexistent/draft"],
+     "no such checkpoint directory"),
     (["/nonexistent/ckpt", "--prompt", "a", "--device", "cpu"], "no such checkpoint directory"),
     (["CKPT", "--device", "cpu"], "nothing to do"),
     (["CKPT", "--prompt", "a " * 3000, "--device", "cpu"], "the context holds 2048"),

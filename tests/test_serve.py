@@ -277,3 +277,25 @@ def test_a_full_queue_answers_503_with_retry_after(ckpt):
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and "capacity" in r.text
     finally:
         proc.kill()
+
+
+def test_speculative_server_gives_the_engines_greedy_text(ckpt, engine):
+    """--speculative ngram: the same greedy text as the plain engine, streamed or not, and the drafts
+    in /metrics."""
+    from cuinfer import SamplingParams
+
+    proc, url = start_server(ckpt, "--speculative", "ngram", "--num-speculative-tokens", "3")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        content = "Repeat: red fox, blue fox, red fox, blue fox, red fox, blue fox."
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": content}])
+        want = engine.generate([ids], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
+        r = chat(client, content, max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == want.text and r.usage.completion_tokens == 32
+        text, _ = streamed(client, content, max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        assert text == want.text
+        assert metric(url, "cuinfer_spec_draft_tokens") > 0
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "Traceback" not in out

@@ -41,7 +41,7 @@ class AsyncEngine:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _streams and _stats (event loops and the reader thread)
         self._streams = {}  # request id -> (event loop, asyncio.Queue)
-        self._stats = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+        self._stats = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
         self._stopped = False
         self._reader = threading.Thread(target=self._read, name="cuinfer-engine-reader", daemon=True)
         self._reader.start()
@@ -103,7 +103,7 @@ class AsyncEngine:
                 self._send(("abort", request_id))
 
     def stats(self) -> dict:
-        """running, waiting, kv_cache_usage as of the engine's last step."""
+        """running, waiting, kv_cache_usage, draft_tokens, accepted_tokens as of the engine's last step."""
         with self._lock:
             return dict(self._stats)
 
@@ -248,4 +248,5 @@ def _engine_main(conn, path: str, engine_args: dict):
 
 def _stats(engine) -> dict:
     return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-            "kv_cache_usage": engine.kv_cache_usage()}
+            "kv_cache_usage": engine.kv_cache_usage(), "draft_tokens": engine.stats.draft_tokens,
+            "accepted_tokens": engine.stats.accepted_tokens}

@@ -26,13 +26,15 @@ import numpy as np
 
 from ..errors import CuinferError
 from ..model.decoder import Batch, Model
-from ..model.kv_cache import CacheShape, KVCache, kv_memory
+from ..model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_memory
 from ..ops import runtime
 from .block_manager import BlockManager
 from .detokenizer import RequestText
 from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniform, sample
 from .scheduler import PENDING, Scheduler, Sequence
+from .spec import NO_DRAFT, make_speculator, verify
+from .verify import Verifier
 
 CPU_KV_TOKENS = 16384
 DEFAULT_PARAMS = SamplingParams()
@@ -88,7 +90,15 @@ class Stats:
     preemptions: int = 0
     pipelined_steps: int = 0  # decode steps launched before the previous step's tokens were read
     peak_kv_blocks: int = 0
+    draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
+    accepted_tokens: int = 0  # of those, accepted
+    verify_rows: int = 0  # sequences' verify steps that carried drafts
     kv: dict = field(default_factory=dict)  # kv_memory() of the finished sequences
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence gained per verify step with drafts (its accepted drafts plus one)."""
+        return (self.accepted_tokens + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
 
 
 @dataclass(eq=False)
@@ -117,11 +127,13 @@ class _Launched:
 class Engine:
     def __init__(self, model: Model, kv_cache: KVCache, tokenizer=None, eos_token_ids=(),
                  max_batch_tokens: int = 512, max_num_seqs: int = 256, seed: int = 0, use_graphs: bool = True,
-                 async_decode: bool = True, decoder=None, enable_prefix_caching: bool = True):
+                 async_decode: bool = True, decoder=None, enable_prefix_caching: bool = True,
+                 speculative=None, num_speculative_tokens: int = 4):
         """decoder: DecodeGraph's interface (run, read_async) for decode steps; default: a
         DecodeGraph on the GPU, none on the CPU (tests pass a stand-in, built as decoder(scratch
         block)). The decoder's scratch block is the pool's last, kept out of the block manager.
-        async_decode=False never pipelines."""
+        async_decode=False never pipelines. speculative: None, "ngram" or a draft Model (same
+        tokenizer), proposing up to num_speculative_tokens tokens a step (docs/speculative.md)."""
         self.model, self.kv_cache, self.tokenizer = model, kv_cache, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         if decoder is None and model.xp is not np:
@@ -137,16 +149,22 @@ class Engine:
         self._requests = {}  # request id -> _Request, until its final output is returned
         self._ids = itertools.count()
         self.stats = Stats()
+        self.spec = make_speculator(speculative, num_speculative_tokens, model, kv_cache, use_graphs)
+        self.verifier = Verifier(model, kv_cache, use_graphs) if self.spec is not None else None
         # text and stop strings made here (RequestText); the AsyncEngine turns this off and makes
-        # them in its callers' thread, aborting a request whose stop string it finds
+        # them in the server's process, aborting a request whose stop string it finds
         self.detokenize = True
 
     @classmethod
     def from_pretrained(cls, path=None, device=None, dtype=None, quant=None, kv_tokens=None,
                         block_size: int = 16, max_batch_tokens: int = 512, max_num_seqs: int = 256,
                         seed: int = 0, use_graphs: bool = True, async_decode: bool = True,
-                        enable_prefix_caching: bool = True) -> Engine:
-        """path: a checkpoint directory (None: the default model); device None: the GPU if found."""
+                        enable_prefix_caching: bool = True, speculative=None, speculative_model=None,
+                        num_speculative_tokens: int = 4) -> Engine:
+        """path: a checkpoint directory (None: the default model); device None: the GPU if found.
+        speculative "ngram", or speculative_model (a checkpoint with the same tokenizer, loaded
+        like the target: its KV cache holds as many tokens as the target's, the two sharing the
+        default memory budget)."""
         from ..io.checkpoint import load_checkpoint, resolve_checkpoint
         from ..io.tokenizer import Tokenizer
 
@@ -155,13 +173,24 @@ class Engine:
         config, tensors = load_checkpoint(path)
         model = Model.from_tensors(config, tensors, device, dtype, quant)
         del tensors
+        fraction = 0.8
+        if speculative_model is not None:
+            if speculative is not None:
+                raise CuinferError("speculative: give 'ngram' or a speculative model, not both")
+            draft_config, draft_tensors = load_checkpoint(resolve_checkpoint(speculative_model))
+            speculative = Model.from_tensors(draft_config, draft_tensors, device, dtype)
+            del draft_tensors
+            per_token = [bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, m.dtype)
+                         for c, m in ((config, model), (draft_config, speculative))]
+            fraction *= per_token[0] / sum(per_token)
         shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
         if device == "cpu" and kv_tokens is None:
             kv_tokens = CPU_KV_TOKENS
-        cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
+        cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens, memory_fraction=fraction)
         tok = Tokenizer.from_pretrained(path)
         return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, max_num_seqs, seed=seed,
-                   use_graphs=use_graphs, async_decode=async_decode, enable_prefix_caching=enable_prefix_caching)
+                   use_graphs=use_graphs, async_decode=async_decode, enable_prefix_caching=enable_prefix_caching,
+                   speculative=speculative, num_speculative_tokens=num_speculative_tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -220,6 +249,8 @@ class Engine:
                 raise CuinferError("the scheduler found nothing to run: the KV cache is too small")
             self.stats.preemptions += self.scheduler.num_preemptions - preempted
             self._note_kv_blocks()
+            if self._verifies(plan):
+                return self._spec_step(plan, t0)
             if not self._launches(plan):
                 return self._sync_step(plan, t0)
             self._inflight = self._launch([s for s, _ in plan], None)
@@ -239,8 +270,11 @@ class Engine:
                 # the scheduler has work (callers loop on has_unfinished_requests())
                 self._resolve(self._inflight)
                 self._inflight = None
-        self.stats.decode_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.decode_s += elapsed
         self.stats.decode_tokens += len(events)
+        if self.spec is not None:
+            self.spec.note_plain_step(len(current.seqs), elapsed)
         return events
 
     def _launches(self, plan) -> bool:
@@ -253,6 +287,8 @@ class Engine:
     def _may_pipeline(self, seqs) -> bool:
         """Whether the step after `seqs`' in-flight step may be launched before its tokens are read
         (docs/serving.md); if so, the scheduler has reserved its KV slots. Host logic only."""
+        if self._verifies([(s, 1) for s in seqs]):
+            return False  # the next step verifies drafts: it is built from the real tokens
         waiting = bool(self.scheduler.waiting)
         for s in seqs:
             if s.finish_reason is not None:
@@ -309,16 +345,9 @@ class Engine:
         if ready:
             seqs = [plan[i][0] for i in ready]
             reqs = [self._requests[s.seq_id] for s in seqs]
-            params = [s.params for s in seqs]
-            histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
-            outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else ()
-                       for s, p in zip(seqs, params)]
-            uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids))
-                        for r, s, p in zip(reqs, seqs, params)]
             lps = [None] * len(ready)
             if tokens is None:
-                rows = logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))]
-                tokens, lps = sample(rows, params, histories, uniforms, outputs, with_logprobs=True)
+                tokens, lps = self._sample(seqs, logits[self.model.xp.asarray(np.asarray(ready, dtype=np.int64))])
             else:
                 tokens = tokens[ready]
             now = time.perf_counter()
@@ -331,7 +360,96 @@ class Engine:
         else:
             self.stats.decode_s += elapsed
             self.stats.decode_tokens += len(events)
+            if self.spec is not None:
+                self.spec.note_plain_step(len(plan), elapsed)
         return events
+
+    def _sample(self, seqs, logits):
+        """(tokens, logprobs entries) of seqs from their rows of float32 logits [len(seqs), vocab]:
+        penalties, sampling and uniforms as every plain step draws them."""
+        reqs = [self._requests[s.seq_id] for s in seqs]
+        params = [s.params for s in seqs]
+        histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
+        outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else () for s, p in zip(seqs, params)]
+        uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids)) for r, s, p in zip(reqs, seqs, params)]
+        return sample(logits, params, histories, uniforms, outputs, with_logprobs=True)
+
+    def _verifies(self, plan) -> bool:
+        """Whether the step `plan` is a verify step (cuinfer/serving/spec.py): speculation is on and
+        Speculator.wants it."""
+        return self.spec is not None and self.spec.wants(plan)
+
+    def _spec_step(self, plan, t0) -> list:
+        """A verify step (cuinfer/serving/spec.py): every sequence decodes its last token and the due
+        ones their drafts after it, in one forward; each keeps what the verification accepts, and
+        the slots of rejected drafts are rolled back. Without any draft: a plain synchronous step."""
+        seqs = [s for s, _ in plan]
+        reqs = [self._requests[s.seq_id] for s in seqs]
+        budgets = self.spec.budgets(seqs, self.max_len)
+        drafts = self.spec.propose(seqs, budgets, [r.seed for r in reqs])
+        drafts = [d if d.tokens and self.scheduler.reserve_draft(s, len(d.tokens)) else NO_DRAFT
+                  for s, d in zip(seqs, drafts)]
+        if not any(d.tokens for d in drafts):
+            for s, k in zip(seqs, budgets):
+                if k:
+                    self.spec.record(s, 0, 0)
+            return self._sync_step(plan, t0)
+        self._note_kv_blocks()
+        chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
+                  for s, d in zip(seqs, drafts)]
+        kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), [len(c[0]) for c in chunks])
+        now = time.perf_counter()
+        events, results = [], []
+        for s, r, d, k, tokens, lp in zip(seqs, reqs, drafts, budgets, kept, lps):
+            self.scheduler.computed(s, len(tokens))  # the last token and the accepted drafts
+            events.append(self._append_all(r, tokens, lp, now))
+            self.scheduler.rollback(s)
+            if k:
+                results.append((s, len(d.tokens), len(tokens) - 1))
+            if d.tokens:
+                self.stats.draft_tokens += len(d.tokens)
+                self.stats.accepted_tokens += len(tokens) - 1
+                self.stats.verify_rows += 1
+        elapsed = time.perf_counter() - t0
+        cost = self.spec.note_verify_step(len(seqs), elapsed)
+        for s, proposed, accepted in results:
+            self.spec.record(s, proposed, accepted, cost)
+        self.stats.decode_s += elapsed
+        self.stats.decode_tokens += sum(len(o.new_token_ids) for o in events)
+        return events
+
+    def _verify(self, seqs, drafts, logits, lens):
+        """(tokens, logprobs entries or None) per sequence from a verify step's logits (lens: each
+        sequence's rows): drafted sequences through spec.verify, the others sampled as a plain
+        step samples them (penalties, logprobs and seeded draws included)."""
+        xp, starts = self.model.xp, np.cumsum([0] + lens)
+        drafted = [i for i, d in enumerate(drafts) if d.tokens]
+        plain = [i for i, d in enumerate(drafts) if not d.tokens]
+        kept, lps = [None] * len(seqs), [None] * len(seqs)
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in drafted])
+        found = verify(logits[xp.asarray(rows)], [seqs[i] for i in drafted], [drafts[i] for i in drafted],
+                       [self._requests[seqs[i].seq_id].seed for i in drafted])
+        for i, tokens in zip(drafted, found):
+            kept[i] = tokens
+        if plain:
+            tokens, entries = self._sample([seqs[i] for i in plain], logits[xp.asarray(starts[plain])])
+            for i, t, entry in zip(plain, tokens, entries):
+                kept[i], lps[i] = [int(t)], [entry]
+        return kept, lps
+
+    def _append_all(self, req: _Request, tokens, logprobs, now: float) -> RequestOutput:
+        """Append a step's tokens one by one until the sequence finishes (the rest are dropped); one
+        RequestOutput with all of them."""
+        outs = []
+        for t, entry in zip(tokens, logprobs or [None] * len(tokens)):
+            outs.append(self._append(req, t, now, entry))
+            if req.seq.finish_reason is not None:
+                break
+        last = outs[-1]
+        last.new_text = "".join(o.new_text for o in outs)
+        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        last.new_logprobs = [e for o in outs for e in o.new_logprobs]
+        return last
 
     def _run_model(self, plan):
         """(host argmax tokens, None) when the decoder took the step greedily, else (None, float32

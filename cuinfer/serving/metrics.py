@@ -11,8 +11,10 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         for name, key, doc in (("running", "running", "requests in the running batch"),
                                ("waiting", "waiting", "requests waiting for admission"),
-                               ("kv_cache_usage", "kv_cache_usage", "fraction of KV blocks held by requests")):
-            gauge = Gauge(f"cuinfer_{name}" if key == "kv_cache_usage" else f"cuinfer_requests_{name}", doc,
+                               ("kv_cache_usage", "kv_cache_usage", "fraction of KV blocks held by requests"),
+                               ("spec_draft_tokens", "draft_tokens", "speculative draft tokens verified"),
+                               ("spec_accepted_tokens", "accepted_tokens", "speculative draft tokens accepted")):
+            gauge = Gauge(f"cuinfer_requests_{name}" if key in ("running", "waiting") else f"cuinfer_{name}", doc,
                           registry=r)
             gauge.set_function(lambda key=key: aengine.stats()[key])
         self.prompt_tokens = Counter("cuinfer_prompt_tokens", "prompt tokens", registry=r)

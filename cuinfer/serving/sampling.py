@@ -122,8 +122,10 @@ def token_logprobs(logits, tokens, rows, ks, xp) -> list:
             for j, kj in enumerate(ks)]
 
 
-def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
-    """Sample one token per row of float32 logits [n, vocab] with per-row parameters ([n] arrays)."""
+def filtered_probs(logits, temperature, top_k, top_p, min_p, xp):
+    """(order, p, keep): each row's token ids by descending logit [n, vocab] and, in that order, the
+    unnormalised probabilities after temperature, top-k, top-p (of the top-k mass) and min-p, the
+    filtered tokens at 0 (the distribution sample_rows draws from), and the mask of those kept."""
     _n, vocab = logits.shape
     order = xp.argsort(-logits, axis=-1)  # order: [n, vocab], largest logit first
     z = xp.take_along_axis(logits, order, axis=-1) / temperature[:, None]
@@ -135,11 +137,38 @@ def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
     c = xp.cumsum(p, axis=-1)
     keep &= (c - p) < top_p[:, None] * c[:, -1:]  # top-p: the tokens before this one hold < top_p
     keep &= p >= min_p[:, None]  # min-p: p / p_max >= min_p, p_max = 1 here
-    p = xp.where(keep, p, 0)
+    return order, xp.where(keep, p, 0), keep
+
+
+def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
+    """Sample one token per row of float32 logits [n, vocab] with per-row parameters ([n] arrays)."""
+    order, p, keep = filtered_probs(logits, temperature, top_k, top_p, min_p, xp)
     c = xp.cumsum(p, axis=-1)
     idx = (c <= uniforms[:, None] * c[:, -1:]).sum(axis=-1)  # inverse CDF
     idx = xp.minimum(idx, keep.sum(axis=-1) - 1)
     return xp.take_along_axis(order, idx[:, None], axis=-1)[:, 0]
+
+
+def token_probs(logits, params):
+    """float64 host [n, vocab]: the distribution `sample` draws each row's token from, without the
+    penalties (speculative decoding runs no row that has them); greedy rows are one-hot at the argmax."""
+    xp = runtime.require_cupy() if runtime.is_device_array(logits) else np
+    logits = logits.astype(np.float32)
+    n, vocab = logits.shape
+    col = lambda name, dt: xp.asarray(np.asarray([1 if p.greedy else getattr(p, name) for p in params], dtype=dt))
+    order, p, _ = filtered_probs(logits, col("temperature", np.float32), col("top_k", np.int64),
+                                 col("top_p", np.float32), col("min_p", np.float32), xp)
+    out = xp.zeros((n, vocab), dtype=np.float64)
+    out.reshape(-1)[(order + xp.arange(n)[:, None] * vocab).reshape(-1)] = p.reshape(-1)  # back to vocab order
+    top = xp.argmax(logits, axis=-1)
+    host = (lambda a: a.get()) if xp is not np else (lambda a: a)
+    out, top = host(out), host(top)
+    out /= out.sum(axis=-1, keepdims=True)
+    for i, q in enumerate(params):
+        if q.greedy:
+            out[i] = 0.0
+            out[i, top[i]] = 1.0
+    return out
 
 
 def sample(logits, params, histories, uniforms, outputs=None, with_logprobs=False):

@@ -140,6 +140,20 @@ class Scheduler:
             self._reserve(s, s.num_computed + 1)
         return True
 
+    def reserve_draft(self, seq: Sequence, k: int) -> bool:
+        """Reserve the slots of k draft tokens after seq's scheduled decode token, from free blocks
+        only (never preempting); False, changing nothing, if they do not fit."""
+        return self._reserve(seq, seq.num_computed + 1 + k)
+
+    def rollback(self, seq: Sequence) -> None:
+        """Free seq's blocks past its computed tokens: after a verify step, those that held only
+        rejected drafts. Their slots were never counted as computed, so no block holding a
+        rejected token was offered to the prefix cache."""
+        keep = blocks_for(seq.num_computed, self.block_size)
+        if seq.finish_reason is None and len(seq.block_table) > keep:
+            self.blocks.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def computed(self, seq: Sequence, n: int) -> None:
         """n more of seq's tokens have their K/V in the cache (or will, once the step in flight runs)."""
         seq.num_computed += n

@@ -1,0 +1,236 @@
+"""Speculative decoding: draft tokens proposed cheaply, verified by the target model in one step.
+
+    engine = Engine(model, cache, speculative="ngram", num_speculative_tokens=4)   # or a draft Model
+
+A step in which every sequence decodes becomes a verify step when some sequence is due to
+speculate (Speculator.wants). Each due sequence gets up to k draft tokens from the proposer:
+NgramProposer (prompt lookup: the continuation of the longest earlier match of the sequence's last
+n tokens, n = 4..1) or DraftProposer (a smaller model with the same tokenizer, cuinfer/serving/
+draft.py). The target scores [last token, d1..dk] of every sequence in one step (Verifier,
+cuinfer/serving/verify.py: Model.forward with q_len k_i + 1 and the logits of every row, a CUDA
+graph on the GPU); each sequence keeps the drafts the verification accepts plus one token of the
+target's, so a step yields 1..k+1 tokens per sequence (docs/speculative.md):
+- greedy rows (accept_greedy): the drafts that equal the target's argmax, then the argmax after
+  them, which is the token plain greedy decoding would give;
+- sampled rows (accept_sampled): rejection sampling; draft x is accepted with probability
+  min(1, p(x) / q(x)), else the token comes from norm(max(0, p - q)): the tokens follow the
+  target's distribution p exactly, whatever the draft distribution q (a point mass for ngram).
+Rows with penalties or logprobs never speculate (their distribution depends on every token before);
+a sequence without drafts in a verify step is sampled from its one row as a plain step samples it.
+
+Backoff: a verify step is a miss for a sequence when it gained no more tokens than the step cost
+in plain decode steps of the same batch (measured: the engine times both kinds of step, and runs a
+plain step to time it before the first verify step of a batch bucket and after every PROBE_EVERY),
+or at least when none of its drafts was accepted (or it had none to propose). After m misses in a row
+the sequence decodes plainly for the next min(2**m, MAX_BACKOFF) tokens, through the pipelined
+CUDA-graph decode path, so text the drafts do not predict, or drafts that cost more than they
+gain, do not slow decoding. A verify step that pays resets it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import CuinferError
+from ..ops import runtime
+from .runner import bucket
+from .sampling import token_probs
+
+MAX_SPECULATIVE_TOKENS = 16
+MAX_BACKOFF = 64  # output tokens decoded without drafts after repeated misses, at most
+PROBE_EVERY = 32  # verify steps of a batch bucket after which a plain step is timed again
+PLAIN_SAMPLES = 8  # plain step times kept per batch bucket (their minimum is the estimate)
+NGRAM_MAX, NGRAM_MIN = 4, 1
+
+
+@dataclass
+class Draft:
+    tokens: list  # the proposed tokens
+    q: object = None  # float64 [len(tokens), vocab]: the distributions they were drawn from (None: point masses)
+
+
+NO_DRAFT = Draft([])
+
+
+def speculable(params) -> bool:
+    """Whether a request's tokens may be drafted: no penalties and no logprobs."""
+    return (params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty
+            and params.logprobs is None)
+
+
+def spec_uniforms(seed: int, step: int, stream: int, n: int) -> np.ndarray:
+    """n uniforms in [0, 1) for a request's verify step at output length `step` (stream 0: the
+    verification, 1: the draft model's sampling): reproducible in any batch, as draw_uniform."""
+    return np.random.default_rng([seed, step, stream]).random(n)
+
+
+def ngram_match(tokens, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) -> list:
+    """Up to k tokens that followed an earlier occurrence of the last n tokens, for the largest n in
+    max_n..min_n that occurs earlier: the latest such occurrence with k tokens after it, else the
+    first one (the longest continuation)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    size = len(arr)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)  # starts 0..size-1-n
+        hits = np.flatnonzero((windows == arr[size - n:]).all(axis=1))
+        if len(hits):
+            full = hits[hits + n + k <= size]
+            start = (full[-1] if len(full) else hits[0]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """Prompt lookup: drafts from the sequence's own prompt and output (no model, no state)."""
+
+    def propose(self, seqs, budgets, seeds) -> list:
+        return [Draft(ngram_match(s.token_ids, k)) if k else NO_DRAFT for s, k in zip(seqs, budgets)]
+
+
+def accept_greedy(targets, drafts) -> list:
+    """The tokens a greedy sequence keeps: the drafts while they equal the target's argmax at the
+    row before them (targets: [k + 1] argmax tokens), then the target's token after the last one."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return list(drafts[:a]) + [int(targets[a])]
+
+
+def inverse_cdf(weights, u: float) -> int:
+    """The token whose cumulative weight first passes u * total (weights >= 0, not all 0)."""
+    c = np.cumsum(weights)
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
+    return min(i, int(np.flatnonzero(weights)[-1]))
+
+
+def accept_sampled(p, drafts, q, uniforms) -> list:
+    """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023). p: [k + 1, vocab] the target's
+    distributions at the k + 1 rows; q: [k, vocab] those the drafts were drawn from (None: point
+    masses at them); uniforms: k + 1 draws. Draft x at row j is kept when u_j * q_j(x) < p_j(x)
+    (probability min(1, p/q)); the first rejected one is replaced by a draw from max(0, p_j - q_j),
+    normalised; when all are kept, a last token is drawn from p_k."""
+    for j, x in enumerate(drafts):
+        qj = q[j] if q is not None else np.eye(1, p.shape[1], x)[0]  # a point mass at x
+        if uniforms[j] * qj[x] < p[j, x]:
+            continue
+        residual = np.maximum(p[j] - qj, 0.0)
+        if not residual.any():  # p == q: a rejection had probability 0
+            residual = p[j]
+        return list(drafts[:j]) + [inverse_cdf(residual, uniforms[-1])]
+    return list(drafts) + [inverse_cdf(p[len(drafts)], uniforms[-1])]
+
+
+@dataclass
+class _PlainTimes:
+    """A batch bucket's plain decode steps: their last wall times, and verify steps since."""
+    seconds: deque = field(default_factory=lambda: deque(maxlen=PLAIN_SAMPLES))
+    verifies: int = 0
+
+
+@dataclass
+class _Backoff:
+    resume_at: int = 0  # output length from which the sequence proposes again
+    misses: int = 0
+
+
+class Speculator:
+    def __init__(self, proposer, num_tokens: int):
+        if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise CuinferError(f"num_speculative_tokens: got {num_tokens}, need 1..{MAX_SPECULATIVE_TOKENS}")
+        self.proposer, self.k = proposer, num_tokens
+        self._backoff = {}  # Sequence -> _Backoff, while it runs
+        self._plain = {}  # batch bucket -> _PlainTimes
+
+    def due(self, seq) -> bool:
+        """Whether seq proposes drafts at its next decode step (from lengths only: the pipelined
+        decode asks with a token still on the device)."""
+        b = self._backoff.get(seq)
+        return speculable(seq.params) and (b is None or len(seq.output_ids) >= b.resume_at)
+
+    def wants(self, plan) -> bool:
+        """Whether the step `plan` ([(sequence, tokens)]) becomes a verify step: every sequence
+        decodes and one is due."""
+        decoding = all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
+        return decoding and not self._probe(len(plan)) and any(self.due(s) for s, _ in plan)
+
+    def budgets(self, seqs, max_len: int) -> list:
+        """Draft tokens each sequence may take: k, less what would pass max_new_tokens or the context."""
+        return [max(0, min(self.k, s.params.max_new_tokens - len(s.output_ids) - 1, max_len - s.num_tokens - 1))
+                if self.due(s) else 0 for s in seqs]
+
+    def propose(self, seqs, budgets, seeds) -> list:
+        self._backoff = {s: b for s, b in self._backoff.items() if s.finish_reason is None}
+        return self.proposer.propose(seqs, budgets, seeds)
+
+    def _probe(self, num_seqs: int) -> bool:
+        """Whether the next decode step of this batch bucket must be plain, to be timed: none was
+        yet, or PROBE_EVERY verify steps ran since the last."""
+        t = self._plain.get(bucket(num_seqs))
+        return t is None or not t.seconds or t.verifies >= PROBE_EVERY
+
+    def note_plain_step(self, num_seqs: int, seconds: float) -> None:
+        """A decode step without drafts of num_seqs sequences took `seconds` (wall time)."""
+        t = self._plain.setdefault(bucket(num_seqs), _PlainTimes())
+        t.seconds.append(seconds)
+        t.verifies = 0
+
+    def note_verify_step(self, num_seqs: int, seconds: float) -> float:
+        """A verify step of num_seqs sequences took `seconds`: its cost in plain decode steps of
+        the same batch bucket (their fastest recent one: a graph capture or a stall does not make
+        verify steps look cheap), 1.0 while none was timed."""
+        t = self._plain.setdefault(bucket(num_seqs), _PlainTimes())
+        t.verifies += 1
+        return seconds / min(t.seconds) if t.seconds else 1.0
+
+    def record(self, seq, proposed: int, accepted: int, cost: float = 1.0) -> None:
+        """A due sequence's verify result: a miss (it gained accepted + 1 tokens in a step that cost
+        as much as `cost` plain steps, or nothing was accepted) backs off."""
+        b = self._backoff.setdefault(seq, _Backoff())
+        if proposed and accepted and accepted + 1 > cost:
+            b.misses, b.resume_at = 0, 0
+        else:
+            b.misses += 1
+            b.resume_at = len(seq.output_ids) + min(2 ** b.misses, MAX_BACKOFF)
+
+
+def verify(logits, seqs, drafts, seeds) -> list:
+    """The tokens each sequence keeps from a verify step: logits float32 [sum(k_i + 1), vocab]
+    (each sequence's rows in order, on the model's device), drafts: a Draft per sequence, seeds:
+    each request's sampling seed. Only argmaxes leave the device for greedy rows; sampled rows
+    bring their distributions (sampling.token_probs) to the host."""
+    xp = runtime.require_cupy() if runtime.is_device_array(logits) else np
+    host = (lambda a: a.get()) if xp is not np else (lambda a: a)
+    starts = np.cumsum([0] + [len(d.tokens) + 1 for d in drafts])
+    targets = host(xp.argmax(logits, axis=-1))
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    probs = {}
+    if sampled:
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in sampled])
+        params = [seqs[i].params for i in sampled for _ in range(starts[i + 1] - starts[i])]
+        p = token_probs(logits[xp.asarray(rows)], params)
+        at = np.cumsum([0] + [starts[i + 1] - starts[i] for i in sampled])
+        probs = {i: p[at[j]:at[j + 1]] for j, i in enumerate(sampled)}
+    kept = []
+    for i, (s, d) in enumerate(zip(seqs, drafts)):
+        if i in probs:
+            u = spec_uniforms(seeds[i], len(s.output_ids), 0, len(d.tokens) + 1)
+            kept.append(accept_sampled(probs[i], d.tokens, d.q, u))
+        else:
+            kept.append(accept_greedy(targets[starts[i]:starts[i + 1]], d.tokens))
+    return kept
+
+
+def make_speculator(speculative, num_tokens: int, target, kv_cache, use_graphs: bool = True):
+    """The engine's Speculator: None (no speculation), "ngram", or a draft Model with the target's
+    vocabulary (it gets a KV cache of kv_cache's size: serving/draft.py)."""
+    if speculative is None:
+        return None
+    if speculative == "ngram":
+        return Speculator(NgramProposer(), num_tokens)
+    if isinstance(speculative, str):
+        raise CuinferError(f"speculative: got {speculative!r}, need 'ngram' or a draft model")
+    from .draft import DraftProposer
+
+    return Speculator(DraftProposer(speculative, target, kv_cache, use_graphs), num_tokens)
