@@ -53,7 +53,7 @@ def test_text_and_stop_strings_equal_the_engines(ckpt):
                 break
             asyncio.run(asyncio.sleep(0.05))
             stats = aengine.stats()
-        assert stats == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+        assert stats == {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
     finally:
         aengine.shutdown()
 

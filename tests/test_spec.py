@@ -204,12 +204,12 @@ def test_backoff_stops_verifying_what_never_matches(cpu_model):
     probe = spec.Speculator(spec.NgramProposer(), 4)
     live = Sequence(0, [1, 2, 3], params)
     live.output_ids, live.num_computed = [4], 3
-    assert not probe.wants([(live, 1)], None)
+    assert not probe.wants([(live, 1)])
     probe.note_plain_step(1, 0.001)
-    assert probe.wants([(live, 1)], None) and not probe.wants([(live, 1)], 0)
+    assert probe.wants([(live, 1)])
     for _ in range(spec.PROBE_EVERY):
         probe.note_verify_step(1, 0.001)
-    assert not probe.wants([(live, 1)], None)
+    assert not probe.wants([(live, 1)])
 
 
 def test_bad_options_are_one_clear_error(cpu_model):
