@@ -31,14 +31,26 @@ def test_explicit_head_dim_and_scalar_eos():
     assert c.head_dim == 64 and c.q_size == 32 * 64 and c.eos_token_id == (3,)
 
 
-def test_qwen2_has_bias_and_mistral_window_is_noted():
+def test_qwen2_has_bias_and_windows_per_layer():
     q = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"],
                                "sliding_window": 4096, "use_sliding_window": False})
-    assert q.attention_bias
-    with pytest.warns(UserWarning, match="sliding_window=4096 is ignored"):
-        m = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"],
-                                   "sliding_window": 4096})
+    assert q.attention_bias and q.layer_types is None and q.window(31) == 0
+    q = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64,
+                               "use_sliding_window": True, "max_window_layers": 30})
+    assert [q.window(i) for i in (0, 29, 30, 31)] == [0, 0, 64, 64]
+    assert ModelConfig.from_dict(q.to_dict()) == q
+    m = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
     assert m.architecture == "MistralForCausalLM" and not m.attention_bias
+    assert all(m.window(i) == 4096 for i in range(32))
+    gemma = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "tie_word_embeddings")}
+    g = ModelConfig.from_dict({**gemma, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 512,
+                               "num_hidden_layers": 12, "head_dim": 256, "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}})
+    assert [g.window(i) for i in range(12)] == [512] * 5 + [0] + [512] * 5 + [0]
+    assert g.rope_theta == 1e6 and g.rope_local_base_freq == 1e4 and g.rope_scaling["factor"] == 8.0
+    assert g.tie_word_embeddings and g.hidden_act == "gelu_pytorch_tanh" and g.attention_scale == 256 ** -0.5
+    assert ModelConfig.from_dict(g.to_dict()) == g
 
 
 def test_llama3_rope_scaling_and_transformers5_spelling():
@@ -57,6 +69,12 @@ def test_llama3_rope_scaling_and_transformers5_spelling():
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture GPT2LMHeadModel"),
     ({"architectures": None, "model_type": "gemma"}, "unsupported architecture none .model_type 'gemma'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling linear: factor is null"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0.5}, "sliding_window is 0.5"),
+    ({"layer_types": ["full_attention"]}, "layer_types .* per layer .32."),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1}, "attn_logit_softcapping is -1"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing low_freq_factor"),
     ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads 5"),
     ({"num_attention_heads": 30}, "hidden_size 4096 is not a multiple"),

@@ -90,7 +90,9 @@ def test_gptq_checkpoint_equals_the_in_memory_model(float_ckpt, tmp_path):
 def test_config_and_tensors_round_trip(float_ckpt, int4_ckpt, tmp_path):
     config = load_config(int4_ckpt)
     assert config.quantization == {"method": "int4", "bits": 4, "group_size": 128, "fit": "minmax",
-                                   "modules": list(quant_io.LINEAR_MODULES), "lm_head": LM_HEAD_QUANT,
+                                   "modules": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+                                   "lm_head": LM_HEAD_QUANT,
                                    "layout": quant.INT4_LAYOUT}
     assert ModelConfig.from_dict(config.to_dict()) == config
     assert config.replace(quantization=None) == load_config(float_ckpt["tied"])

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from .. import bench
+from ..model.arch import HEAD_NORMS
 from ..model.decoder import LM_HEAD_QUANT, Batch, Model, graph_batch_limit, kernel_dtype
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
@@ -60,12 +61,14 @@ def random_weights(cp, config, dtype, seed=0) -> Weights:
     h, inter = config.hidden_size, config.intermediate_size
     randn = lambda *s: cp.random.standard_normal(s, dtype=cp.float32)
     lin = lambda n, k: (randn(n, k) * np.float32(k ** -0.5)).astype(dtype)
-    norm = lambda: (1 + 0.05 * randn(h)).astype(dtype)
+    norm = lambda n=h: (1 + 0.05 * randn(n)).astype(dtype)
     qkv = config.q_size + 2 * config.kv_size
-    layers = [LayerWeights(input_norm=norm(), qkv=lin(qkv, h),
+    head_norms = [f for f in HEAD_NORMS if f in config.arch.norms]  # q/k norm (Qwen3)
+    layers = [LayerWeights(attn_norm=norm(), qkv=lin(qkv, h),
                            qkv_bias=(0.1 * randn(qkv)).astype(dtype) if config.attention_bias else None,
-                           o=lin(h, config.q_size), post_norm=norm(), gate_up=lin(2 * inter, h),
-                           down=lin(h, inter)) for _ in range(config.num_hidden_layers)]
+                           o=lin(h, config.q_size), mlp_norm=norm(), gate_up=lin(2 * inter, h),
+                           down=lin(h, inter), **{f: norm(config.head_dim) for f in head_norms})
+              for _ in range(config.num_hidden_layers)]
     embed = randn(config.vocab_size, h).astype(dtype)
     lm_head = embed if config.tie_word_embeddings else lin(config.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=norm(), lm_head=lm_head)
@@ -129,8 +132,8 @@ def gemv_ms(cp, model, batch):
 
     def step():
         for lw in w.layers:
-            linear(xh, lw.qkv, lw.qkv_bias, norm=(lw.input_norm, eps)), linear(xq, lw.o, residual=xh)
-            linear(xh, lw.gate_up, activation="silu_and_mul", norm=(lw.post_norm, eps)), linear(xi, lw.down, residual=xh)
+            linear(xh, lw.qkv, lw.qkv_bias, norm=(lw.attn_norm, eps)), linear(xq, lw.o, residual=xh)
+            linear(xh, lw.gate_up, activation="silu_and_mul", norm=(lw.mlp_norm, eps)), linear(xi, lw.down, residual=xh)
         return linear_argmax(xh, w.lm_head, norm=model.final_norm)
 
     if batch > graph_batch_limit(w, greedy=True):
@@ -191,8 +194,8 @@ def hf_peer(torch, config, w: Weights):
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
         qkv, gu = t(lw.qkv), t(lw.gate_up)
-        sd.update({p + "input_layernorm.weight": t(lw.input_norm), p + "post_attention_layernorm.weight":
-                   t(lw.post_norm), p + "self_attn.q_proj.weight": qkv[:nq],
+        sd.update({p + "input_layernorm.weight": t(lw.attn_norm), p + "post_attention_layernorm.weight":
+                   t(lw.mlp_norm), p + "self_attn.q_proj.weight": qkv[:nq],
                    p + "self_attn.k_proj.weight": qkv[nq:nq + nkv], p + "self_attn.v_proj.weight": qkv[nq + nkv:],
                    p + "self_attn.o_proj.weight": t(lw.o), p + "mlp.gate_proj.weight": gu[:inter],
                    p + "mlp.up_proj.weight": gu[inter:], p + "mlp.down_proj.weight": t(lw.down)})

@@ -1,4 +1,4 @@
-"""GGUF import: a llama-architecture GGUF file -> a Hugging Face checkpoint directory.
+"""GGUF import: a GGUF file of an architecture with GGUF names (cuinfer.model.arch) -> a checkpoint directory.
 
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "out/")     (python -m cuinfer.convert)
 
@@ -29,25 +29,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import CuinferError
+from ..model.arch import ARCHES, Arch
 from .checkpoint import expected_tensors, save_checkpoint
 from .config import ModelConfig
 
-# GGUF name -> Hugging Face name ({i}: layer). The one name table of the import.
-GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-_NAME_RE = {re.compile(re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"): h for g, h in GGUF_NAMES.items()}
+# general.architecture -> the Arch whose GGUF files cuinfer imports (its gguf_names: the name table)
+GGUF_ARCHES = {a.gguf_arch: a for a in ARCHES.values() if a.gguf_arch}
 
 # ggml type -> (elements per block, bytes per block)
 BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18),
@@ -67,12 +54,13 @@ class RawTensor(NamedTuple):
     shape: tuple  # Hugging Face shape, e.g. [out_features, in_features]
 
 
-def hf_name(gguf_name: str) -> str:
-    for pattern, name in _NAME_RE.items():
-        m = pattern.match(gguf_name)
+def hf_name(gguf_name: str, arch: Arch = GGUF_ARCHES["llama"]) -> str:
+    """The Hugging Face name of a GGUF tensor of `arch`'s files."""
+    for g, name in arch.gguf_names.items():
+        m = re.fullmatch(re.escape(g).replace(r"\{i\}", r"(\d+)"), gguf_name)
         if m:
             return name.format(i=m.group(1)) if m.groups() else name
-    raise CuinferError(f"unknown GGUF tensor {gguf_name!r}: cuinfer maps {', '.join(GGUF_NAMES)}")
+    raise CuinferError(f"unknown GGUF tensor {gguf_name!r}: cuinfer maps {', '.join(arch.gguf_names)}")
 
 
 # ------------------------------------------------------------------ dequantization
@@ -123,9 +111,9 @@ def open_gguf(path):
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
         raise CuinferError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     arch = field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHES:
         raise CuinferError(f"{path}: GGUF architecture {arch!r} is not supported: cuinfer "
-                           "converts llama-architecture GGUF files")
+                           f"converts {', '.join(GGUF_ARCHES)} GGUF files")
     for t in reader.tensors:
         if t.tensor_type.name not in BLOCKS:
             raise CuinferError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}: "
@@ -143,7 +131,8 @@ def field(reader, key, default=KeyError):
 
 
 def gguf_config(reader) -> ModelConfig:
-    a = "llama."
+    kind = field(reader, "general.architecture")
+    a, arch = f"{kind}.", GGUF_ARCHES[kind]
     n_heads = field(reader, a + "attention.head_count")
     hidden = field(reader, a + "embedding_length")
     if field(reader, a + "rope.scaling.type", None) not in (None, "none") or any(
@@ -151,7 +140,7 @@ def gguf_config(reader) -> ModelConfig:
         raise CuinferError("GGUF rope scaling (rope.scaling.type / rope_freqs) is not supported")
     names = {t.name for t in reader.tensors}
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=next(iter(arch.names)),
         vocab_size=field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
         intermediate_size=field(reader, a + "feed_forward_length"),
@@ -163,6 +152,7 @@ def gguf_config(reader) -> ModelConfig:
         rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
         max_position_embeddings=field(reader, a + "context_length"),
         tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
         torch_dtype="float32",
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=tuple(e for e in [field(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
@@ -177,14 +167,15 @@ def raw_tensors(path):
 
 
 def _raw_tensors(reader, config: ModelConfig):
+    arch = config.arch
     for t in reader.tensors:
-        name, kind = hf_name(t.name), t.tensor_type.name
+        name, kind = hf_name(t.name, arch), t.tensor_type.name
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists the innermost size first
         rows = int(np.prod(shape[:-1]))
         blocks = reader.data[t.data_offset:t.data_offset + t.n_bytes].reshape(rows, -1)
-        if ".q_proj." in name:
+        if arch.gguf_permuted_qk and ".q_proj." in name:
             blocks = unpermute_rows(blocks, config.num_attention_heads)
-        elif ".k_proj." in name:
+        elif arch.gguf_permuted_qk and ".k_proj." in name:
             blocks = unpermute_rows(blocks, config.num_key_value_heads)
         yield RawTensor(name, t.name, kind, blocks, shape)
 
@@ -252,7 +243,7 @@ def tokenizer_files(reader, out_dir: Path):
             single=f"{bos[0]}:0 $A:0", pair=f"{bos[0]}:0 $A:0 {bos[0]}:1 $B:1", special_tokens=[bos])
     tok.save(str(out_dir / "tokenizer.json"))
     tconf = {**special, "add_bos_token": add_bos, "tokenizer_class": "PreTrainedTokenizerFast",
-             "model_max_length": field(reader, "llama.context_length")}
+             "model_max_length": field(reader, f"{field(reader, 'general.architecture')}.context_length")}
     template = field(reader, "tokenizer.chat_template", None)
     if template is not None:
         tconf["chat_template"] = template

@@ -1,0 +1,134 @@
+"""Every architecture against transformers itself: a random-weight checkpoint saved by transformers
+loads in cuinfer, whose NumPy float32 logits at every position equal transformers' float32 eager
+logits. Prompts are longer than the sliding windows, and fed in chunks through the paged cache."""
+import numpy as np
+import pytest
+
+from cuinfer.io.checkpoint import load_checkpoint
+from cuinfer.model.decoder import Model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+WINDOW = 8
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+# architecture -> (transformers config class, its fields beyond SMALL)
+CASES = {
+    "llama3.2-tied": ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    "llama-head-dim": ("LlamaConfig", {"head_dim": 32}),
+    "mistral-window": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+    "qwen3-window": ("Qwen3Config", {"head_dim": 24, "use_sliding_window": True, "sliding_window": WINDOW,
+                                     "max_window_layers": 2}),
+    "phi3": ("Phi3Config", {"sliding_window": None, "original_max_position_embeddings": 256}),
+    "phi3-window": ("Phi3Config", {"sliding_window": WINDOW, "original_max_position_embeddings": 256}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                    "rope_parameters": {
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                           "rope_theta": 1000000.0}}}),
+}
+
+
+def randomize(model, seed):
+    """Weights of realistic scale (transformers' init leaves norms at 1 and weights tiny): linear
+    N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1^2) (Gemma's (1 + w): w = N(0, 0.1^2)),
+    biases N(0, 0.1^2)."""
+    g = torch.Generator().manual_seed(seed)
+    gemma = "gemma" in model.config.model_type
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_((0 if gemma else 1) + 0.1 * r)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5)
+
+
+def save_case(name, path, **over):
+    """(directory, transformers model): case `name` with random weights, saved by transformers."""
+    cls, fields = CASES[name]
+    config = getattr(transformers, cls)(**{**SMALL, **fields, **over})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize(model, seed=1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def prompt_ids(n=5 * WINDOW + 3):
+    return np.random.default_rng(3).integers(3, SMALL["vocab_size"], size=(2, n))
+
+
+def cuinfer_logits(model, config, ids, chunk):
+    """Logits at every position of each row of ids, fed in chunks through a paged cache of 4-token
+    blocks interleaved between the rows."""
+    from test_model import make_cache, run_chunks
+
+    seqs = [([i + j for j in range(0, 2 * (-(-len(s) // 4)), 2)], list(s)) for i, s in enumerate(ids)]
+    return run_chunks(model, make_cache(config, model, num_blocks=2 * len(seqs[0][0]) + 2, block_size=4), seqs,
+                      chunk)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    return save_case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_numpy_logits_equal_transformers(checkpoint):
+    path, hf = checkpoint
+    config, tensors = load_checkpoint(path)
+    assert config.architecture == hf.config.architectures[0]
+    model = Model.from_tensors(config, tensors, "cpu")
+    ids = prompt_ids()
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()  # [2, n, vocab] float32
+    for chunk in (7, 1000):
+        for g, r in zip(cuinfer_logits(model, config, ids, chunk), ref):
+            err = np.linalg.norm(g - r) / np.linalg.norm(r)
+            assert err < 2e-6, f"chunk {chunk}: relative L2 error {err:.2e}"
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
+
+
+# ------------------------------------------------------------------------------ GPU
+GPU_CASES = [name for name in CASES if not name.startswith("gemma")]  # Gemma: CPU backend only so far
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CASES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_logits_as_close_as_transformers_half(name, dtype, tmp_path):
+    """fp16 / bf16 logits on the GPU (head_dim 64: the kernels' smallest) against transformers' float32:
+    relative L2 error and top-1 agreement over all positions at least as good as transformers' own
+    run in that dtype, within 1.5x on the error (the two round differently)."""
+    from cuinfer.ops import runtime
+
+    path, hf = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64)
+    config, tensors = load_checkpoint(path)
+    model = Model.from_tensors(config, tensors, "gpu", np.dtype(np.float16) if dtype == "float16" else runtime.bfloat16)
+    ids = prompt_ids(3 * 64 + 5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()
+        half = hf.to(device, getattr(torch, dtype))(torch.as_tensor(ids, device=device)).logits.float().cpu().numpy()
+    got = np.stack(cuinfer_logits(model, config, ids, 64))
+    err = lambda x: np.linalg.norm(x - ref) / np.linalg.norm(ref)
+    top1 = lambda x: (x.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"{name} {dtype}: cuinfer {err(got):.2e} top-1 {top1(got):.3f}, transformers {err(half):.2e} "
+          f"top-1 {top1(half):.3f}")
+    assert np.isfinite(got).all()
+    assert err(got) <= 1.5 * err(half) and top1(got) >= top1(half) - 0.02
