@@ -109,7 +109,7 @@ def test_load_config_errors(tmp_path):
 @pytest.mark.parametrize("name", preset_names())
 def test_presets_load(name):
     c = load_preset(name)
-    assert c.head_dim in (64, 128) and c.num_attention_heads % c.num_key_value_heads == 0
+    assert c.head_dim in (64, 96, 128, 256) and c.num_attention_heads % c.num_key_value_heads == 0
     assert ModelConfig.from_dict(c.to_dict()) == c
 
 
@@ -118,6 +118,10 @@ def test_preset_shapes():
     assert load_preset("llama3-8b").rope_scaling["factor"] == 8.0
     assert load_preset("qwen2.5-7b").attention_bias
     assert load_preset("smollm2-135m").tie_word_embeddings
+    assert load_preset("phi3-mini").window(31) == 2047 and load_preset("qwen3-8b").window(0) == 0
+    g2, g3 = load_preset("gemma2-9b"), load_preset("gemma3-12b-text")
+    assert [g2.window(i) for i in range(3)] == [4096, 0, 4096] and g2.final_logit_softcapping == 30.0
+    assert [g3.window(i) for i in range(6)] == [1024] * 5 + [0] and g3.rope_local_base_freq == 1e4
     with pytest.raises(CuinferError, match="unknown preset 'gpt5'"):
         load_preset("gpt5")
 
@@ -131,7 +135,8 @@ def test_numpy_dtype():
 @pytest.mark.parametrize("name, params", [
     # parameter counts the model cards publish (safetensors metadata)
     ("llama3-8b", 8_030_261_248), ("llama2-7b", 6_738_415_616), ("mistral-7b", 7_248_023_552),
-    ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008),
+    ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008), ("qwen3-8b", 8_190_735_360),
+    ("gemma2-9b", 9_241_705_984), ("phi3-mini", 3_821_079_552),
 ])
 def test_preset_parameter_counts(name, params):
     from cuinfer.io.checkpoint import expected_tensors
