@@ -24,12 +24,13 @@
 //   context_lens: [num_seqs]; the q rows are the last q_len of context_lens[i] positions.
 // Query i of a chunk sees keys 0 .. i + kv_len - q_len when causal, every key otherwise; with
 // window > 0 (causal) only the last `window` of them, and key tiles wholly before them are not read.
+// cap_in > 0: scores capped, cap_out * tanh(s * cap_in), scale_log2 then 1 (Tile).
 template <typename T, int D, int BM, int BN, int WARPS, bool PAGED>
 __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal, int window) {
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out) {
   cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
   cuinfer::pdl_trigger();
   using namespace cuinfer;
@@ -45,7 +46,8 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   static_assert(MT >= 1 && BM == MT * 16 * WARPS, "BM must be a multiple of 16 * WARPS");
   static_assert(BN % 16 == 0 && D % 16 == 0, "BN and D must be multiples of 16");
 
-  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window);
+  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
+                                         cap_out);
   if (t.empty) return;
   const int head = blockIdx.y, m0 = t.m0;
 
@@ -210,7 +212,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads, int n_kv_heads,
-    float scale_log2, int causal, int window, const cuinfer::TensorMap* q_map, const cuinfer::TensorMap* k_map,
+    float scale_log2, int causal, int window, float cap_in, float cap_out, const cuinfer::TensorMap* q_map,
+    const cuinfer::TensorMap* k_map,
     const cuinfer::TensorMap* v_map) {  // the kernel parameters themselves, when TMA
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
@@ -223,7 +226,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
   static_assert(WG == 1 || WG == 2, "one or two consumer warpgroups");
   static_assert(64 % CHUNKS == 0 && BN % RSTEP == 0, "a producer half copies whole rows");
 
-  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window);
+  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
+                                         cap_out);
   if (t.empty) return;
   const int head = blockIdx.y, m0 = t.m0;
 
@@ -427,10 +431,10 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal, int window) {
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out) {
   flash_attention_wgmma<T, D, BN, WG, PAGED, false>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
                                                    max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
-                                                   causal, window, nullptr, nullptr, nullptr);
+                                                   causal, window, cap_in, cap_out, nullptr, nullptr, nullptr);
 }
 
 // As flash_attention_wgmma_kernel, K/V loaded by TMA through tensor maps (runtime.tensor_map): q [tokens,
@@ -441,9 +445,10 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_tma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal, int window, const __grid_constant__ cuinfer::TensorMap q_map,
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out,
+    const __grid_constant__ cuinfer::TensorMap q_map,
     const __grid_constant__ cuinfer::TensorMap k_map, const __grid_constant__ cuinfer::TensorMap v_map) {
   flash_attention_wgmma<T, D, BN, WG, PAGED, true>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
                                                   max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
-                                                  causal, window, &q_map, &k_map, &v_map);
+                                                  causal, window, cap_in, cap_out, &q_map, &k_map, &v_map);
 }

@@ -9,7 +9,7 @@ flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     are its last q_len_i positions and attend causally to keys 0 .. context_len - q_len + j.
 window > 0 (causal only): query j sees only the last `window` of those keys; the kernels skip
 the K/V tiles wholly before every window of a CTA's rows, so a key outside is neither read nor
-counted. softcap c: scores x -> c * tanh(x / c) before the softmax (NumPy only so far).
+counted. softcap c: scaled scores x -> c * tanh(x / c) before the softmax (Gemma 2).
 
 numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
 cuda_src/flash_attention.cu: on sm_90 with head_dim 64 / 128 / 256 a warp-specialized wgmma
@@ -88,16 +88,14 @@ def _check_q(q, n_kv_heads):
         raise ValueError(f"q: got {q.shape[1]} heads, need a multiple of n_kv_heads = {n_kv_heads}")
 
 
-def check_window(window, softcap, dev, causal=True):
-    """window: an int >= 0 (0: none), causal only; softcap: None or > 0, not yet in the kernels."""
+def check_window(window, softcap, causal=True):
+    """window: an int >= 0 (0: none), causal only; softcap: None or > 0."""
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
         raise ValueError(f"window: got {window!r}, need an int >= 0 (0: no window)")
     if window and not causal:
         raise ValueError("window: a sliding window needs causal=True")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap: got {softcap}, need None or > 0")
-    if softcap is not None and dev:
-        raise ValueError("softcap: the attention kernels do not cap scores yet (NumPy reference only)")
     return int(window)
 
 
@@ -113,7 +111,7 @@ def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, m
                     softcap=None):
     """Causal (or full) attention over packed sequences; returns [tokens, n_heads, head_dim] in q's dtype."""
     dev = runtime.on_device(q, k, v, cu_seqlens, out)
-    window = check_window(window, softcap, dev, causal)
+    window = check_window(window, softcap, causal)
     runtime.check("k", k, ndim=3)
     _check_q(q, k.shape[1])
     tokens, _n_heads, d = q.shape
@@ -137,7 +135,8 @@ def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, m
     num_seqs = cu_seqlens.shape[0] - 1
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if num_seqs else 0
-    launch_kernel(q, k, v, out, cu_seqlens, None, None, 0, num_seqs, max_seqlen_q, scale, causal, window=window)
+    launch_kernel(q, k, v, out, cu_seqlens, None, None, 0, num_seqs, max_seqlen_q, scale, causal, window=window,
+                  softcap=softcap)
     return out
 
 
@@ -145,7 +144,7 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
                           out=None, *, max_seqlen_q=None, window=0, softcap=None):
     """Attention of new query chunks against a paged KV cache (chunked prefill, decode when q_len = 1)."""
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out)
-    window = check_window(window, softcap, dev)
+    window = check_window(window, softcap)
     runtime.check("k_cache", k_cache, ndim=4)
     _check_q(q, k_cache.shape[2])
     _tokens, _n_heads, d = q.shape
@@ -174,7 +173,7 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
     launch_kernel(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, bs, num_seqs,
-                  max_seqlen_q, scale, True, window=window)
+                  max_seqlen_q, scale, True, window=window, softcap=softcap)
     return out
 
 
@@ -184,7 +183,7 @@ def device_tile(head_dim: int, block_size: int = 0) -> tuple:
 
 
 def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
-                  scale, causal, tile=None, window=0):
+                  scale, causal, tile=None, window=0, softcap=None):
     """Launch on checked arguments; `tile` (kernel, BLOCK_M, BLOCK_N, warps) overrides device_tile
     (tests of every kernel, bench sweeps)."""
     paged = block_tables is not None
@@ -201,7 +200,10 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
                 np.int32(int(math.log2(block_size))))
     else:
         args = (q, k, v, out, cu_q, cu_q, cu_q, np.int32(0), np.int32(0))  # no context / table
-    args += (np.int32(n_heads), np.int32(n_kv), np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(window))
+    # a softcap c caps the scores in the kernel: c log2 e tanh(s scale / c), exponentials then of 2^(s - m)
+    caps = (scale / softcap, softcap * LOG2E) if softcap else (0.0, 0.0)
+    args += (np.int32(n_heads), np.int32(n_kv), np.float32(LOG2E if softcap else scale * LOG2E), np.int32(bool(causal)),
+             np.int32(window), *(np.float32(c) for c in caps))
     if kind == "tma":
         kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
         args += (runtime.tensor_map(q, (bm, 1, 64)), runtime.tensor_map(k, kv_box), runtime.tensor_map(v, kv_box))

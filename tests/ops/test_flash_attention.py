@@ -183,13 +183,13 @@ def _rand(cp, rng, shape, dtype, mag=1.0):
     return x, cp.asarray(x)
 
 
-def run_contiguous(cp, kernel, q, k, v, cu, causal, out, window=0):
+def run_contiguous(cp, kernel, q, k, v, cu, causal, out, window=0, softcap=None):
     """flash_attention with the device's kernel (kernel None) or the sm_80 one ("mma", on any device)."""
     if kernel is None:
-        return flash_attention(q, k, v, cp.asarray(cu), causal, out=out, window=window)
+        return flash_attention(q, k, v, cp.asarray(cu), causal, out=out, window=window, softcap=softcap)
     d = q.shape[-1]
     launch_kernel(q, k, v, out, cp.asarray(cu), None, None, 0, len(cu) - 1, int(np.diff(cu).max()), d ** -0.5,
-                  causal, tile_config(d, 80), window=window)
+                  causal, tile_config(d, 80), window=window, softcap=softcap)
 
 
 # None: the kernel the device gets (wgmma on sm_90 for head_dim 64 / 128 / 256); "mma": the mma.sync
@@ -225,8 +225,10 @@ def test_flash_attention_kernel(cp, kernel, lens, ratio, n_kv, d, dtype, causal,
 @KERNELS
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(seq_len, min_size=1, max_size=4), window=windows, ratio=st.sampled_from([1, 4, 7]),
-       d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31))
-def test_flash_attention_kernel_window(cp, kernel, lens, window, ratio, d, dtype, seed):
+       d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), softcap=st.sampled_from([None, 0.5, 50.0]),
+       seed=st.integers(0, 2**31))
+def test_flash_attention_kernel_window(cp, kernel, lens, window, ratio, d, dtype, softcap, seed):
+    """Windows, and Gemma 2's score cap (0.5: every score saturated; 50: its value, mostly linear)."""
     rng = np.random.default_rng(seed)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t = int(cu[-1])
@@ -234,8 +236,8 @@ def test_flash_attention_kernel_window(cp, kernel, lens, window, ratio, d, dtype
     k, k_d = _rand(cp, rng, (t, 2, d), dtype)
     v, v_d = _rand(cp, rng, (t, 2, d), dtype)
     out = poison(cp, q.shape, dtype)
-    run_contiguous(cp, kernel, q_d, k_d, v_d, cu, True, out, window)
-    assert_close(out, varlen_attention(q, k, v, cu, True, window=window), dtype)
+    run_contiguous(cp, kernel, q_d, k_d, v_d, cu, True, out, window, softcap)
+    assert_close(out, varlen_attention(q, k, v, cu, True, window=window, softcap=softcap), dtype)
 
 
 @pytest.mark.gpu

@@ -104,9 +104,11 @@ def test_paged_attention_kernel(cp, lens, ratio, n_kv, d, dtype, block_size, mag
 @given(lens=st.lists(ctx_len, min_size=1, max_size=6), window=st.one_of(
            st.sampled_from([1, 2, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]), st.integers(1, 3000)),
        ratio=st.sampled_from([1, 4, 7, 8]), d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES),
-       block_size=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**31))
-def test_paged_attention_kernel_window(cp, lens, window, ratio, d, dtype, block_size, seed):
-    """Only the last `window` keys count, and the rows before them are never read (NaN there)."""
+       block_size=st.sampled_from([8, 16, 32]), softcap=st.sampled_from([None, 0.5, 50.0]),
+       seed=st.integers(0, 2**31))
+def test_paged_attention_kernel_window(cp, lens, window, ratio, d, dtype, block_size, softcap, seed):
+    """Only the last `window` keys count, and the rows before them are never read (NaN there); with
+    and without Gemma 2's score cap."""
     rng = np.random.default_rng(seed)
     lens = np.array(lens, np.int32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -119,8 +121,10 @@ def test_paged_attention_kernel_window(cp, lens, window, ratio, d, dtype, block_
         k_dev[tables[i, t // block_size], t % block_size] = v_dev[tables[i, t // block_size], t % block_size] = np.nan
     out = poison(cp, q.shape, dtype)
     paged_attention(cp.asarray(q), cp.asarray(k_dev), cp.asarray(v_dev), cp.asarray(tables), cp.asarray(lens),
-                    out=out, window=window)
-    assert_close(out, decode_reference(q, k_cache, v_cache, tables, lens, window), dtype)
+                    out=out, window=window, softcap=softcap)
+    cu = np.arange(len(lens) + 1, dtype=np.int32)
+    want = paged_prefix_attention(q, k_cache, v_cache, tables, cu, lens, window=window, softcap=softcap)
+    assert_close(out, want, dtype)
 
 
 @pytest.mark.gpu
