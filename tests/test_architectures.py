@@ -105,11 +105,8 @@ def test_numpy_logits_equal_transformers(checkpoint):
 
 
 # ------------------------------------------------------------------------------ GPU
-GPU_CASES = [name for name in CASES if not name.startswith("gemma")]  # Gemma: CPU backend only so far
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", GPU_CASES)
+@pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_logits_as_close_as_transformers_half(name, dtype, tmp_path):
     """fp16 / bf16 logits on the GPU (head_dim 64: the kernels' smallest) against transformers' float32:

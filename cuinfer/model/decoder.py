@@ -176,11 +176,6 @@ def kernel_dtype(config, dtype=None):
     return runtime.bfloat16 if str(config.torch_dtype) == "bfloat16" else np.dtype(np.float16)
 
 
-# what the GPU path does not run yet, by the arch flag or config field that asks for it
-GPU_MISSING = {"embed_scale": "the embedding scale", "attn_out_norm": "norms on the block outputs",
-               "attn_logit_softcapping": "attention score capping"}
-
-
 class Model:
     def __init__(self, config, weights: Weights):
         self.config = config
@@ -190,15 +185,9 @@ class Model:
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        arch = config.arch
-        if self.xp is not np:
-            asks = {"embed_scale": arch.embed_scale, "attn_out_norm": "attn_out_norm" in arch.norms,
-                    "attn_logit_softcapping": config.attn_logit_softcapping}
-            missing = [GPU_MISSING[k] for k, v in asks.items() if v]
-            if missing:
-                raise runtime.CuinferError(f"{config.architecture} runs on the CPU backend only: the GPU path "
-                                           f"has no {', '.join(missing)} yet (use --device cpu)")
-        self.embed_scale = np.float32(config.hidden_size ** 0.5) if arch.embed_scale else None
+        # Gemma's sqrt(hidden), rounded to the model dtype as transformers rounds it
+        self.embed_scale = float(np.float32(config.hidden_size ** 0.5).astype(self.dtype)) if config.arch.embed_scale \
+            else 1.0
         full = rope_inv_freq(self.head_dim, config.rope_theta, config.rope_scaling)
         local = full if config.rope_local_base_freq is None else rope_inv_freq(self.head_dim, config.rope_local_base_freq)
         freqs = {id(f): self.xp.asarray(np.asarray(f, dtype=np.float32)) for f in (full, local)}
@@ -286,9 +275,7 @@ class Model:
         """The residual stream after the last layer [tokens, hidden] (not normed: the lm_head call
         applies final_norm); attend(i, q, k, v, k_cache, v_cache) -> [tokens, n_heads, head_dim], layer
         i's q and k not yet rotated."""
-        s = embedding(token_ids, self.weights.embed)  # s: [tokens, hidden]
-        if self.embed_scale is not None:
-            s = (s * self.embed_scale).astype(s.dtype)  # rounded to the dtype, as Gemma's normalizer
+        s = embedding(token_ids, self.weights.embed, scale=self.embed_scale)  # s: [tokens, hidden]
         for i in range(len(self.weights.layers)):
             s = self.layer(i, s, kv_cache, attend)
         return s
@@ -328,4 +315,4 @@ class Model:
         """s + x @ w.T, or with an output norm (Gemma) s + rms_norm(x @ w.T)."""
         if out_norm is None:
             return project(x, w, residual=s)  # the add in the GEMV's epilogue
-        return s + rms_norm(project(x, w), out_norm, self.config.rms_norm_eps)
+        return rms_norm(project(x, w), out_norm, self.config.rms_norm_eps, add_to=s)
