@@ -4,8 +4,10 @@
 
 Tensors of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1 are dequantized to float32 here (NumPy,
 in float32 as ggml does: Q8_0 d*q, Q4_0 d*(q-8), Q4_1 d*q + m, with d and m stored as fp16).
-llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adjacent
-(interleaved RoPE); `unpermute_rows` puts them back in the Hugging Face half-split layout.
+The names are the architecture's (Llama, Qwen2, Qwen3, Phi-3: cuinfer.model.arch). For Llama,
+llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adjacent (interleaved
+RoPE); `unpermute_rows` puts them back in the Hugging Face half-split layout. A sliding window
+llama.cpp stores (Phi-3) applies to every layer.
 `raw_tensors` yields the undequantized blocks (rows already in Hugging Face order) for a
 direct INT8/INT4 import.
 
@@ -29,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import CuinferError
-from ..model.arch import ARCHES, Arch
+from ..model.arch import ARCHES, SLIDING, Arch
 from .checkpoint import expected_tensors, save_checkpoint
 from .config import ModelConfig
 
@@ -40,9 +42,10 @@ GGUF_ARCHES = {a.gguf_arch: a for a in ARCHES.values() if a.gguf_arch}
 BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18),
           "Q4_1": (32, 20)}
 # llama.cpp tokenizer.ggml.pre -> how to split text before byte-level BPE
-PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe")
+PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "qwen2")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2 / Qwen3: single digits
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 
@@ -98,7 +101,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def open_gguf(path):
-    """A gguf.GGUFReader for a llama GGUF file; CuinferError for anything else."""
+    """A gguf.GGUFReader for a GGUF file of an architecture cuinfer imports; CuinferError for anything else."""
     try:
         import gguf
     except ImportError:
@@ -136,9 +139,10 @@ def gguf_config(reader) -> ModelConfig:
     n_heads = field(reader, a + "attention.head_count")
     hidden = field(reader, a + "embedding_length")
     if field(reader, a + "rope.scaling.type", None) not in (None, "none") or any(
-            t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise CuinferError("GGUF rope scaling (rope.scaling.type / rope_freqs) is not supported")
+            t.name.startswith("rope_") for t in reader.tensors):
+        raise CuinferError("GGUF rope scaling (rope.scaling.type / rope_freqs / rope_factors) is not supported")
     names = {t.name for t in reader.tensors}
+    window = field(reader, a + "attention.sliding_window", None)  # llama.cpp's: every layer's (Phi-3)
     return ModelConfig(
         architecture=next(iter(arch.names)),
         vocab_size=field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
@@ -153,6 +157,8 @@ def gguf_config(reader) -> ModelConfig:
         max_position_embeddings=field(reader, a + "context_length"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        sliding_window=window,
+        layer_types=None if window is None else (SLIDING,) * field(reader, a + "block_count"),
         torch_dtype="float32",
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=tuple(e for e in [field(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
@@ -160,7 +166,7 @@ def gguf_config(reader) -> ModelConfig:
 
 
 def raw_tensors(path):
-    """Yield a RawTensor per tensor of a llama GGUF file: the blocks as stored (memory-mapped),
+    """Yield a RawTensor per tensor of a GGUF file: the blocks as stored (memory-mapped),
     Q/K rows in Hugging Face order. For importing Q8_0/Q4_0/Q4_1 weights without dequantizing."""
     reader = open_gguf(path)
     yield from _raw_tensors(reader, gguf_config(reader))
@@ -224,9 +230,10 @@ def tokenizer_files(reader, out_dir: Path):
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in ("llama-bpe", "qwen2"))
     split = {"smollm": pre_tokenizers.Digits(individual_digits=True),
-             "llama-bpe": pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")}.get(pre)
+             "llama-bpe": pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+             "qwen2": pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")}.get(pre)
     tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)

@@ -31,20 +31,22 @@ def llama_linear(c) -> dict:
             "down": [("mlp.down_proj", c.hidden_size)]}
 
 
-# llama.cpp's names of the Llama layout (gguf-py's tensor map), GGUF -> Hugging Face, {i}: layer
-LLAMA_GGUF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+def gguf_table(layer: dict) -> dict:
+    """GGUF name -> Hugging Face name ({i}: layer) of a family whose layer tensors llama.cpp names
+    `layer` (GGUF name in a block -> Hugging Face name in a layer), the embedding, final norm and
+    output named as for every family."""
+    return {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+            **{f"blk.{{i}}.{g}": f"model.layers.{{i}}.{h}" for g, h in layer.items()}}
+
+
+# llama.cpp's names of a Llama layer (gguf-py's tensor map)
+LLAMA_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
 }
 
 
@@ -61,9 +63,8 @@ class Arch:
     norm_offset: float = 0.0  # every norm multiplies by (norm_offset + w): Gemma's (1 + w)
     embed_scale: bool = False  # the embedding output times sqrt(hidden_size) (Gemma)
     gguf_arch: str | None = None  # general.architecture of the GGUF files llama.cpp writes
-    gguf_names: dict = field(default_factory=dict)  # GGUF name -> Hugging Face name, {i}: layer
+    gguf_names: dict = field(default_factory=dict)  # GGUF name -> Hugging Face name, {i}: layer (gguf_table)
     gguf_permuted_qk: bool = False  # llama.cpp interleaved the rotary pairs of Q and K rows (Llama)
-    gguf_norm_offset: float = 0.0  # llama.cpp stored norm weights + this (Gemma: the 1 of 1 + w)
 
     def modules(self, config) -> list:
         """The Hugging Face modules of a layer's linear weights (the quantizable ones), in order."""

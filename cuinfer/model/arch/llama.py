@@ -5,7 +5,7 @@ modules. Qwen2 always has q/k/v biases. Windows: Mistral
 applies sliding_window to every layer; Qwen2 with use_sliding_window to the layers from
 max_window_layers on (Hugging Face writes both as layer_types).
 """
-from .base import LLAMA_GGUF, Arch, layer_types, llama_linear, no_attention_bias
+from .base import LLAMA_GGUF_LAYER, Arch, gguf_table, layer_types, llama_linear, no_attention_bias
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
@@ -25,7 +25,11 @@ def read_qwen2(d: dict) -> dict:
     return {"attention_bias": True, "layer_types": qwen_layer_types(d)}
 
 
+QWEN_GGUF_LAYER = {**LLAMA_GGUF_LAYER, **{f"attn_{n}.bias": f"self_attn.{n}_proj.bias" for n in "qkv"}}
+
 LLAMA = Arch(names={"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}, linear=llama_linear,
-             norms=NORMS, read=read_llama, gguf_arch="llama", gguf_names=LLAMA_GGUF, gguf_permuted_qk=True)
-QWEN2 = Arch(names={"Qwen2ForCausalLM": "qwen2"}, linear=llama_linear, norms=NORMS, read=read_qwen2)
+             norms=NORMS, read=read_llama, gguf_arch="llama", gguf_names=gguf_table(LLAMA_GGUF_LAYER),
+             gguf_permuted_qk=True)
+QWEN2 = Arch(names={"Qwen2ForCausalLM": "qwen2"}, linear=llama_linear, norms=NORMS, read=read_qwen2,
+             gguf_arch="qwen2", gguf_names=gguf_table(QWEN_GGUF_LAYER))
 ARCHES = (LLAMA, QWEN2)

@@ -1,7 +1,7 @@
 """Phi-3: the Llama block with q/k/v stored as one module (qkv_proj) and gate/up as one
 (gate_up_proj, gate rows first); sliding_window, when set, applies to every layer."""
 from ...errors import CuinferError
-from .base import Arch, layer_types
+from .base import Arch, gguf_table, layer_types
 from .llama import NORMS
 
 
@@ -17,5 +17,10 @@ def read(d: dict) -> dict:
     return {"layer_types": layer_types(d, lambda i: True)}
 
 
-PHI3 = Arch(names={"Phi3ForCausalLM": "phi3"}, linear=linear, norms=NORMS, read=read)
+GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn_qkv.weight": "self_attn.qkv_proj.weight",
+              "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+              "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+
+PHI3 = Arch(names={"Phi3ForCausalLM": "phi3"}, linear=linear, norms=NORMS, read=read, gguf_arch="phi3",
+            gguf_names=gguf_table(GGUF_LAYER))
 ARCHES = (PHI3,)
