@@ -137,8 +137,8 @@ def test_qwen2_tokenizer_splits_single_digits(tmp_path):
 def arch_config(name, **over):
     """A small config of preset `name`'s architecture (2 layers, hidden 256, head_dim 64, vocab 256)."""
     c = load_preset(name)
-    fields = dict(vocab_size=256, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    fields = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 320, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512}
     if c.layer_types is not None:
         fields.update(layer_types=c.layer_types[:2], sliding_window=16)
     return c.replace(**{**fields, **over})
