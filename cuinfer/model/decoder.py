@@ -46,6 +46,7 @@ from ..ops.write_kv import write_kv
 from .weights import LINEAR_FIELDS, Weights, fuse, nonfinite_tensor, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
+GATED_EPILOGUE = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # hidden_act -> ops.linear's
 
 
 def project(x, w, bias=None, norm=None, residual=None):
@@ -59,10 +60,10 @@ def project(x, w, bias=None, norm=None, residual=None):
 
 def gated_mlp(x, w_gate_up, act, norm=None):
     """act(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight, x
-    normed as in project; act is config.hidden_act. SwiGLU on the GPU: the GEMV's fused epilogue; else
-    the product, then ops.silu_and_mul / gelu_and_mul."""
-    if act == "silu" and x.dtype in KERNEL_DTYPES:
-        return linear(x, w_gate_up, activation="silu_and_mul", norm=norm)
+    normed as in project; act is config.hidden_act (SiLU or GELU-tanh). GPU: the GEMV's fused
+    epilogue; float32 CPU: the product, then ops.silu_and_mul / gelu_and_mul."""
+    if x.dtype in KERNEL_DTYPES:
+        return linear(x, w_gate_up, activation=GATED_EPILOGUE[act], norm=norm)
     return {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_and_mul}[act](project(x, w_gate_up, norm=norm))
 
 
