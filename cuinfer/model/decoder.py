@@ -12,12 +12,12 @@ tokens at positions context_len - q_len .. context_len - 1. Per layer, on the re
     q = write_kv(q, k, v, ...)                    RoPE on q and k, k/v into the paged cache
     a = attention(q, cache, ...)                  causal GQA over the cache (decode: one kernel with write_kv)
     s = a @ w_o.T + s                             the residual add in the GEMV's epilogue
-    s = swiglu(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
+    s = gated_mlp(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
 
 What the architecture adds is data (cuinfer.model.arch and the config): q/k/v biases; an RMSNorm
 over each q and k head before RoPE (Qwen3, Gemma 3); norms on the attention and MLP outputs before
-their residual adds (Gemma), which then happen outside the GEMV; GELU-tanh for SiLU; the
-embedding times sqrt(hidden); a sliding window, a RoPE base and a score cap per layer; the
+their residual adds (Gemma: the add then in rms_norm's add_to, not the GEMV); GELU-tanh for SiLU;
+the embedding times sqrt(hidden); a sliding window, a RoPE base and a score cap per layer; the
 attention scale; a cap on the final logits (cap * tanh(x / cap)).
 
 then the lm_head of the final norm (fused the same way) on the last token of each sequence (or
@@ -34,10 +34,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..ops import runtime
-from ..ops.activation import gelu_and_mul, silu_and_mul
 from ..ops.embedding import embedding
 from ..ops.flash_attention import flash_attention_paged
-from ..ops.linear import GEMV_MAX_M, KERNEL_DTYPES, linear, linear_argmax, linear_reference, weight_bits
+from ..ops.linear import GATED, GEMV_MAX_M, KERNEL_DTYPES, linear, linear_argmax, linear_reference, weight_bits
 from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.quant import QUANTIZED
 from ..ops.rms_norm import rms_norm
@@ -46,7 +45,7 @@ from ..ops.write_kv import write_kv
 from .weights import LINEAR_FIELDS, Weights, fuse, nonfinite_tensor, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
-GATED_EPILOGUE = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # hidden_act -> ops.linear's
+GATED_EPILOGUE = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # hidden_act -> ops.linear.GATED
 
 
 def project(x, w, bias=None, norm=None, residual=None):
@@ -62,9 +61,10 @@ def gated_mlp(x, w_gate_up, act, norm=None):
     """act(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight, x
     normed as in project; act is config.hidden_act (SiLU or GELU-tanh). GPU: the GEMV's fused
     epilogue; float32 CPU: the product, then ops.silu_and_mul / gelu_and_mul."""
+    epilogue = GATED_EPILOGUE[act]
     if x.dtype in KERNEL_DTYPES:
-        return linear(x, w_gate_up, activation=GATED_EPILOGUE[act], norm=norm)
-    return {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_and_mul}[act](project(x, w_gate_up, norm=norm))
+        return linear(x, w_gate_up, activation=epilogue, norm=norm)
+    return GATED[epilogue][1](project(x, w_gate_up, norm=norm))
 
 
 def softcap(x, cap):
@@ -187,8 +187,8 @@ class Model:
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         # Gemma's sqrt(hidden), rounded to the model dtype as transformers rounds it
-        self.embed_scale = float(np.float32(config.hidden_size ** 0.5).astype(self.dtype)) if config.arch.embed_scale \
-            else 1.0
+        scale = np.float32(config.hidden_size ** 0.5 if config.arch.embed_scale else 1.0)
+        self.embed_scale = float(scale.astype(self.dtype))
         full = rope_inv_freq(self.head_dim, config.rope_theta, config.rope_scaling)
         local = full if config.rope_local_base_freq is None else rope_inv_freq(self.head_dim, config.rope_local_base_freq)
         freqs = {id(f): self.xp.asarray(np.asarray(f, dtype=np.float32)) for f in (full, local)}
