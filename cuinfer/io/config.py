@@ -158,8 +158,8 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         max_pos = int(d.get("max_position_embeddings") or 4096)
-        family = {"hidden_act": d.get("hidden_act") or "silu", "tie_word_embeddings": bool(d.get("tie_word_embeddings")),
-                  **ARCHES[arch].read(d)}
+        family = {"hidden_act": d.get("hidden_act") or "silu",
+                  "tie_word_embeddings": bool(d.get("tie_word_embeddings")), **ARCHES[arch].read(d)}
         _check_family(d, family)
         bos = d.get("bos_token_id")
         if d.get("quantization_config"):
@@ -205,7 +205,8 @@ class ModelConfig:
 def _check_family(d: dict, f: dict):
     """The fields an architecture module read: CuinferError for one the engine cannot run."""
     if f["hidden_act"] not in ACTIVATIONS:
-        raise CuinferError(f"config: hidden_act {f['hidden_act']!r} is not supported: need one of {', '.join(ACTIVATIONS)}")
+        raise CuinferError(f"config: hidden_act {f['hidden_act']!r} is not supported: need one of "
+                           f"{', '.join(ACTIVATIONS)}")
     types = f["layer_types"]
     if len(types) != d["num_hidden_layers"] or not set(types) <= {SLIDING, FULL}:
         raise CuinferError(f"config: layer_types {json.dumps(list(types))}: need one of {SLIDING!r} / {FULL!r} "

@@ -190,7 +190,8 @@ class Model:
         scale = np.float32(config.hidden_size ** 0.5 if config.arch.embed_scale else 1.0)
         self.embed_scale = float(scale.astype(self.dtype))
         full = rope_inv_freq(self.head_dim, config.rope_theta, config.rope_scaling)
-        local = full if config.rope_local_base_freq is None else rope_inv_freq(self.head_dim, config.rope_local_base_freq)
+        local = full if config.rope_local_base_freq is None else \
+            rope_inv_freq(self.head_dim, config.rope_local_base_freq)
         freqs = {id(f): self.xp.asarray(np.asarray(f, dtype=np.float32)) for f in (full, local)}
         # per layer: inv_freq (sliding layers may have their own base), window (0: full)
         self.inv_freq = [freqs[id(local if config.window(i) else full)] for i in range(config.num_hidden_layers)]

@@ -3,10 +3,11 @@
 Per layer: q/k/v projections become one [q + k + v, hidden] matrix (and one bias for
 Qwen2-style attention_bias), gate/up become one [2 * intermediate, hidden] matrix,
 so each is a single linear call; which Hugging Face modules stack into which is the
-architecture's data (cuinfer.model.arch: Phi-3 stores them stacked already). Linear weights stay in the HF layout [out, in]
-(y = x @ w.T) and may be quantized (cuinfer.ops.quant): quantized at load by to_device, or
-quantized already in the checkpoint (every row carries its own scales, so quantized q/k/v
-and gate/up stack row-wise as they are); norms and the embedding stay float.
+architecture's data (cuinfer.model.arch: Phi-3 stores them stacked already). Linear
+weights stay in the HF layout [out, in] (y = x @ w.T) and may be quantized
+(cuinfer.ops.quant): quantized at load by to_device, or quantized already in the checkpoint
+(every row carries its own scales, so quantized q/k/v and gate/up stack row-wise as they
+are); norms and the embedding stay float.
 """
 from __future__ import annotations
 

@@ -66,8 +66,8 @@ def test_reference_matches_loops(m, n, h, hk, causal):
 
 
 @settings(max_examples=60, deadline=None)
-@given(m=st.integers(0, 9), extra=st.integers(0, 20), window=st.integers(1, 24), softcap=st.sampled_from([0.0, 0.7, 5.0]),
-       ratio=st.sampled_from([1, 3]), seed=st.integers(0, 2**31))
+@given(m=st.integers(0, 9), extra=st.integers(0, 20), window=st.integers(1, 24),
+       softcap=st.sampled_from([0.0, 0.7, 5.0]), ratio=st.sampled_from([1, 3]), seed=st.integers(0, 2**31))
 def test_reference_window_and_softcap_match_loops(m, extra, window, softcap, ratio, seed):
     """Windows at, just under and just over the context length, chunks of any size."""
     rng = np.random.default_rng(seed)
