@@ -4,7 +4,8 @@
     python -m cuinfer.convert --random PRESET OUT_DIR [--dtype float16] [--seed 0]
 
 PRESET is a name from models/ (llama3-8b, llama2-7b, mistral-7b, qwen2.5-7b, qwen3-8b, phi3-mini,
-gemma2-9b, gemma3-12b-text, smollm2-135m, tiny, tiny-qwen2) or a path to a config.json. Random
+gemma2-9b, gemma3-12b-text, smollm2-135m, tiny, tiny-qwen2, tiny-qwen3, tiny-phi3, tiny-gemma2) or a
+path to a config.json. Random
 weights have realistic scale: linear weights N(0, 1/fan_in) (activations keep unit scale through
 every matmul), embeddings N(0, 1) (Gemma's N(0, 1/hidden): the model scales them by
 sqrt(hidden)), norms multiplying by 1 + N(0, 0.05^2) (Gemma's (1 + w) norms: w = N(0, 0.05^2)),

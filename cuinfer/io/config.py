@@ -214,11 +214,10 @@ def _check_family(d: dict, f: dict):
     window = d.get("sliding_window")
     if SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise CuinferError(f"config: sliding_window is {json.dumps(window)}, need a positive integer")
-    for k in OPTIONAL_FLOATS:
+    for k in OPTIONAL_FLOATS:  # kept as written (transformers checks int / float when it reads them back)
         v = f.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
             raise CuinferError(f"config: {k} is {json.dumps(v)}, need a positive number")
-        f[k] = None if v is None else float(v)
     f["layer_types"] = None if set(types) <= {FULL} else tuple(types)
 
 

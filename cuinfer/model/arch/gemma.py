@@ -17,7 +17,7 @@ def read_gemma(d: dict, sliding) -> dict:
     return {"attention_bias": no_attention_bias(d),
             "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)),
             "hidden_act": d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256),
+            "query_pre_attn_scalar": d.get("query_pre_attn_scalar") or d.get("head_dim") or 256,
             "attn_logit_softcapping": d.get("attn_logit_softcapping"),
             "final_logit_softcapping": d.get("final_logit_softcapping"),
             "layer_types": layer_types(d, sliding)}
