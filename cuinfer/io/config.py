@@ -32,7 +32,7 @@ DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfl
 
 # the keys rope_scaling {"rope_type": "llama3", ...} must carry
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-OPTIONAL_FLOATS = ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
+OPTIONAL_NUMBERS = ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
                    "final_logit_softcapping")
 
 
@@ -214,7 +214,7 @@ def _check_family(d: dict, f: dict):
     window = d.get("sliding_window")
     if SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise CuinferError(f"config: sliding_window is {json.dumps(window)}, need a positive integer")
-    for k in OPTIONAL_FLOATS:  # kept as written (transformers checks int / float when it reads them back)
+    for k in OPTIONAL_NUMBERS:  # kept as written (transformers checks int / float when it reads them back)
         v = f.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
             raise CuinferError(f"config: {k} is {json.dumps(v)}, need a positive number")
