@@ -25,9 +25,10 @@ from cuinfer.quantize import main as quantize_main
 from cuinfer.quantize import quantize_checkpoint
 
 # The tiny presets with an MLP width every int4 group divides (688 has none) and the tiny tokenizer's vocabulary:
-# "tied" is llama (tied embeddings, fp16), "qwen2" has q/k/v bias, an lm_head and bf16 weights.
-CASES = {"tied": load_preset("tiny").replace(intermediate_size=640, vocab_size=512),
-         "qwen2": load_preset("tiny-qwen2").replace(intermediate_size=640, vocab_size=512)}
+# "tied" is llama (tied embeddings, fp16), "qwen2" has q/k/v bias, an lm_head and bf16 weights, "phi3"
+# stores q/k/v and gate/up as one module each, "gemma2" has four (1 + w) norms a layer and softcaps.
+CASES = {name: load_preset(preset).replace(intermediate_size=640, vocab_size=512) for name, preset in
+         (("tied", "tiny"), ("qwen2", "tiny-qwen2"), ("phi3", "tiny-phi3"), ("gemma2", "tiny-gemma2"))}
 RTN_SPECS = ["int8", "int4", "int4-g32"]
 
 
