@@ -129,3 +129,20 @@ def test_gpu_logits_as_close_as_transformers_half(name, dtype, tmp_path):
           f"top-1 {top1(half):.3f}")
     assert np.isfinite(got).all()
     assert err(got) <= 1.5 * err(half) and top1(got) >= top1(half) - 0.02
+
+
+@pytest.mark.parametrize("name", ["llama3.2-tied", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_decode_bench_peer_gets_our_weights(name, tmp_path):
+    """bench decode's transformers peer: our fused weights under the architecture's Hugging Face
+    names (split rows, Gemma's norms back to w) give a fresh transformers model the original logits."""
+    from cuinfer.benches.decode import hf_state_dict
+    from cuinfer.model.weights import fuse, to_device
+
+    path, hf = save_case(name, tmp_path / name)
+    config, tensors = load_checkpoint(path)
+    sd = hf_state_dict(torch, config, to_device(fuse(config, tensors), np, np.float32))
+    fresh = transformers.AutoModelForCausalLM.from_config(hf.config).eval()
+    fresh.load_state_dict(sd, strict=not config.tie_word_embeddings)
+    ids = torch.as_tensor(prompt_ids())
+    with torch.no_grad():
+        np.testing.assert_allclose(fresh(ids).logits.numpy(), hf(ids).logits.numpy(), rtol=1e-5, atol=1e-5)
