@@ -74,6 +74,7 @@ def test_llama3_rope_scaling_and_transformers5_spelling():
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0.5}, "sliding_window is 0.5"),
     ({"layer_types": ["full_attention"]}, "layer_types .* per layer .32."),
     ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ({"attention_bias": True}, r"attention_bias \(biases on q, k, v and o\) is not supported for LlamaForCausalLM"),
     ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1}, "attn_logit_softcapping is -1"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing low_freq_factor"),
     ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads 5"),
