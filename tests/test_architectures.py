@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cuinfer.io.checkpoint import load_checkpoint
-from cuinfer.model.decoder import Model
+from cuinfer.model.decoder import Batch, DecodeInputs, Model, slot_mapping
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -84,6 +84,26 @@ def cuinfer_logits(model, config, ids, chunk):
                       chunk)
 
 
+def decode_logits(model, config, ids, n_prefill):
+    """Logits of positions n_prefill.. of one sequence: ids[:n_prefill] through Model.forward, then one
+    token a step through Model.decode (paged_attention with the new token's write fused), teacher forced."""
+    from test_model import make_cache
+
+    xp, bs = model.xp, 16
+    table = np.arange(-(-len(ids) // bs), dtype=np.int32)[None, :]  # [1, blocks]
+    cache = make_cache(config, model, num_blocks=table.shape[1], block_size=bs)
+    model.forward(Batch.from_chunks([(ids[:n_prefill], 0, table[0].tolist())], bs).to(xp), cache)
+    out = []
+    for p in range(n_prefill, len(ids)):
+        pos = np.array([p], np.int32)
+        inputs = DecodeInputs(token_ids=xp.asarray([ids[p]], dtype=np.int32), positions=xp.asarray(pos),
+                              slot_mapping=xp.asarray(slot_mapping(table, np.zeros(1, np.int64), pos, bs)),
+                              block_tables=xp.asarray(table), context_lens=xp.asarray(pos + 1))
+        logits = model.decode(inputs, cache, max_context_len=p + 1)
+        out.append(logits.get() if xp is not np else logits)
+    return np.concatenate(out)
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
     return save_case(request.param, tmp_path_factory.mktemp(request.param))
@@ -102,6 +122,18 @@ def test_numpy_logits_equal_transformers(checkpoint):
             err = np.linalg.norm(g - r) / np.linalg.norm(r)
             assert err < 2e-6, f"chunk {chunk}: relative L2 error {err:.2e}"
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
+
+
+def test_decode_steps_equal_forward(checkpoint):
+    """Model.decode one token at a time past the windows (the decode step the engine's graphs run)
+    gives the logits Model.forward gives for the same positions."""
+    path, _ = checkpoint
+    config, tensors = load_checkpoint(path)
+    model = Model.from_tensors(config, tensors, "cpu")
+    ids = prompt_ids()[0].tolist()
+    want = cuinfer_logits(model, config, [ids], 1000)[0][WINDOW // 2:]
+    np.testing.assert_allclose(decode_logits(model, config, ids, WINDOW // 2), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -146,3 +178,26 @@ def test_decode_bench_peer_gets_our_weights(name, tmp_path):
     ids = torch.as_tensor(prompt_ids())
     with torch.no_grad():
         np.testing.assert_allclose(fresh(ids).logits.numpy(), hf(ids).logits.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_decode_steps_match_numpy(name, dtype, tmp_path):
+    """The GPU decode step (paged_attention with the fused write, windows, caps; the GEMV epilogues)
+    one token at a time past 64-token windows, against the NumPy backend's forward: relative L2 error
+    of the logits within test_model's GPU bound (set for 30 layers; these have 3)."""
+    from test_model import GPU_LOGIT_REL_L2
+
+    from cuinfer.ops import runtime
+
+    path, _ = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64,
+                        sliding_window=64)
+    config, tensors = load_checkpoint(path)
+    dt = np.dtype(np.float16) if dtype == "float16" else runtime.bfloat16
+    ids = prompt_ids(3 * 64 + 5)[0].tolist()
+    want = cuinfer_logits(Model.from_tensors(config, tensors, "cpu"), config, [ids], 1000)[0][40:]
+    got = decode_logits(Model.from_tensors(config, tensors, "gpu", dt), config, ids, 40)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"{name} {dtype}: decode logits relative L2 error {err:.2e}")
+    assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
