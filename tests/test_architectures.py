@@ -142,8 +142,8 @@ def test_decode_steps_equal_forward(checkpoint):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_logits_as_close_as_transformers_half(name, dtype, tmp_path):
     """fp16 / bf16 logits on the GPU (head_dim 64: the kernels' smallest) against transformers' float32:
-    relative L2 error and top-1 agreement over all positions at least as good as transformers' own
-    run in that dtype, within 1.5x on the error (the two round differently)."""
+    relative L2 error, largest error and top-1 agreement over all positions at least as good as
+    transformers' own run in that dtype, within 1.5x on the errors (the two round differently)."""
     from cuinfer.ops import runtime
 
     path, hf = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64)
@@ -156,11 +156,12 @@ def test_gpu_logits_as_close_as_transformers_half(name, dtype, tmp_path):
         half = hf.to(device, getattr(torch, dtype))(torch.as_tensor(ids, device=device)).logits.float().cpu().numpy()
     got = np.stack(cuinfer_logits(model, config, ids, 64))
     err = lambda x: np.linalg.norm(x - ref) / np.linalg.norm(ref)
+    worst = lambda x: np.abs(x - ref).max()
     top1 = lambda x: (x.argmax(-1) == ref.argmax(-1)).mean()
-    print(f"{name} {dtype}: cuinfer {err(got):.2e} top-1 {top1(got):.3f}, transformers {err(half):.2e} "
-          f"top-1 {top1(half):.3f}")
+    print(f"{name} {dtype}: cuinfer {err(got):.2e} (max {worst(got):.2e}) top-1 {top1(got):.3f}, "
+          f"transformers {err(half):.2e} (max {worst(half):.2e}) top-1 {top1(half):.3f}")
     assert np.isfinite(got).all()
-    assert err(got) <= 1.5 * err(half) and top1(got) >= top1(half) - 0.02
+    assert err(got) <= 1.5 * err(half) and worst(got) <= 1.5 * worst(half) and top1(got) >= top1(half) - 0.02
 
 
 @pytest.mark.parametrize("name", ["llama3.2-tied", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3"])
