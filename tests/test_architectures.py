@@ -202,3 +202,23 @@ def test_gpu_decode_steps_match_numpy(name, dtype, tmp_path):
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     print(f"{name} {dtype}: decode logits relative L2 error {err:.2e}")
     assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
+
+
+def test_arch_records_are_well_formed():
+    """Every family's record: the four linear fields, norms among the layer's norm fields (the two
+    pre-norms always), each Hugging Face architecture in one record, GGUF names onto tensors it has."""
+    from cuinfer.convert import load_preset
+    from cuinfer.io.checkpoint import expected_tensors
+    from cuinfer.model.arch import ARCHES, LINEAR_FIELDS, NORM_FIELDS
+
+    presets = {"LlamaForCausalLM": "tiny", "MistralForCausalLM": "mistral-7b", "Qwen2ForCausalLM": "tiny-qwen2",
+               "Qwen3ForCausalLM": "tiny-qwen3", "Phi3ForCausalLM": "tiny-phi3", "Gemma2ForCausalLM": "tiny-gemma2",
+               "Gemma3ForCausalLM": "gemma3-12b-text"}
+    assert set(presets) == set(ARCHES)
+    for name, arch in ARCHES.items():
+        config = load_preset(presets[name]).replace(architecture=name, tie_word_embeddings=False)
+        assert tuple(arch.linear(config)) == LINEAR_FIELDS
+        assert {"attn_norm", "mlp_norm"} <= set(arch.norms) <= set(NORM_FIELDS)
+        names = expected_tensors(config)
+        for hf in arch.gguf_names.values():
+            assert hf.format(i=0) in names or (hf.endswith(".bias") and not config.attention_bias), (name, hf)

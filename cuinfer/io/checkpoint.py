@@ -4,9 +4,8 @@ A directory holds config.json, model.safetensors (or shards listed in
 model.safetensors.index.json), and the tokenizer files (tokenizer.json,
 tokenizer_config.json, generation_config.json). Tensor names are the Hugging Face names of the
 config's architecture (cuinfer.model.arch); `expected_tensors(config)` derives every name and
-shape from the config, and loading
-checks the files against it: a missing, unexpected, mis-shaped or mis-typed tensor or a
-truncated file is one CuinferError naming the tensor and the file.
+shape from the config, and loading checks the files against it: a missing, unexpected,
+mis-shaped or mis-typed tensor or a truncated file is one CuinferError naming the tensor and the file.
 
 A quantized checkpoint (config.quantization, written by cuinfer.quantize) stores each quantized
 weight as the arrays of its Int8Weight / Int4Weight (quant_io.saved_parts); load_checkpoint returns
