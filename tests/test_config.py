@@ -39,6 +39,7 @@ def test_qwen2_has_bias_and_windows_per_layer():
                                "use_sliding_window": True, "max_window_layers": 30})
     assert [q.window(i) for i in (0, 29, 30, 31)] == [0, 0, 64, 64]
     assert ModelConfig.from_dict(q.to_dict()) == q
+    assert ModelConfig.from_dict({**LLAMA, "sliding_window": 64}).layer_types is None  # Llama: no windows
     m = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
     assert m.architecture == "MistralForCausalLM" and not m.attention_bias
     assert all(m.window(i) == 4096 for i in range(32))
@@ -72,7 +73,7 @@ def test_llama3_rope_scaling_and_transformers5_spelling():
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling linear: factor is null"),
     ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0.5}, "sliding_window is 0.5"),
-    ({"layer_types": ["full_attention"]}, "layer_types .* per layer .32."),
+    ({"architectures": ["MistralForCausalLM"], "layer_types": ["full_attention"]}, "layer_types .* per layer .32."),
     ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
     ({"attention_bias": True}, r"attention_bias \(biases on q, k, v and o\) is not supported for LlamaForCausalLM"),
     ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1}, "attn_logit_softcapping is -1"),
