@@ -1,5 +1,6 @@
-// Embedding lookup: out[t] = table[ids[t]]. An id outside [0, vocab) never reads the table: its
-// row of out is written with zeros (the NumPy reference raises ValueError instead).
+// Embedding lookup: out[t] = round(table[ids[t]] * scale) (scale 1: the row itself; Gemma scales by
+// sqrt(hidden)). An id outside [0, vocab) never reads the table: its row of out is written with zeros
+// (the NumPy reference raises ValueError instead).
 #include "common.cuh"
 
 using namespace cuinfer;
@@ -10,7 +11,7 @@ using namespace cuinfer;
 template <typename T, int VEC, typename IdT>
 __global__ void __launch_bounds__(256)
 embedding_kernel(const IdT* __restrict__ ids, const T* __restrict__ table, T* __restrict__ out,
-                 long long vocab, int hidden) {
+                 long long vocab, int hidden, float scale) {
   pdl_wait();  // every input of this kernel may come from the previous one
   pdl_trigger();
   const long long id = ids[blockIdx.x];
@@ -21,6 +22,10 @@ embedding_kernel(const IdT* __restrict__ ids, const T* __restrict__ table, T* __
 #pragma unroll
   for (int e = 0; e < VEC; ++e) zero.v[e] = from_float<T>(0.0f);
 #pragma unroll 4  // up to four 16-byte loads in flight per thread before the stores
-  for (int c = threadIdx.x * VEC; c < hidden; c += blockDim.x * VEC)
-    (valid ? Vec<T, VEC>::load(src + c) : zero).store(dst + c);
+  for (int c = threadIdx.x * VEC; c < hidden; c += blockDim.x * VEC) {
+    Vec<T, VEC> v = valid ? Vec<T, VEC>::load(src + c) : zero;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) * scale);  // exact for scale 1
+    v.store(dst + c);
+  }
 }

@@ -22,13 +22,15 @@
 // contiguous: k, v: [tokens, n_kv_heads, D], keys of sequence i at rows cu_seqlens_q[i]..
 // PAGED: k, v: [num_blocks, 1 << block_shift, n_kv_heads, D]; block_tables: [num_seqs, max_blocks];
 //   context_lens: [num_seqs]; the q rows are the last q_len of context_lens[i] positions.
-// Query i of a chunk sees keys 0 .. i + kv_len - q_len when causal, every key otherwise.
+// Query i of a chunk sees keys 0 .. i + kv_len - q_len when causal, every key otherwise; with
+// window > 0 (causal) only the last `window` of them, and key tiles wholly before them are not read.
+// cap_in > 0: scores capped, cap_out * tanh(s * cap_in), scale_log2 then 1 (Tile).
 template <typename T, int D, int BM, int BN, int WARPS, bool PAGED>
 __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal) {
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out) {
   cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
   cuinfer::pdl_trigger();
   using namespace cuinfer;
@@ -44,7 +46,8 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   static_assert(MT >= 1 && BM == MT * 16 * WARPS, "BM must be a multiple of 16 * WARPS");
   static_assert(BN % 16 == 0 && D % 16 == 0, "BN and D must be multiples of 16");
 
-  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
+  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
+                                         cap_out);
   if (t.empty) return;
   const int head = blockIdx.y, m0 = t.m0;
 
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     for (int c = tid; c < BN * CHUNKS; c += THREADS) {
       const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
       size_t off;
-      const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r, col, table, block_shift, n_kv_heads, off);
+      const bool ok = kv_chunk<D, PAGED>(t, (t.tile0 + tile) * BN + r, col, table, block_shift, n_kv_heads, off);
       cp_async16(smem_u32(sK + (stage * BN + r) * STRIDE + col), k + off, ok);
       cp_async16(smem_u32(sV + (stage * BN + r) * STRIDE + col), v + off, ok);
     }
@@ -138,8 +141,8 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float alpha[2];
-      online_softmax<NT>(s[mt], row_max[mt], row_sum[mt], alpha, j * BN, warp_row0 + mt * 16, t, causal,
-                         scale_log2, lane);
+      online_softmax<NT>(s[mt], row_max[mt], row_sum[mt], alpha, (t.tile0 + j) * BN, warp_row0 + mt * 16, t,
+                         causal, scale_log2, lane);
       rescale<DT>(o[mt], alpha);
     }
 
@@ -209,7 +212,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads, int n_kv_heads,
-    float scale_log2, int causal, const cuinfer::TensorMap* q_map, const cuinfer::TensorMap* k_map,
+    float scale_log2, int causal, int window, float cap_in, float cap_out, const cuinfer::TensorMap* q_map,
+    const cuinfer::TensorMap* k_map,
     const cuinfer::TensorMap* v_map) {  // the kernel parameters themselves, when TMA
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
@@ -222,7 +226,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
   static_assert(WG == 1 || WG == 2, "one or two consumer warpgroups");
   static_assert(64 % CHUNKS == 0 && BN % RSTEP == 0, "a producer half copies whole rows");
 
-  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal);
+  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
+                                         cap_out);
   if (t.empty) return;
   const int head = blockIdx.y, m0 = t.m0;
 
@@ -250,7 +255,7 @@ __device__ __forceinline__ void flash_attention_wgmma(
       const int block_size = 1 << block_shift;
       const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
       for (int tile = 0; tile < t.n_tiles; ++tile) {
-        const int s = tile % STAGES, key0 = tile * BN;
+        const int s = tile % STAGES, key0 = (t.tile0 + tile) * BN;
         // paged: the pages holding keys of the context (none past its last block); the last tile, when
         // it runs past the context, completes on landed[s] so that its V rows past the end can be zeroed
         const int pages = PAGED ? min(BN, t.kv_len - key0 + block_size - 1) >> block_shift : 0;
@@ -315,7 +320,7 @@ __device__ __forceinline__ void flash_attention_wgmma(
       for (int i = 0; i < BN / RSTEP; ++i) {
         const int r = r0 + i * RSTEP;
         size_t off;
-        const bool ok = kv_chunk<D, PAGED>(t, tile * BN + r, ch * 8, table, block_shift, n_kv_heads, off);
+        const bool ok = kv_chunk<D, PAGED>(t, (t.tile0 + tile) * BN + r, ch * 8, table, block_shift, n_kv_heads, off);
         cp_async16(at(ks, KV_BLOCK, r, ch), k + off, ok);
         cp_async16(at(vs, KV_BLOCK, r, ch), v + off, ok);
       }
@@ -363,7 +368,7 @@ __device__ __forceinline__ void flash_attention_wgmma(
     turn_end(false);
     wgmma::wait<0>();
     wgmma::fence_regs(s);
-    online_softmax<BN / 8>(s, row_max, row_sum, alpha, 0, warp_row0, t, causal, scale_log2, lane);
+    online_softmax<BN / 8>(s, row_max, row_sum, alpha, t.tile0 * BN, warp_row0, t, causal, scale_log2, lane);
     unsigned p[BN / 16][4];  // P of the tile whose P V is next
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
@@ -378,7 +383,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
       turn_end(false);
       wgmma::wait<1>();  // S_{j+1} done: its softmax runs while P_j V_j is multiplied
       wgmma::fence_regs(s);
-      online_softmax<BN / 8>(s, row_max, row_sum, alpha, (j + 1) * BN, warp_row0, t, causal, scale_log2, lane);
+      online_softmax<BN / 8>(s, row_max, row_sum, alpha, (t.tile0 + j + 1) * BN, warp_row0, t, causal, scale_log2,
+                             lane);
       wgmma::wait<0>();
       wgmma::fence_regs(o);
       if (lane == 0) mbar_arrive(empty(j));  // K_j and V_j are no longer read
@@ -425,10 +431,10 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kerne
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal) {
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out) {
   flash_attention_wgmma<T, D, BN, WG, PAGED, false>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
                                                    max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
-                                                   causal, nullptr, nullptr, nullptr);
+                                                   causal, window, cap_in, cap_out, nullptr, nullptr, nullptr);
 }
 
 // As flash_attention_wgmma_kernel, K/V loaded by TMA through tensor maps (runtime.tensor_map): q [tokens,
@@ -439,9 +445,10 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_tma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal, const __grid_constant__ cuinfer::TensorMap q_map,
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out,
+    const __grid_constant__ cuinfer::TensorMap q_map,
     const __grid_constant__ cuinfer::TensorMap k_map, const __grid_constant__ cuinfer::TensorMap v_map) {
   flash_attention_wgmma<T, D, BN, WG, PAGED, true>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
                                                   max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
-                                                  causal, &q_map, &k_map, &v_map);
+                                                  causal, window, cap_in, cap_out, &q_map, &k_map, &v_map);
 }

@@ -6,15 +6,21 @@
 namespace cuinfer {
 namespace fa {
 
-// What a CTA works on: the BM query rows from m0 of one head of one sequence, and its key range.
+// What a CTA works on: the BM query rows from m0 of one head of one sequence, and its key range:
+// the n_tiles key tiles from tile0 (with a sliding window the tiles wholly before the window of the
+// CTA's first row are skipped: never read). cap_in > 0: scores s become cap_out * tanh(s * cap_in)
+// (a softcap c: cap_in = scale / c, cap_out = c log2 e, and the kernel's scale_log2 is 1).
 struct Tile {
-  int m0, q_start, q_len, kv_len, offset, kv_head, n_tiles;
+  int m0, q_start, q_len, kv_len, offset, kv_head, tile0, n_tiles, window;
+  float cap_in, cap_out;
   bool empty;  // no query rows: the CTA returns (uniformly, before any barrier)
 };
 template <int BM, int BN, bool PAGED>
 __device__ __forceinline__ Tile tile_of(const int* cu_seqlens_q, const int* context_lens, int n_heads,
-                                        int n_kv_heads, int causal) {
+                                        int n_kv_heads, int causal, int window, float cap_in, float cap_out) {
   Tile t;
+  t.cap_in = cap_in;
+  t.cap_out = cap_out;
   const int seq = blockIdx.z;
   t.m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // x reversed: the heaviest causal blocks start first
   t.q_start = cu_seqlens_q[seq];
@@ -24,7 +30,9 @@ __device__ __forceinline__ Tile tile_of(const int* cu_seqlens_q, const int* cont
   t.offset = t.kv_len - t.q_len;  // query i sees keys <= i + offset
   t.kv_head = blockIdx.y / (n_heads / n_kv_heads);
   const int n_end = causal ? min(t.kv_len, t.m0 + BM + t.offset) : t.kv_len;
-  t.n_tiles = (n_end + BN - 1) / BN;
+  t.window = causal ? window : 0;  // query i sees keys > i + offset - window (0: no window)
+  t.tile0 = t.window > 0 ? max(0, t.m0 + t.offset - t.window + 1) / BN : 0;
+  t.n_tiles = max(0, (n_end + BN - 1) / BN - t.tile0);
   return t;
 }
 
@@ -44,20 +52,26 @@ __device__ __forceinline__ bool kv_chunk(const Tile& t, int key, int col, const 
 }
 
 // One m16 row tile of S (NT n8 tiles, mma.sync C layout: s[4 nt + 2 h + e] is row lane/4 + 8 h, key
-// n0 + 8 nt + 2 (lane % 4) + e) through the online softmax: masks keys past the sequence or (causal)
-// past each query's limit, updates the running max and this thread's part of the row sums, leaves p
+// n0 + 8 nt + 2 (lane % 4) + e) through the online softmax: caps the scores (t.cap_in > 0), masks keys
+// past the sequence or (causal) past each query's limit or before its window, updates the running max and this thread's part of the row sums, leaves p
 // in s and in alpha the factor by which O must be rescaled (rescale()). qrow0: the tile's first query
 // row in the chunk.
 template <int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[4 * NT], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], int n0, int qrow0, const Tile& t, int causal,
                                                float scale_log2, int lane) {
-  const bool masked = n0 + 8 * NT > t.kv_len || (causal && n0 + 8 * NT - 1 > qrow0 + t.offset);
-  if (masked) {  // tiles at the sequence end or across the diagonal only
+  if (t.cap_in > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) s[i] = t.cap_out * tanhf(s[i] * t.cap_in);
+  }
+  const bool masked = n0 + 8 * NT > t.kv_len || (causal && n0 + 8 * NT - 1 > qrow0 + t.offset) ||
+                      (t.window > 0 && n0 <= qrow0 + 15 + t.offset - t.window);
+  if (masked) {  // tiles at the sequence end, across the diagonal or the window's start only
 #pragma unroll
     for (int i = 0; i < 4 * NT; ++i) {
       const int key = n0 + (i / 4) * 8 + 2 * (lane % 4) + i % 2, qrow = qrow0 + lane / 4 + 8 * ((i / 2) % 2);
-      if (key >= t.kv_len || (causal && key > qrow + t.offset)) s[i] = Max::identity();
+      if (key >= t.kv_len || (causal && key > qrow + t.offset) || (t.window > 0 && key <= qrow + t.offset - t.window))
+        s[i] = Max::identity();
     }
   }
 #pragma unroll

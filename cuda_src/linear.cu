@@ -24,7 +24,8 @@
 // the nibble conversion, and the group ends with acc += scale sum (q - zero) x; with fractional
 // ones (the MSE fit, Q4_1) q, and the steps of one group also sum x into a second fragment (an
 // mma with A = ones), the group ending with acc += scale (sum q x - zero sum x), in fp32.
-// The epilogue (EPI_*) stores y (optionally plus a residual), or silu(gate) * up of a stacked [gate; up] weight, or
+// The epilogue (EPI_*) stores y (optionally plus a residual), or act(gate) * up of a stacked [gate; up] weight
+// (act: SiLU or GELU-tanh), or
 // per-block argmax partials; small grids split K over the blocks of a cluster (sm_90) that meet
 // in distributed shared memory. With XS every block first copies the x rows to shared memory, read
 // by the main loop (no L1 misses in its dependent chain); given a norm weight it writes their
@@ -52,12 +53,15 @@ __device__ __forceinline__ void argmax_warp(float& best, int& idx) {
 // Epilogues of linear_kernel: EPI_STORE out[m, n] = y (+ bias), with a residual
 // round(round(y) + residual[m, n]) (the decoder's residual add, rounded as the unfused pair);
 // EPI_SILU_AND_MUL out[m, n] = silu(y[m, n]) * y[m, n + N] for the stacked weight [gate; up]
-// ([2N, K]), both sums in fp32, rounded once; EPI_ARGMAX: per block and row m of x the (max,
+// ([2N, K]), both sums in fp32, rounded once; EPI_GELU_AND_MUL the same with gelu_tanh (Gemma); EPI_ARGMAX: per block and row m of x the (max,
 // lowest index) of T(y) over the block's rows, into part_val / part_idx [M, gridDim.x]
 // (linear_argmax_reduce_kernel finishes).
 #define EPI_STORE 0
 #define EPI_SILU_AND_MUL 1
 #define EPI_ARGMAX 2
+#define EPI_GELU_AND_MUL 3
+// the gated epilogues: a block computes the gate and the up rows of its outputs
+__host__ __device__ constexpr bool gated(int epi) { return epi == EPI_SILU_AND_MUL || epi == EPI_GELU_AND_MUL; }
 
 // Split-K across the blocks of a thread-block cluster (sm_90): SPLIT blocks along y share a row
 // tile, each reduces its K / SPLIT, and block 0 of the cluster adds the others' sums through
@@ -119,14 +123,14 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __r
 }
 
 // The epilogue's operands that do not depend on the product, for one output: int8 scales, bias (of
-// the up half too with the SiLU epilogue), residual; neutral where there is none.
+// the up half too with a gated epilogue), residual; neutral where there is none.
 struct EpiIn {
   float scale = 1.0f, up_scale = 1.0f, bias = 0.0f, up_bias = 0.0f, res = 0.0f;
 };
 
-// One block: 16 RT output rows (RR = 2 RT weight row tiles with the SiLU epilogue: the gate tiles,
+// One block: 16 RT output rows (RR = 2 RT weight row tiles with a gated epilogue: the gate tiles,
 // then the up tiles N rows further), the quads [rank, rank + 1) * ceil(quads / SPLIT) of K.
-// Every warp holds RT row tiles: with the SiLU epilogue warps [0, WARPS / 2) take the gate tiles
+// Every warp holds RT row tiles: with a gated epilogue warps [0, WARPS / 2) take the gate tiles
 // and the others the up tiles (a warp's registers are those of a plain GEMV, which doubles the
 // blocks an SM holds). Warp kw of its half takes quad steps q_begin + (i * KW + kw) * U + u,
 // loading the next U quads (and their int4 (scale, zero) pairs) while it computes these; the warps
@@ -140,11 +144,11 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
                                             int K) {
   using L = Layout<WBITS>;
   static_assert(WBITS != 4 || GS == 32 || GS == 64 || GS == 128, "int4 group size");
-  constexpr int RR = EPI == EPI_SILU_AND_MUL ? 2 * RT : RT;  // weight row tiles per block
+  constexpr int RR = gated(EPI) ? 2 * RT : RT;  // weight row tiles per block
   constexpr int GQ = WBITS == 4 ? 128 / GS : 1;              // int4 scale groups per quad
   constexpr int V = RR * NT * 4;                             // accumulator values per lane
   constexpr int KW = WARPS * RT / RR;                        // warps per weight half, splitting K
-  static_assert(KW >= 1 && WARPS % (RR / RT) == 0, "the SiLU epilogue needs an even warp count");
+  static_assert(KW >= 1 && WARPS % (RR / RT) == 0, "a gated epilogue needs an even warp count");
   __shared__ float partial[KW][V][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3, g4 = lane >> 2;
   const int half = warp / KW, kw = warp % KW;  // weight half (gate 0, up 1) and K slot of this warp
@@ -237,9 +241,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
     out_pos(i, row, m);
     if (row >= N || m >= M) return e;
     if constexpr (WBITS == 8) e.scale = __half2float(scales[row]);
-    if constexpr (WBITS == 8 && EPI == EPI_SILU_AND_MUL) e.up_scale = __half2float(scales[row + N]);
+    if constexpr (WBITS == 8 && gated(EPI)) e.up_scale = __half2float(scales[row + N]);
     if (bias != nullptr) e.bias = to_float(bias[row]);
-    if (EPI == EPI_SILU_AND_MUL && bias != nullptr) e.up_bias = to_float(bias[row + N]);
+    if (gated(EPI) && bias != nullptr) e.up_bias = to_float(bias[row + N]);
     if (EPI == EPI_STORE && residual != nullptr) e.res = to_float(residual[(size_t)m * N + row]);
     return e;
   };
@@ -425,11 +429,11 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
     float y = red[i];
     if constexpr (WBITS == 8) y *= e.scale;
     if (bias != nullptr) y += e.bias;
-    if constexpr (EPI == EPI_SILU_AND_MUL) {
+    if constexpr (gated(EPI)) {
       float up = red[i + VO * 32];
       if constexpr (WBITS == 8) up *= e.up_scale;
       if (bias != nullptr) up += e.up_bias;
-      y = silu(y) * up;
+      y = (EPI == EPI_SILU_AND_MUL ? silu(y) : gelu_tanh(y)) * up;
     }
     if constexpr (EPI == EPI_STORE) {
       if (residual != nullptr) y = to_float(from_float<T>(y)) + e.res;
@@ -462,8 +466,8 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (MINB blocks per SM: <= 65536 / (32 WARPS MINB) registers) ·
 // smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
 // XS: 2 * M * norm_stride(K) bytes (the staged x)
-// x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for EPI_SILU_AND_MUL) or null, all T;
-// w: see the formats above ([2N, K] for EPI_SILU_AND_MUL); scales: fp16 [rows] (WBITS 8) or the
+// x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for the gated epilogues) or null, all T;
+// w: see the formats above ([2N, K] for the gated epilogues); scales: fp16 [rows] (WBITS 8) or the
 // (scale, zero) pairs [ceil(rows / 16), K / GS, 16, 2] (WBITS 4), null for fp16; part_val / part_idx:
 // [M, gridDim.x] for EPI_ARGMAX, else null. XS (K % 8 == 0): x staged in shared memory, normalized
 // with norm_w [K] in T and eps unless norm_w is null; without XS norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing

@@ -185,6 +185,9 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
 // NEW_KV only: q rows q_stride elements apart (heads contiguous), un-rotated; k_new, v_new: [num_seqs,
 // n_kv_heads, D] rows k_stride / v_stride apart, k un-rotated; slot_mapping: [num_seqs] (slot < 0: no
 // write); inv_freq: [D / 2] fp32. Without NEW_KV these are unused and q is contiguous.
+// window > 0: only the last `window` keys count; the splits then tile [max(0, ctx - window), ctx) (the
+// rows before it are never read), 0: [0, ctx). cap_log2 > 0 (a softcap c: c log2 e): each score s
+// (prescaled by scale log2 e) becomes cap_log2 * tanh(s / cap_log2).
 // G: query heads per KV head, padded (the real count is n_heads / n_kv_heads <= G).
 // U: K/V rows each lane loads before it uses the first (bytes in flight).
 // WARPS: warps per CTA (4 to 8; 4 for G = 8), chosen by the op so that one wave of the grid holds as
@@ -200,7 +203,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
     const T* __restrict__ k_new, const T* __restrict__ v_new, const int* __restrict__ slot_mapping,
-    const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride) {
+    const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride, int window, float cap_log2) {
   if constexpr (!NEW_KV) {
     pdl_wait();  // every input of this kernel may come from the previous one
     pdl_trigger();
@@ -227,7 +230,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
 #pragma unroll
     for (int e = 0; e < 8; ++e) freq[e] = active ? inv_freq[chunk % (CHUNKS / 2) * 8 + e] : 0.0f;
   }
-  const int start = split * partition, end = min(ctx, start + partition), len = end - start;
+  const int base = window > 0 ? max(0, ctx - window) : 0;  // the first key counted
+  const int start = base + split * partition, end = min(ctx, start + partition), len = end - start;
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
   int* const arrival = arrivals + (size_t)seq * n_kv_heads + kv_head;
   extern __shared__ float smem[];
@@ -247,7 +251,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
 
   // Splits past the context write nothing and do not arrive: the merge counts the n_live that hold rows.
   // With an empty context split 0 writes the zeros.
-  const int n_live = min(n_splits, (ctx + partition - 1) / partition);
+  const int n_live = min(n_splits, (ctx - base + partition - 1) / partition);
   if (len <= 0) {
     if (split > 0) return;
     if constexpr (NEW_KV) {
@@ -296,7 +300,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     pdl_trigger();
     // The new token's row goes to the cache from the CTA whose split holds it; its loads issue
     // with q's below (one round trip), the stores after the stage has landed.
-    const bool writer = split == min((ctx - 1) / partition, n_splits - 1) && slot >= 0 && warp == 0 && sub == 0 && active;
+    const bool writer =
+        split == min((ctx - 1 - base) / partition, n_splits - 1) && slot >= 0 && warp == 0 && sub == 0 && active;
     Vec<T, 8> kn, vn;
     if (writer) {
       kn = rope_chunk<T, D>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn);
@@ -364,6 +369,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     reduce_scatter<G, LG, KL / 2, false>(d, lane);
 #pragma unroll
     for (int o = DUP / 2; o > 0; o >>= 1) d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
+    if (cap_log2 > 0.0f) d[0] = cap_log2 * tanhf(d[0] / cap_log2);
     if (t < end) {
       mh = fmaxf(mh, d[0]);
       if (owner) scores[head * partition + t - start] = d[0];

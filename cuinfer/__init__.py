@@ -1,4 +1,5 @@
-"""cuinfer: LLaMA-family inference with CUDA C++ kernels compiled at run time through CuPy.
+"""cuinfer: decoder-only LLM inference (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3) with CUDA C++
+kernels compiled at run time through CuPy.
 
     from cuinfer import Engine, SamplingParams
 

@@ -3,12 +3,14 @@
     python -m cuinfer.convert MODEL.gguf OUT_DIR
     python -m cuinfer.convert --random PRESET OUT_DIR [--dtype float16] [--seed 0]
 
-PRESET is a name from models/ (llama3-8b, llama2-7b, mistral-7b, qwen2.5-7b, smollm2-135m,
-tiny, tiny-qwen2) or a path to a config.json. Random weights have realistic scale: linear
-weights N(0, 1/fan_in) (activations keep unit scale through every matmul), embeddings
-N(0, 1), norm weights 1 + N(0, 0.05^2), biases N(0, 0.1^2). Each tensor is drawn from its own
-generator seeded by (seed, crc32(name)), so a tensor does not depend on which others are
-made or in what order, and a checkpoint is written one tensor at a time.
+PRESET is a name from models/ (llama3-8b, llama2-7b, mistral-7b, qwen2.5-7b, qwen3-8b, phi3-mini,
+gemma2-9b, gemma3-12b-text, smollm2-135m, tiny, tiny-qwen2, tiny-qwen3, tiny-phi3, tiny-gemma2) or a
+path to a config.json. Random weights have realistic scale: linear weights N(0, 1/fan_in)
+(activations keep unit scale through every matmul), embeddings N(0, 1) (Gemma's N(0, 1/hidden):
+the model scales them by sqrt(hidden)), norms multiplying by 1 + N(0, 0.05^2) (Gemma's (1 + w)
+norms: w = N(0, 0.05^2)), biases N(0, 0.1^2). Each tensor is drawn from its own generator seeded
+by (seed, crc32(name)), so a tensor does not depend on which others are made or in what order,
+and a checkpoint is written one tensor at a time.
 
 The tokenizer files of a random checkpoint are copied from the default model when it is
 already in the cache, else a tiny byte-level BPE tokenizer is generated (works offline).
@@ -66,11 +68,12 @@ class RandomTensors(Mapping):
         shape = self.shapes[name]  # KeyError for a name the config does not have
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         if name.endswith("norm.weight"):
-            a = 1.0 + 0.05 * rng.standard_normal(shape, np.float32)
+            a = (1.0 - self.config.arch.norm_offset) + 0.05 * rng.standard_normal(shape, np.float32)
         elif name.endswith(".bias"):
             a = 0.1 * rng.standard_normal(shape, np.float32)
-        elif name == "model.embed_tokens.weight":
-            a = rng.standard_normal(shape, np.float32)
+        elif name == "model.embed_tokens.weight":  # N(0, 1) after the model's embedding scale, if any
+            scale = shape[1] ** -0.5 if self.config.arch.embed_scale else 1.0
+            a = rng.standard_normal(shape, np.float32) * np.float32(scale)
         else:  # a linear weight [out, in]
             a = rng.standard_normal(shape, np.float32) * np.float32(shape[1] ** -0.5)
         return a.astype(self.dtype)

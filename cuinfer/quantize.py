@@ -59,7 +59,7 @@ def quantize_checkpoint(src, dst, spec, calib_ids=None, overwrite=False) -> Path
         raise CuinferError(f"{src}: quantized already ({config.quantization['method']}): "
                                    "quantize a float checkpoint")
     _, group_size, fit = parse_spec(spec)
-    qconfig = config.replace(quantization=quantization_config(spec, LM_HEAD_QUANT))
+    qconfig = config.replace(quantization=quantization_config(spec, LM_HEAD_QUANT, config.arch.modules(config)))
     expected_tensors(qconfig)  # an int4 group for every matrix, or the error now rather than after GPTQ
     fitted = {}
     if fit == "gptq":

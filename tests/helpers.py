@@ -23,14 +23,13 @@ def llama_cpp_permute(w, n_heads):
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_OF_HF = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-}
+def gguf_name(hf_name, arch, n_layers):
+    """The GGUF name llama.cpp's converter gives a Hugging Face tensor (gguf-py's own tensor map)."""
+    import gguf
+
+    base, suffix = hf_name.rsplit(".", 1)
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    return f"{gguf.get_tensor_name_map(kind, n_layers).get_name(base)}.{suffix}"
 
 
 def quantize(a, kind):
@@ -46,8 +45,9 @@ def quantize(a, kind):
 
 def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model="gpt2",
                pre="smollm", add_bos=False, merges=("Ġ t", "h e", "Ġt he", "i n")):
-    """Write a llama GGUF file the way llama.cpp's converter does (Q/K rows permuted), from
-    Hugging Face tensors. types: HF name -> "F32" / "F16" / "BF16" / "Q8_0" / "Q4_0" / "Q4_1" /
+    """Write a GGUF file the way llama.cpp's converter does (names from gguf-py's tensor map of
+    `arch`; for llama Q/K rows permuted; a config's sliding window as attention.sliding_window),
+    from Hugging Face tensors. types: HF name -> "F32" / "F16" / "BF16" / "Q8_0" / "Q4_0" / "Q4_1" /
     any ggml type name (default F32). Returns {HF name: gguf's dequantization of the HF tensor
     quantized in HF row order} (row-wise blocks, so the Q/K row permutation commutes with
     quantization). The tokenizer is a small gpt2-style vocabulary."""
@@ -65,6 +65,10 @@ def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model=
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_rope_dimension_count(config.head_dim)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    if config.sliding_window:
+        w.add_sliding_window(config.sliding_window)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     alphabet = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ"]
     tokens = specials + alphabet + [m.replace(" ", "") for m in merges]
@@ -83,12 +87,12 @@ def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model=
         a = np.asarray(a, np.float32)
         kind = gguf.GGMLQuantizationType[(types or {}).get(name, "F32")]
         stored[name] = gguf.quants.dequantize(quantize(a, kind), kind).reshape(a.shape)
-        if ".q_proj." in name:
+        if arch == "llama" and ".q_proj.weight" in name:
             a = llama_cpp_permute(a, config.num_attention_heads)
-        elif ".k_proj." in name:
+        elif arch == "llama" and ".k_proj.weight" in name:
             a = llama_cpp_permute(a, config.num_key_value_heads)
         q = quantize(a, kind)
-        gname = GGUF_OF_HF.get(name) or "blk.{}.{}".format(name.split(".")[2], GGUF_OF_HF[name.split(".", 3)[3]])
+        gname = gguf_name(name, arch, config.num_hidden_layers)
         w.add_tensor(gname, q, raw_shape=q.shape if q.dtype == np.uint8 else None, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()

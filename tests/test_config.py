@@ -31,14 +31,27 @@ def test_explicit_head_dim_and_scalar_eos():
     assert c.head_dim == 64 and c.q_size == 32 * 64 and c.eos_token_id == (3,)
 
 
-def test_qwen2_has_bias_and_mistral_window_is_noted():
+def test_qwen2_has_bias_and_windows_per_layer():
     q = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"],
                                "sliding_window": 4096, "use_sliding_window": False})
-    assert q.attention_bias
-    with pytest.warns(UserWarning, match="sliding_window=4096 is ignored"):
-        m = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"],
-                                   "sliding_window": 4096})
+    assert q.attention_bias and q.layer_types is None and q.window(31) == 0
+    q = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64,
+                               "use_sliding_window": True, "max_window_layers": 30})
+    assert [q.window(i) for i in (0, 29, 30, 31)] == [0, 0, 64, 64]
+    assert ModelConfig.from_dict(q.to_dict()) == q
+    assert ModelConfig.from_dict({**LLAMA, "sliding_window": 64}).layer_types is None  # Llama: no windows
+    m = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
     assert m.architecture == "MistralForCausalLM" and not m.attention_bias
+    assert all(m.window(i) == 4096 for i in range(32))
+    gemma = {k: v for k, v in LLAMA.items() if k not in ("rope_theta", "tie_word_embeddings")}
+    g = ModelConfig.from_dict({**gemma, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 512,
+                               "num_hidden_layers": 12, "head_dim": 256, "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}})
+    assert [g.window(i) for i in range(12)] == [512] * 5 + [0] + [512] * 5 + [0]
+    assert g.rope_theta == 1e6 and g.rope_local_base_freq == 1e4 and g.rope_scaling["factor"] == 8.0
+    assert g.tie_word_embeddings and g.hidden_act == "gelu_pytorch_tanh" and g.attention_scale == 256 ** -0.5
+    assert ModelConfig.from_dict(g.to_dict()) == g
 
 
 def test_llama3_rope_scaling_and_transformers5_spelling():
@@ -57,6 +70,13 @@ def test_llama3_rope_scaling_and_transformers5_spelling():
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture GPT2LMHeadModel"),
     ({"architectures": None, "model_type": "gemma"}, "unsupported architecture none .model_type 'gemma'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling linear: factor is null"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0.5}, "sliding_window is 0.5"),
+    ({"architectures": ["MistralForCausalLM"], "layer_types": ["full_attention"]}, "layer_types .* per layer .32."),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ({"attention_bias": True}, r"attention_bias \(biases on q, k, v and o\) is not supported for LlamaForCausalLM"),
+    ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1}, "attn_logit_softcapping is -1"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing low_freq_factor"),
     ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads 5"),
     ({"num_attention_heads": 30}, "hidden_size 4096 is not a multiple"),
@@ -91,7 +111,7 @@ def test_load_config_errors(tmp_path):
 @pytest.mark.parametrize("name", preset_names())
 def test_presets_load(name):
     c = load_preset(name)
-    assert c.head_dim in (64, 128) and c.num_attention_heads % c.num_key_value_heads == 0
+    assert c.head_dim in (64, 96, 128, 256) and c.num_attention_heads % c.num_key_value_heads == 0
     assert ModelConfig.from_dict(c.to_dict()) == c
 
 
@@ -100,6 +120,10 @@ def test_preset_shapes():
     assert load_preset("llama3-8b").rope_scaling["factor"] == 8.0
     assert load_preset("qwen2.5-7b").attention_bias
     assert load_preset("smollm2-135m").tie_word_embeddings
+    assert load_preset("phi3-mini").window(31) == 2047 and load_preset("qwen3-8b").window(0) == 0
+    g2, g3 = load_preset("gemma2-9b"), load_preset("gemma3-12b-text")
+    assert [g2.window(i) for i in range(3)] == [4096, 0, 4096] and g2.final_logit_softcapping == 30.0
+    assert [g3.window(i) for i in range(6)] == [1024] * 5 + [0] and g3.rope_local_base_freq == 1e4
     with pytest.raises(CuinferError, match="unknown preset 'gpt5'"):
         load_preset("gpt5")
 
@@ -113,7 +137,8 @@ def test_numpy_dtype():
 @pytest.mark.parametrize("name, params", [
     # parameter counts the model cards publish (safetensors metadata)
     ("llama3-8b", 8_030_261_248), ("llama2-7b", 6_738_415_616), ("mistral-7b", 7_248_023_552),
-    ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008),
+    ("qwen2.5-7b", 7_615_616_512), ("smollm2-135m", 134_515_008), ("qwen3-8b", 8_190_735_360),
+    ("gemma2-9b", 9_241_705_984), ("phi3-mini", 3_821_079_552),
 ])
 def test_preset_parameter_counts(name, params):
     from cuinfer.io.checkpoint import expected_tensors

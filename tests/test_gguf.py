@@ -124,8 +124,60 @@ def test_llama3_style_tokenizer(tmp_path):
     assert [tok.id_to_token(i) for i in tok.encode("1234")] == ["12", "34"]
 
 
+def test_qwen2_tokenizer_splits_single_digits(tmp_path):
+    from cuinfer.io.tokenizer import Tokenizer
+
+    config = small_config()
+    write_gguf(tmp_path / "q.gguf", config, random_tensors(config, "float32"), pre="qwen2",
+               merges=("1 2", "3 4", "12 3"))
+    tok = Tokenizer.from_pretrained(cg.convert_gguf(tmp_path / "q.gguf", tmp_path / "q"))
+    assert [tok.id_to_token(i) for i in tok.encode("1234 ab")] == ["1", "2", "3", "4", "Ġ", "a", "b"]
+
+
+def arch_config(name, **over):
+    """A small config of preset `name`'s architecture (2 layers, hidden 256, head_dim 64, vocab 256)."""
+    c = load_preset(name)
+    fields = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 320, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512}
+    if c.layer_types is not None:
+        fields.update(layer_types=c.layer_types[:2], sliding_window=16)
+    return c.replace(**{**fields, **over})
+
+
+GGUF_CASES = {"llama": "tiny", "qwen2": "tiny-qwen2", "qwen3": "qwen3-8b", "phi3": "phi3-mini"}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_CASES))
+def test_gguf_names_are_llama_cpps(arch):
+    """Every tensor name of each architecture maps to the name gguf-py's tensor map (llama.cpp's
+    converter) gives it, and back."""
+    from helpers import gguf_name
+
+    from cuinfer.io.checkpoint import expected_tensors
+
+    config = arch_config(GGUF_CASES[arch], tie_word_embeddings=False)
+    assert config.arch.gguf_arch == arch
+    for name in expected_tensors(config):
+        assert cg.hf_name(gguf_name(name, arch, 2), config.arch) == name
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_other_architectures_round_trip(tmp_path, arch):
+    """Qwen2 (biases), Qwen3 (q/k norms, head_dim), Phi-3 (fused q/k/v and gate/up, a window): no Q/K
+    permutation, every tensor back exactly, the config as written."""
+    config = arch_config(GGUF_CASES[arch], head_dim=48 if arch == "qwen3" else 64)
+    tensors = random_tensors(config, "float32")
+    write_gguf(tmp_path / "m.gguf", config, tensors, arch=arch, types={n: "F32" for n in tensors})
+    got_config, got = load_checkpoint(cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out"))
+    assert got_config == config.replace(torch_dtype="float32", rms_norm_eps=got_config.rms_norm_eps,
+                                        bos_token_id=1, eos_token_id=(2,),
+                                        layer_types=None if config.sliding_window is None else ("sliding_attention",) * 2)
+    for name in tensors:
+        np.testing.assert_array_equal(got[name], tensors[name], err_msg=name)
+
+
 @pytest.mark.parametrize("change, message", [
-    (dict(arch="qwen2"), "GGUF architecture 'qwen2' is not supported"),
+    (dict(arch="gemma2"), "GGUF architecture 'gemma2' is not supported"),
     (dict(types={"model.layers.0.mlp.up_proj.weight": "Q4_K"}), "blk.0.ffn_up.weight has GGUF type Q4_K"),
     (dict(tokenizer_model="llama"), "GGUF tokenizer model 'llama' is not supported"),
     (dict(pre="deepseek-coder"), "GGUF pre-tokenizer 'deepseek-coder' is not supported"),

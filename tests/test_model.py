@@ -1,23 +1,22 @@
 """The decoder: NumPy backend against an independent float64 decoder; GPU fp16/bf16 against NumPy."""
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
+from cuinfer.io.config import ModelConfig
 from cuinfer.model.decoder import Batch, Model
 from cuinfer.model.kv_cache import CacheShape, KVCache
 from cuinfer.ops import runtime
 
 
 def tiny_config(**over):
-    """A llama3-style GQA 4:1 decoder small enough for the CPU (fields as in cuinfer.io.config.ModelConfig)."""
+    """A llama3-style GQA 4:1 decoder small enough for the CPU."""
     cfg = {"vocab_size": 211, "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 3,
                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
                "rope_theta": 500000.0, "rope_scaling": None, "max_position_embeddings": 4096,
                "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
-               "bos_token_id": 1, "eos_token_id": 2}
+               "bos_token_id": 1, "eos_token_id": (2,)}
     cfg.update(over)
-    return SimpleNamespace(**cfg)
+    return ModelConfig(architecture="LlamaForCausalLM", **cfg)
 
 
 def random_tensors(cfg, seed=0):

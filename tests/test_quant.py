@@ -147,7 +147,7 @@ def test_weight_arrays_safetensors_round_trip(tmp_path, spec):
     through safetensors is the same weight bit for bit; its rows split and stack back as they were."""
     from safetensors.numpy import load_file, save_file
 
-    entry = quant_io.quantization_config(spec, "int8")
+    entry = quant_io.quantization_config(spec, "int8", ["mlp.up_proj"])
     name = "model.layers.0.mlp.up_proj.weight"
     w = quant.quantize_spec(np.random.default_rng(2).standard_normal((96, 128)).astype(np.float32), spec)
     arrays = quant_io.weight_arrays(name, w)

@@ -25,9 +25,10 @@ from cuinfer.quantize import main as quantize_main
 from cuinfer.quantize import quantize_checkpoint
 
 # The tiny presets with an MLP width every int4 group divides (688 has none) and the tiny tokenizer's vocabulary:
-# "tied" is llama (tied embeddings, fp16), "qwen2" has q/k/v bias, an lm_head and bf16 weights.
-CASES = {"tied": load_preset("tiny").replace(intermediate_size=640, vocab_size=512),
-         "qwen2": load_preset("tiny-qwen2").replace(intermediate_size=640, vocab_size=512)}
+# "tied" is llama (tied embeddings, fp16), "qwen2" has q/k/v bias, an lm_head and bf16 weights, "phi3"
+# stores q/k/v and gate/up as one module each, "gemma2" has four (1 + w) norms a layer and softcaps.
+CASES = {name: load_preset(preset).replace(intermediate_size=640, vocab_size=512) for name, preset in
+         (("tied", "tiny"), ("qwen2", "tiny-qwen2"), ("phi3", "tiny-phi3"), ("gemma2", "tiny-gemma2"))}
 RTN_SPECS = ["int8", "int4", "int4-g32"]
 
 
@@ -90,7 +91,9 @@ def test_gptq_checkpoint_equals_the_in_memory_model(float_ckpt, tmp_path):
 def test_config_and_tensors_round_trip(float_ckpt, int4_ckpt, tmp_path):
     config = load_config(int4_ckpt)
     assert config.quantization == {"method": "int4", "bits": 4, "group_size": 128, "fit": "minmax",
-                                   "modules": list(quant_io.LINEAR_MODULES), "lm_head": LM_HEAD_QUANT,
+                                   "modules": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+                                   "lm_head": LM_HEAD_QUANT,
                                    "layout": quant.INT4_LAYOUT}
     assert ModelConfig.from_dict(config.to_dict()) == config
     assert config.replace(quantization=None) == load_config(float_ckpt["tied"])

@@ -24,7 +24,8 @@ import time
 import numpy as np
 
 from .. import bench
-from ..model.decoder import LM_HEAD_QUANT, Batch, Model, kernel_dtype
+from ..model.arch import HEAD_NORMS
+from ..model.decoder import GATED_EPILOGUE, LM_HEAD_QUANT, Batch, Model, kernel_dtype
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
@@ -60,12 +61,13 @@ def random_weights(cp, config, dtype, seed=0) -> Weights:
     h, inter = config.hidden_size, config.intermediate_size
     randn = lambda *s: cp.random.standard_normal(s, dtype=cp.float32)
     lin = lambda n, k: (randn(n, k) * np.float32(k ** -0.5)).astype(dtype)
-    norm = lambda: (1 + 0.05 * randn(h)).astype(dtype)
+    norm = lambda n=h: (1 + 0.05 * randn(n)).astype(dtype)  # as fused: Gemma's 1 + w
     qkv = config.q_size + 2 * config.kv_size
-    layers = [LayerWeights(input_norm=norm(), qkv=lin(qkv, h),
-                           qkv_bias=(0.1 * randn(qkv)).astype(dtype) if config.attention_bias else None,
-                           o=lin(h, config.q_size), post_norm=norm(), gate_up=lin(2 * inter, h),
-                           down=lin(h, inter)) for _ in range(config.num_hidden_layers)]
+    bias = lambda: (0.1 * randn(qkv)).astype(dtype) if config.attention_bias else None
+    layers = [LayerWeights(qkv=lin(qkv, h), qkv_bias=bias(), o=lin(h, config.q_size), gate_up=lin(2 * inter, h),
+                           down=lin(h, inter), **{f: norm(config.head_dim if f in HEAD_NORMS else h)
+                                                  for f in config.arch.norms})
+              for _ in range(config.num_hidden_layers)]
     embed = randn(config.vocab_size, h).astype(dtype)
     lm_head = embed if config.tie_word_embeddings else lin(config.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=norm(), lm_head=lm_head)
@@ -118,16 +120,18 @@ def replay_ms(engine, batch):
 
 
 def gemv_ms(cp, model, batch):
-    """GPU ms of the greedy step's linear layers alone (fused norms, SwiGLU, residual and argmax, as
-    Model.layer calls them), replayed from one graph: same shapes and weights, random x."""
+    """GPU ms of the greedy step's linear layers alone (fused norms, gated activation, residual and
+    argmax, as Model.layer calls them; Gemma's output norms not included), replayed from one graph:
+    same shapes and weights, random x."""
     cfg, w, eps = model.config, model.weights, model.config.rms_norm_eps
     x = lambda k: cp.random.standard_normal((batch, k), dtype=cp.float32).astype(model.dtype)
     xh, xq, xi = x(cfg.hidden_size), x(cfg.q_size), x(cfg.intermediate_size)
+    act = GATED_EPILOGUE[cfg.hidden_act]
 
     def step():
         for lw in w.layers:
-            linear(xh, lw.qkv, lw.qkv_bias, norm=(lw.input_norm, eps)), linear(xq, lw.o, residual=xh)
-            linear(xh, lw.gate_up, activation="silu_and_mul", norm=(lw.post_norm, eps)), linear(xi, lw.down, residual=xh)
+            linear(xh, lw.qkv, lw.qkv_bias, norm=(lw.attn_norm, eps)), linear(xq, lw.o, residual=xh)
+            linear(xh, lw.gate_up, activation=act, norm=(lw.mlp_norm, eps)), linear(xi, lw.down, residual=xh)
         return linear_argmax(xh, w.lm_head, norm=model.final_norm)
 
     cp.cuda.Device().synchronize()
@@ -172,6 +176,25 @@ def prefill_tok_s(cp, engine):
 
 # ----------------------------------------------------------------------------- peer
 
+def hf_state_dict(torch, config, w: Weights) -> dict:
+    """Hugging Face name -> torch view of our fused weights (DLPack, no copy), the rows of each fused
+    matrix under the architecture's module names; norms with an offset (Gemma's 1 + w) back to w (a copy)."""
+    arch, t = config.arch, torch.from_dlpack
+    norm = (lambda a: t(a) - arch.norm_offset) if arch.norm_offset else t
+    sd = {"model.embed_tokens.weight": t(w.embed), "model.norm.weight": norm(w.norm), "lm_head.weight": t(w.lm_head)}
+    modules = arch.linear(config)
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        stacked = [(f, "weight", getattr(lw, f)) for f in modules]
+        if lw.qkv_bias is not None:
+            stacked.append(("qkv", "bias", lw.qkv_bias))
+        for f, kind, a in stacked:
+            ends = np.cumsum([rows for _, rows in modules[f]])
+            sd.update({f"{p}{m}.{kind}": t(a)[end - rows:end] for (m, rows), end in zip(modules[f], ends)})
+        sd.update({f"{p}{module}.weight": norm(getattr(lw, f)) for f, module in arch.norms.items()})
+    return sd
+
+
 def hf_peer(torch, config, w: Weights):
     """transformers' model for `config` whose parameters are views of our fp16 weights (no copy)."""
     import transformers
@@ -180,24 +203,12 @@ def hf_peer(torch, config, w: Weights):
     hf_cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **dict(d, torch_dtype="float16"))
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float16)
-    t = torch.from_dlpack
-    nq, nkv, inter = config.q_size, config.kv_size, config.intermediate_size
-    sd = {"model.embed_tokens.weight": t(w.embed), "model.norm.weight": t(w.norm), "lm_head.weight": t(w.lm_head)}
-    for i, lw in enumerate(w.layers):
-        p = f"model.layers.{i}."
-        qkv, gu = t(lw.qkv), t(lw.gate_up)
-        sd.update({p + "input_layernorm.weight": t(lw.input_norm), p + "post_attention_layernorm.weight":
-                   t(lw.post_norm), p + "self_attn.q_proj.weight": qkv[:nq],
-                   p + "self_attn.k_proj.weight": qkv[nq:nq + nkv], p + "self_attn.v_proj.weight": qkv[nq + nkv:],
-                   p + "self_attn.o_proj.weight": t(lw.o), p + "mlp.gate_proj.weight": gu[:inter],
-                   p + "mlp.up_proj.weight": gu[inter:], p + "mlp.down_proj.weight": t(lw.down)})
-        if lw.qkv_bias is not None:
-            b = t(lw.qkv_bias)
-            sd.update({p + "self_attn.q_proj.bias": b[:nq], p + "self_attn.k_proj.bias": b[nq:nq + nkv],
-                       p + "self_attn.v_proj.bias": b[nq + nkv:]})
+    sd = hf_state_dict(torch, config, w)
     hf.load_state_dict(sd, assign=True)
     with torch.device(sd["model.norm.weight"].device):
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_cfg)  # its buffers were on meta
+        if hasattr(hf.model.embed_tokens, "embed_scale"):  # Gemma's sqrt(hidden), a buffer: on meta too
+            hf.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
     left = [n for n, a in list(hf.named_parameters()) + list(hf.named_buffers()) if a.is_meta]
     if left:
         raise runtime.CuinferError(f"transformers peer: tensors not set: {left[:4]}")

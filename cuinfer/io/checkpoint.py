@@ -2,10 +2,10 @@
 
 A directory holds config.json, model.safetensors (or shards listed in
 model.safetensors.index.json), and the tokenizer files (tokenizer.json,
-tokenizer_config.json, generation_config.json). Tensor names are the Hugging Face names;
-`expected_tensors(config)` derives every name and shape from the config, and loading
-checks the files against it: a missing, unexpected, mis-shaped or mis-typed tensor or a
-truncated file is one CuinferError naming the tensor and the file.
+tokenizer_config.json, generation_config.json). Tensor names are the Hugging Face names of the
+config's architecture (cuinfer.model.arch); `expected_tensors(config)` derives every name and
+shape from the config, and loading checks the files against it: a missing, unexpected,
+mis-shaped or mis-typed tensor or a truncated file is one CuinferError naming the tensor and the file.
 
 A quantized checkpoint (config.quantization, written by cuinfer.quantize) stores each quantized
 weight as the arrays of its Int8Weight / Int4Weight (quant_io.saved_parts); load_checkpoint returns
@@ -39,22 +39,6 @@ ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": b
              "I8": np.dtype(np.int8), "U32": np.dtype(np.uint32)}
 ST_TAGS = {v: k for k, v in ST_DTYPES.items()}
 
-# The name table: Hugging Face name -> shape, per layer {i}. Bias rows exist only when
-# config.attention_bias (Qwen2); lm_head.weight only when the embeddings are not tied.
-LAYER_TENSORS = {
-    "model.layers.{i}.input_layernorm.weight": lambda c: (c.hidden_size,),
-    "model.layers.{i}.self_attn.q_proj.weight": lambda c: (c.q_size, c.hidden_size),
-    "model.layers.{i}.self_attn.k_proj.weight": lambda c: (c.kv_size, c.hidden_size),
-    "model.layers.{i}.self_attn.v_proj.weight": lambda c: (c.kv_size, c.hidden_size),
-    "model.layers.{i}.self_attn.q_proj.bias": lambda c: (c.q_size,),
-    "model.layers.{i}.self_attn.k_proj.bias": lambda c: (c.kv_size,),
-    "model.layers.{i}.self_attn.v_proj.bias": lambda c: (c.kv_size,),
-    "model.layers.{i}.self_attn.o_proj.weight": lambda c: (c.hidden_size, c.q_size),
-    "model.layers.{i}.post_attention_layernorm.weight": lambda c: (c.hidden_size,),
-    "model.layers.{i}.mlp.gate_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
-    "model.layers.{i}.mlp.up_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
-    "model.layers.{i}.mlp.down_proj.weight": lambda c: (c.hidden_size, c.intermediate_size),
-}
 # Buffers some exporters store although they derive from the config: skipped on load.
 DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -70,11 +54,9 @@ def weight_shapes(config: ModelConfig) -> dict:
     there when the embeddings are not tied, or when the checkpoint is quantized (its int8 lm_head
     is a tensor of its own)."""
     out = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    layer = config.arch.layer_shapes(config)  # the architecture's names (cuinfer.model.arch)
     for i in range(config.num_hidden_layers):
-        for name, shape in LAYER_TENSORS.items():
-            if name.endswith(".bias") and not config.attention_bias:
-                continue
-            out[name.format(i=i)] = shape(config)
+        out.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     out["model.norm.weight"] = (config.hidden_size,)
     if not config.tie_word_embeddings or config.quantization:
         out["lm_head.weight"] = (config.vocab_size, config.hidden_size)
@@ -213,7 +195,7 @@ def load_checkpoint(path, dtype=None) -> tuple[ModelConfig, dict]:
     if not path.is_dir():
         raise CuinferError(f"{path}: no such checkpoint directory")
     config = load_config(path)
-    config = config.replace(quantization=quant_io.check_entry(config.quantization))
+    config = config.replace(quantization=quant_io.check_entry(config.quantization, config.arch.modules(config)))
     dtype = numpy_dtype(dtype or config.torch_dtype)
     layout = _layout(config, dtype)
     expected = {n: shape_dtype for parts in layout.values() for n, shape_dtype in parts.items()}

@@ -1,15 +1,14 @@
-"""Model configuration of a LLaMA-family decoder, read explicitly from a Hugging Face config.json.
+"""Model configuration of a decoder, read explicitly from a Hugging Face config.json.
 
-Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (q/k/v
-projections with bias). Every field the engine uses is read by name and validated here, so
-a config the engine cannot run is refused when it is loaded, not half-way through a forward.
+The architectures are those of cuinfer.model.arch (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2,
+Gemma 3 text); the fields shared by all are read here, each family's own (biases, windows per
+layer, softcaps, ...) by its module's `read`. Every field the engine uses is read by name and
+validated here, so a config the engine cannot run is refused when it is loaded, not half-way
+through a forward.
 
-Notes on fields that are read but not honoured:
-- sliding_window (Mistral v0.1, Qwen2 with use_sliding_window): attention is always full.
-  Outputs match the reference up to the window length; a warning says so when a window
-  shorter than max_position_embeddings is active.
-- Transformers 5 writes `dtype` for `torch_dtype` and `rope_parameters` for
-  rope_theta/rope_scaling; both spellings are read.
+Transformers 5 writes `dtype` for `torch_dtype` and `rope_parameters` for rope_theta/rope_scaling
+(per layer type for Gemma 3: the full layers' here, the sliding layers' base in
+rope_local_base_freq); both spellings are read.
 
 A checkpoint saved by cuinfer.quantize carries a `quantization` entry (quant_io.quantization_config),
 kept as read here and validated by quant_io.check_entry when the checkpoint loads (config imports no
@@ -19,25 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import CuinferError, bfloat16
+from ..model.arch import ARCHES, FULL, SLIDING, Arch
 
-# Hugging Face architecture name -> model_type written back by to_dict()
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # hidden_act: SwiGLU or GELU-tanh GEGLU
 
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": bfloat16}
 
 # the keys rope_scaling {"rope_type": "llama3", ...} must carry
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+OPTIONAL_NUMBERS = ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping",
+                   "final_logit_softcapping")
 
 
 def numpy_dtype(name) -> np.dtype:
@@ -70,23 +66,45 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # None (plain RoPE) or {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings}
+    # None (plain RoPE), {"rope_type": "linear", factor} or {"rope_type": "llama3", factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings}
     rope_scaling: dict | None = field(default=None, hash=False)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     torch_dtype: str = "float32"
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    # None (every layer full) or per layer "sliding_attention" (keys within sliding_window) / "full_attention"
+    layer_types: tuple | None = None
+    rope_local_base_freq: float | None = None  # the sliding layers' RoPE base when it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar^-1/2, else head_dim^-1/2
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     bos_token_id: int | None = None
     eos_token_id: tuple = ()
     # None (float weights) or the entry cuinfer.quantize writes: {"method": "int8" | "int4", "bits",
-    # "group_size" (int4), "fit" (int4), "modules": quant_io.LINEAR_MODULES, "lm_head": "int8",
+    # "group_size" (int4), "fit" (int4), "modules": the arch's linear modules, "lm_head": "int8",
     # "layout": quant.INT4_LAYOUT (int4)}
     quantization: dict | None = field(default=None, hash=False)
 
     @property
+    def arch(self) -> Arch:
+        return ARCHES[self.architecture]
+
+    @property
     def model_type(self) -> str:
-        return ARCHITECTURES[self.architecture]
+        return self.arch.names[self.architecture]
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in keys (a query sees itself and the window - 1 before it);
+        0 for full attention."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == SLIDING
+        return self.sliding_window if sliding else 0
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def dtype(self) -> np.dtype:
@@ -105,12 +123,10 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         """Read a Hugging Face config.json dict; CuinferError names the first problem found."""
         archs = d.get("architectures") or []
-        supported = [a for a in archs if a in ARCHITECTURES]
+        supported = [a for a in archs if a in ARCHES]
         if not supported:
             got = ", ".join(archs) or f"none (model_type {d.get('model_type')!r})"
-            raise CuinferError(
-                f"unsupported architecture {got}: cuinfer runs {', '.join(ARCHITECTURES)}"
-            )
+            raise CuinferError(f"unsupported architecture {got}: cuinfer runs {', '.join(ARCHES)}")
         arch = supported[0]
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if d.get(k) is None]
@@ -134,6 +150,7 @@ class ModelConfig:
             raise CuinferError(f"config: num_attention_heads {n_heads} is not a multiple of "
                                f"num_key_value_heads {n_kv}")
         rope = d.get("rope_parameters") or {}
+        rope = rope.get(FULL, rope)  # per layer type (Gemma 3): the full layers' (arch reads the others')
         rope_theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_scaling = _rope_scaling(d.get("rope_scaling") or rope or None)
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
@@ -141,10 +158,9 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         max_pos = int(d.get("max_position_embeddings") or 4096)
-        window = d.get("sliding_window")
-        if window and d.get("use_sliding_window", arch == "MistralForCausalLM") and window < max_pos:
-            warnings.warn(f"sliding_window={window} is ignored: cuinfer attends to the whole "
-                          f"context, so outputs past {window} tokens differ from the original")
+        family = {"hidden_act": d.get("hidden_act") or "silu",
+                  "tie_word_embeddings": bool(d.get("tie_word_embeddings")), **ARCHES[arch].read(d)}
+        _check_family(d, family)
         bos = d.get("bos_token_id")
         if d.get("quantization_config"):
             raise CuinferError("config: a Hugging Face quantization_config is not supported: cuinfer loads float "
@@ -162,13 +178,12 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama/Mistral configs may ask for it
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
             torch_dtype=dtype,
+            sliding_window=d.get("sliding_window") if family["layer_types"] else None,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=eos,
             quantization=d.get("quantization"),  # checked by quant_io.check_entry when loaded
+            **family,
         )
 
     def to_dict(self) -> dict:
@@ -178,11 +193,32 @@ class ModelConfig:
             if f.name != "architecture" and not (f.name == "quantization" and self.quantization is None):
                 d[f.name] = getattr(self, f.name)
         d["eos_token_id"] = list(self.eos_token_id)
-        d["hidden_act"] = "silu"
+        d["layer_types"] = None if self.layer_types is None else list(self.layer_types)
+        d["use_sliding_window"] = self.layer_types is not None  # Qwen's switch for the windows
+        d["hidden_activation"] = self.hidden_act  # Gemma's spelling
         return d
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _check_family(d: dict, f: dict):
+    """The fields an architecture module read: CuinferError for one the engine cannot run."""
+    if f["hidden_act"] not in ACTIVATIONS:
+        raise CuinferError(f"config: hidden_act {f['hidden_act']!r} is not supported: need one of "
+                           f"{', '.join(ACTIVATIONS)}")
+    types = f["layer_types"]
+    if len(types) != d["num_hidden_layers"] or not set(types) <= {SLIDING, FULL}:
+        raise CuinferError(f"config: layer_types {json.dumps(list(types))}: need one of {SLIDING!r} / {FULL!r} "
+                           f"per layer ({d['num_hidden_layers']})")
+    window = d.get("sliding_window")
+    if SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise CuinferError(f"config: sliding_window is {json.dumps(window)}, need a positive integer")
+    for k in OPTIONAL_NUMBERS:  # kept as written (transformers checks int / float when it reads them back)
+        v = f.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise CuinferError(f"config: {k} is {json.dumps(v)}, need a positive number")
+    f["layer_types"] = None if set(types) <= {FULL} else tuple(types)
 
 
 def _rope_scaling(rs: dict | None) -> dict | None:
@@ -191,9 +227,14 @@ def _rope_scaling(rs: dict | None) -> dict | None:
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        factor = rs.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise CuinferError(f"rope_scaling linear: factor is {json.dumps(factor)}, need a positive number")
+        return {"rope_type": "linear", "factor": float(factor)}
     if kind != "llama3":
         raise CuinferError(f"rope_scaling type {kind!r} is not supported: cuinfer implements "
-                           "plain RoPE and rope_type 'llama3'")
+                           "plain RoPE and rope_type 'linear' and 'llama3'")
     missing = [k for k in LLAMA3_ROPE_KEYS if rs.get(k) is None]
     if missing:
         raise CuinferError(f"rope_scaling llama3: missing {', '.join(missing)}")

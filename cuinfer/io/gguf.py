@@ -1,11 +1,13 @@
-"""GGUF import: a llama-architecture GGUF file -> a Hugging Face checkpoint directory.
+"""GGUF import: a GGUF file of an architecture with GGUF names (cuinfer.model.arch) -> a checkpoint directory.
 
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "out/")     (python -m cuinfer.convert)
 
 Tensors of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1 are dequantized to float32 here (NumPy,
 in float32 as ggml does: Q8_0 d*q, Q4_0 d*(q-8), Q4_1 d*q + m, with d and m stored as fp16).
-llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adjacent
-(interleaved RoPE); `unpermute_rows` puts them back in the Hugging Face half-split layout.
+The names are the architecture's (Llama, Qwen2, Qwen3, Phi-3: cuinfer.model.arch). For Llama,
+llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adjacent (interleaved
+RoPE); `unpermute_rows` puts them back in the Hugging Face half-split layout. A sliding window
+llama.cpp stores (Phi-3) applies to every layer.
 `raw_tensors` yields the undequantized blocks (rows already in Hugging Face order) for a
 direct INT8/INT4 import.
 
@@ -29,33 +31,21 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import CuinferError
+from ..model.arch import ARCHES, SLIDING, Arch
 from .checkpoint import expected_tensors, save_checkpoint
 from .config import ModelConfig
 
-# GGUF name -> Hugging Face name ({i}: layer). The one name table of the import.
-GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-_NAME_RE = {re.compile(re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"): h for g, h in GGUF_NAMES.items()}
+# general.architecture -> the Arch whose GGUF files cuinfer imports (its gguf_names: the name table)
+GGUF_ARCHES = {a.gguf_arch: a for a in ARCHES.values() if a.gguf_arch}
 
 # ggml type -> (elements per block, bytes per block)
 BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18),
           "Q4_1": (32, 20)}
 # llama.cpp tokenizer.ggml.pre -> how to split text before byte-level BPE
-PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe")
+PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "qwen2")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2 / Qwen3: single digits
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 
@@ -67,12 +57,13 @@ class RawTensor(NamedTuple):
     shape: tuple  # Hugging Face shape, e.g. [out_features, in_features]
 
 
-def hf_name(gguf_name: str) -> str:
-    for pattern, name in _NAME_RE.items():
-        m = pattern.match(gguf_name)
+def hf_name(gguf_name: str, arch: Arch = GGUF_ARCHES["llama"]) -> str:
+    """The Hugging Face name of a GGUF tensor of `arch`'s files."""
+    for g, name in arch.gguf_names.items():
+        m = re.fullmatch(re.escape(g).replace(r"\{i\}", r"(\d+)"), gguf_name)
         if m:
             return name.format(i=m.group(1)) if m.groups() else name
-    raise CuinferError(f"unknown GGUF tensor {gguf_name!r}: cuinfer maps {', '.join(GGUF_NAMES)}")
+    raise CuinferError(f"unknown GGUF tensor {gguf_name!r}: cuinfer maps {', '.join(arch.gguf_names)}")
 
 
 # ------------------------------------------------------------------ dequantization
@@ -110,7 +101,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def open_gguf(path):
-    """A gguf.GGUFReader for a llama GGUF file; CuinferError for anything else."""
+    """A gguf.GGUFReader for a GGUF file of an architecture cuinfer imports; CuinferError for anything else."""
     try:
         import gguf
     except ImportError:
@@ -123,9 +114,9 @@ def open_gguf(path):
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
         raise CuinferError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     arch = field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHES:
         raise CuinferError(f"{path}: GGUF architecture {arch!r} is not supported: cuinfer "
-                           "converts llama-architecture GGUF files")
+                           f"converts {', '.join(GGUF_ARCHES)} GGUF files")
     for t in reader.tensors:
         if t.tensor_type.name not in BLOCKS:
             raise CuinferError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}: "
@@ -143,15 +134,17 @@ def field(reader, key, default=KeyError):
 
 
 def gguf_config(reader) -> ModelConfig:
-    a = "llama."
+    kind = field(reader, "general.architecture")
+    a, arch = f"{kind}.", GGUF_ARCHES[kind]
     n_heads = field(reader, a + "attention.head_count")
     hidden = field(reader, a + "embedding_length")
     if field(reader, a + "rope.scaling.type", None) not in (None, "none") or any(
-            t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise CuinferError("GGUF rope scaling (rope.scaling.type / rope_freqs) is not supported")
+            t.name.startswith("rope_") for t in reader.tensors):
+        raise CuinferError("GGUF rope scaling (rope.scaling.type / rope_freqs / rope_factors) is not supported")
     names = {t.name for t in reader.tensors}
+    window = field(reader, a + "attention.sliding_window", None)  # llama.cpp's: every layer's (Phi-3)
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=next(iter(arch.names)),
         vocab_size=field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
         intermediate_size=field(reader, a + "feed_forward_length"),
@@ -163,6 +156,9 @@ def gguf_config(reader) -> ModelConfig:
         rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
         max_position_embeddings=field(reader, a + "context_length"),
         tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        sliding_window=window,
+        layer_types=None if window is None else (SLIDING,) * field(reader, a + "block_count"),
         torch_dtype="float32",
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=tuple(e for e in [field(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
@@ -170,21 +166,22 @@ def gguf_config(reader) -> ModelConfig:
 
 
 def raw_tensors(path):
-    """Yield a RawTensor per tensor of a llama GGUF file: the blocks as stored (memory-mapped),
+    """Yield a RawTensor per tensor of a GGUF file: the blocks as stored (memory-mapped),
     Q/K rows in Hugging Face order. For importing Q8_0/Q4_0/Q4_1 weights without dequantizing."""
     reader = open_gguf(path)
     yield from _raw_tensors(reader, gguf_config(reader))
 
 
 def _raw_tensors(reader, config: ModelConfig):
+    arch = config.arch
     for t in reader.tensors:
-        name, kind = hf_name(t.name), t.tensor_type.name
+        name, kind = hf_name(t.name, arch), t.tensor_type.name
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists the innermost size first
         rows = int(np.prod(shape[:-1]))
         blocks = reader.data[t.data_offset:t.data_offset + t.n_bytes].reshape(rows, -1)
-        if ".q_proj." in name:
+        if arch.gguf_permuted_qk and ".q_proj." in name:
             blocks = unpermute_rows(blocks, config.num_attention_heads)
-        elif ".k_proj." in name:
+        elif arch.gguf_permuted_qk and ".k_proj." in name:
             blocks = unpermute_rows(blocks, config.num_key_value_heads)
         yield RawTensor(name, t.name, kind, blocks, shape)
 
@@ -233,9 +230,10 @@ def tokenizer_files(reader, out_dir: Path):
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in ("llama-bpe", "qwen2"))
     split = {"smollm": pre_tokenizers.Digits(individual_digits=True),
-             "llama-bpe": pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")}.get(pre)
+             "llama-bpe": pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+             "qwen2": pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")}.get(pre)
     tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -252,7 +250,7 @@ def tokenizer_files(reader, out_dir: Path):
             single=f"{bos[0]}:0 $A:0", pair=f"{bos[0]}:0 $A:0 {bos[0]}:1 $B:1", special_tokens=[bos])
     tok.save(str(out_dir / "tokenizer.json"))
     tconf = {**special, "add_bos_token": add_bos, "tokenizer_class": "PreTrainedTokenizerFast",
-             "model_max_length": field(reader, "llama.context_length")}
+             "model_max_length": field(reader, f"{field(reader, 'general.architecture')}.context_length")}
     template = field(reader, "tokenizer.chat_template", None)
     if template is not None:
         tconf["chat_template"] = template

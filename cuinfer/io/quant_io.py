@@ -5,7 +5,7 @@ stored as the arrays of its object, in cuinfer.ops.quant's layout, so loading is
 `<prefix>.qweight` (I8) and `<prefix>.scales` (F16), int4 `<prefix>.qweight` (U32) and
 `<prefix>.scales_zeros` (F16) (`saved_parts`). config.json gets a `quantization` entry
 (`quantization_config`), e.g. `{"method": "int4", "bits": 4, "group_size": 128, "fit": "gptq",
-"modules": [the LINEAR_MODULES], "lm_head": "int8", "layout": "tiles16"}`: every decoder linear
+"modules": [the architecture's linear modules], "lm_head": "int8", "layout": "tiles16"}`: every decoder linear
 layer in `method` (int4: each matrix in the group group_for picks, as at load), the lm_head in int8
 (its own tensor even when the embeddings are tied), the rest in the checkpoint's float dtype.
 `layout` names cuinfer.ops.quant's int4 tile layout (int4 checkpoints of an earlier row-major layout have
@@ -36,18 +36,15 @@ from ..ops.quant import (
     quantize,
 )
 
-# the decoder's linear layers (Hugging Face modules of each layer) a quantized checkpoint stores quantized,
-# as --quant quantizes them at load (weights.LINEAR_FIELDS fuses them); lm_head.weight is quantized too
-LINEAR_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
-
-def quantization_config(spec, lm_head):
-    """The `quantization` entry of config.json for a parse_spec string; lm_head: the lm_head's method."""
+def quantization_config(spec, lm_head, modules):
+    """The `quantization` entry of config.json for a parse_spec string; lm_head: the lm_head's method;
+    modules: the Hugging Face modules of a layer stored quantized, as --quant quantizes them at load
+    (the architecture's linear modules: config.arch.modules(config)); lm_head.weight is quantized too."""
     method, group_size, fit = parse_spec(spec)
     int4 = method == "int4"
     return {"method": method, "bits": BITS[method], "group_size": group_size if int4 else None,
-            "fit": fit if int4 else None, "modules": list(LINEAR_MODULES), "lm_head": lm_head,
+            "fit": fit if int4 else None, "modules": list(modules), "lm_head": lm_head,
             "layout": INT4_LAYOUT if int4 else None}
 
 
@@ -131,8 +128,9 @@ def from_gguf_blocks(data, qtype, shape):
     return Int4Weight.pack(q.reshape(n, k), scales, zeros, 32)
 
 
-def check_entry(q: dict | None) -> dict | None:
-    """The validated `quantization` entry of a config (None for float weights)."""
+def check_entry(q: dict | None, modules) -> dict | None:
+    """The validated `quantization` entry of a config (None for float weights); modules: the
+    architecture's linear modules, which it must list."""
     if q is None:
         return None
     if not isinstance(q, dict):
@@ -142,7 +140,7 @@ def check_entry(q: dict | None) -> dict | None:
         raise CuinferError(f"config: quantization method {method!r} is not supported: need one of {', '.join(BITS)}")
     int4 = method == "int4"
     allowed = {"bits": (BITS[method],), "group_size": GROUP_SIZES if int4 else (None,),
-               "fit": FITS + ("gptq",) if int4 else (None,), "modules": (list(LINEAR_MODULES),), "lm_head": ("int8",),
+               "fit": FITS + ("gptq",) if int4 else (None,), "modules": (list(modules),), "lm_head": ("int8",),
                "layout": (INT4_LAYOUT,) if int4 else (None,)}
     for key, values in allowed.items():
         if q.get(key) not in values:

@@ -1,4 +1,4 @@
-"""The LLaMA-family decoder, written once over cuinfer.ops.
+"""The decoder of every architecture in cuinfer.model.arch, written once over cuinfer.ops.
 
 The array module comes from the weights: numpy weights run every op's NumPy
 reference (the CPU backend, float32), CuPy weights launch the kernels (fp16/bf16).
@@ -12,7 +12,13 @@ tokens at positions context_len - q_len .. context_len - 1. Per layer, on the re
     q = write_kv(q, k, v, ...)                    RoPE on q and k, k/v into the paged cache
     a = attention(q, cache, ...)                  causal GQA over the cache (decode: one kernel with write_kv)
     s = a @ w_o.T + s                             the residual add in the GEMV's epilogue
-    s = swiglu(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
+    s = gated_mlp(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
+
+What the architecture adds is data (cuinfer.model.arch and the config): q/k/v biases; an RMSNorm
+over each q and k head before RoPE (Qwen3, Gemma 3); norms on the attention and MLP outputs before
+their residual adds (Gemma: the add then in rms_norm's add_to, not the GEMV); GELU-tanh for SiLU;
+the embedding times sqrt(hidden); a sliding window, a RoPE base and a score cap per layer; the
+attention scale; a cap on the final logits (cap * tanh(x / cap)).
 
 then the lm_head of the final norm (fused the same way) on the last token of each sequence (or
 every token). On the GPU the norms and residual adds launch nothing of their own at decode sizes
@@ -28,10 +34,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..ops import runtime
-from ..ops.activation import silu_and_mul
 from ..ops.embedding import embedding
 from ..ops.flash_attention import flash_attention_paged
-from ..ops.linear import KERNEL_DTYPES, linear, linear_argmax, linear_reference
+from ..ops.linear import GATED, KERNEL_DTYPES, linear, linear_argmax, linear_reference
 from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.quant import QUANTIZED
 from ..ops.rms_norm import rms_norm
@@ -40,6 +45,7 @@ from ..ops.write_kv import write_kv
 from .weights import LINEAR_FIELDS, Weights, fuse, nonfinite_tensor, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
+GATED_EPILOGUE = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # hidden_act -> ops.linear.GATED
 
 
 def project(x, w, bias=None, norm=None, residual=None):
@@ -51,12 +57,22 @@ def project(x, w, bias=None, norm=None, residual=None):
     return y if residual is None else y + residual
 
 
-def swiglu(x, w_gate_up, norm=None):
-    """silu(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight, x
-    normed as in project (GPU: the GEMV's fused epilogue; float32 CPU: the product, then ops.silu_and_mul)."""
+def gated_mlp(x, w_gate_up, act, norm=None):
+    """act(x @ w_gate.T) * (x @ w_up.T): [rows, intermediate] from the stacked [gate; up] weight, x
+    normed as in project; act is config.hidden_act (SiLU or GELU-tanh). GPU: the GEMV's fused
+    epilogue; float32 CPU: the product, then ops.silu_and_mul / gelu_and_mul."""
+    epilogue = GATED_EPILOGUE[act]
     if x.dtype in KERNEL_DTYPES:
-        return linear(x, w_gate_up, activation="silu_and_mul", norm=norm)
-    return silu_and_mul(project(x, w_gate_up, norm=norm))
+        return linear(x, w_gate_up, activation=epilogue, norm=norm)
+    return GATED[epilogue][1](project(x, w_gate_up, norm=norm))
+
+
+def softcap(x, cap):
+    """cap * tanh(x / cap) (Gemma 2's logit cap); x itself when cap is None."""
+    if cap is None:
+        return x
+    xp = runtime.require_cupy() if runtime.is_device_array(x) else np
+    return xp.tanh(x / np.float32(cap)) * np.float32(cap)
 
 
 def greedy_tokens(x, w_head, norm=None, out=None):
@@ -162,8 +178,16 @@ class Model:
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        inv_freq = rope_inv_freq(self.head_dim, config.rope_theta, config.rope_scaling)
-        self.inv_freq = self.xp.asarray(np.asarray(inv_freq, dtype=np.float32))
+        # Gemma's sqrt(hidden), rounded to the model dtype as transformers rounds it
+        scale = np.float32(config.hidden_size ** 0.5 if config.arch.embed_scale else 1.0)
+        self.embed_scale = float(scale.astype(self.dtype))
+        full = rope_inv_freq(self.head_dim, config.rope_theta, config.rope_scaling)
+        local = full if config.rope_local_base_freq is None else \
+            rope_inv_freq(self.head_dim, config.rope_local_base_freq)
+        freqs = {id(f): self.xp.asarray(np.asarray(f, dtype=np.float32)) for f in (full, local)}
+        # per layer: inv_freq (sliding layers may have their own base), window (0: full)
+        self.inv_freq = [freqs[id(local if config.window(i) else full)] for i in range(config.num_hidden_layers)]
+        self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
         if self.xp is np:  # the CPU backend multiplies by the dequantized weights: make them once, now
             for w in [weights.lm_head] + [getattr(lw, f) for lw in weights.layers for f in LINEAR_FIELDS]:
                 if isinstance(w, QUANTIZED):
@@ -183,13 +207,23 @@ class Model:
             raise runtime.CuinferError(f"checkpoint: {bad} holds NaN or Inf values")
         return cls(config, weights)
 
+    def attention_kwargs(self, i: int) -> dict:
+        """Layer i's attention arguments beyond the tensors: scale, window, score cap."""
+        return {"scale": self.config.attention_scale, "window": self.windows[i],
+                "softcap": self.config.attn_logit_softcapping}
+
+    def logits(self, s):
+        """float32 logits of the residual stream rows s: the lm_head of the final norm, capped."""
+        logits = project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
+        return softcap(logits, self.config.final_logit_softcapping)
+
     def forward(self, batch: Batch, kv_cache, all_logits: bool = False):
         """float32 logits [num_seqs, vocab] of each sequence's last token ([tokens, vocab] if all_logits).
         Attention: flash_attention_paged (any q_len per sequence: prefill chunks and decodes)."""
         s = self.hidden(batch.token_ids, kv_cache, self.prefill_attention(batch))
         if not all_logits:
             s = s[batch.cu_seqlens_q[1:] - 1]  # s: [num_seqs, hidden]
-        return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
+        return self.logits(s)
 
     def decode(self, inputs: DecodeInputs, kv_cache, max_context_len: int, workspace=None, greedy=False,
                tokens_out=None):
@@ -197,15 +231,16 @@ class Model:
         with `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
         Returns float32 logits [num_seqs, vocab], or with greedy the int32 argmax [num_seqs], written
         into tokens_out if given (which may be inputs.token_ids: the embedding has read them by then)."""
-        def attend(q, k, v, k_cache, v_cache):  # RoPE and the cache write fused; out: DecodeGraph's pool
+        def attend(i, q, k, v, k_cache, v_cache):  # RoPE and the cache write fused; out: DecodeGraph's pool
             return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
                                    out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len,
-                                   workspace=workspace, new_kv=(k, v, inputs.slot_mapping, self.inv_freq))
+                                   workspace=workspace, new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]),
+                                   **self.attention_kwargs(i))
 
         s = self.hidden(inputs.token_ids, kv_cache, attend)
-        if greedy:
+        if greedy:  # the cap on the logits keeps their order
             return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm, out=tokens_out)
-        return project(s, self.weights.lm_head, norm=self.final_norm).astype(np.float32)
+        return self.logits(s)
 
     def decode_workspace_elems(self, batch: int, max_context_len: int) -> int:
         """float32 elements of the split-K partials a decode step of this shape needs (0: none)."""
@@ -218,41 +253,56 @@ class Model:
     def prefill_attention(self, batch: Batch):
         """`forward`'s attend: write_kv (RoPE on q and k, k and v into the cache), then
         flash_attention_paged over each sequence's cached prefix and new tokens."""
-        def attend(q, k, v, k_cache, v_cache):
+        def attend(i, q, k, v, k_cache, v_cache):
             q, k, v = (self.xp.ascontiguousarray(a) for a in (q, k, v))  # write_kv reads packed rows
-            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, self.inv_freq, out=q)
+            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, self.inv_freq[i], out=q)
             return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                         batch.context_lens, max_seqlen_q=batch.max_seqlen_q)
+                                         batch.context_lens, max_seqlen_q=batch.max_seqlen_q,
+                                         **self.attention_kwargs(i))
         return attend
 
     def hidden(self, token_ids, kv_cache, attend):
         """The residual stream after the last layer [tokens, hidden] (not normed: the lm_head call
-        applies final_norm); attend(q, k, v, k_cache, v_cache) -> [tokens, n_heads, head_dim], q and k
-        not yet rotated."""
-        s = embedding(token_ids, self.weights.embed)  # s: [tokens, hidden]
+        applies final_norm); attend(i, q, k, v, k_cache, v_cache) -> [tokens, n_heads, head_dim], layer
+        i's q and k not yet rotated."""
+        s = embedding(token_ids, self.weights.embed, scale=self.embed_scale)  # s: [tokens, hidden]
         for i in range(len(self.weights.layers)):
             s = self.layer(i, s, kv_cache, attend)
         return s
+
+    def head_norm(self, x, w):
+        """RMSNorm over each head of x: [tokens, heads, head_dim] (q/k norm), or x when w is None."""
+        if w is None:
+            return x
+        tokens, heads, d = x.shape
+        return rms_norm(self.xp.ascontiguousarray(x).reshape(tokens * heads, d), w,
+                        self.config.rms_norm_eps).reshape(tokens, heads, d)
 
     def layer(self, i, s, kv_cache, attend, observe=None):
         """Decoder layer i on the residual stream s: returns the next s. observe(name, x), if given,
         sees the input of each linear layer ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
         lw, eps = self.weights.layers[i], self.config.rms_norm_eps
-        in_norm, post_norm = (lw.input_norm, eps), (lw.post_norm, eps)
+        attn_norm, mlp_norm = (lw.attn_norm, eps), (lw.mlp_norm, eps)
         tokens = s.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
 
         if observe:
-            observe("qkv", rms_norm(s, *in_norm))
-        qkv = project(s, lw.qkv, lw.qkv_bias, norm=in_norm)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
-        q = qkv[:, :nq].reshape(tokens, self.n_heads, d)  # views of each row's q, k, v heads
-        k = qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d)
+            observe("qkv", rms_norm(s, *attn_norm))
+        qkv = project(s, lw.qkv, lw.qkv_bias, norm=attn_norm)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
+        q = self.head_norm(qkv[:, :nq].reshape(tokens, self.n_heads, d), lw.q_norm)  # q, k, v heads of each row
+        k = self.head_norm(qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d), lw.k_norm)
         v = qkv[:, nq + nkv:].reshape(tokens, self.n_kv_heads, d)
-        a = attend(q, k, v, *kv_cache.layer(i)).reshape(tokens, nq)
-        s = project(a, lw.o, residual=s)
-        act = swiglu(s, lw.gate_up, norm=post_norm)
+        a = attend(i, q, k, v, *kv_cache.layer(i)).reshape(tokens, nq)
+        s = self.residual(a, lw.o, lw.attn_out_norm, s)
+        act = gated_mlp(s, lw.gate_up, self.config.hidden_act, norm=mlp_norm)
         if observe:
             observe("o", a)
-            observe("gate_up", rms_norm(s, *post_norm))
+            observe("gate_up", rms_norm(s, *mlp_norm))
             observe("down", act)
-        return project(act, lw.down, residual=s)
+        return self.residual(act, lw.down, lw.mlp_out_norm, s)
+
+    def residual(self, x, w, out_norm, s):
+        """s + x @ w.T, or with an output norm (Gemma) s + rms_norm(x @ w.T)."""
+        if out_norm is None:
+            return project(x, w, residual=s)  # the add in the GEMV's epilogue
+        return rms_norm(project(x, w), out_norm, self.config.rms_norm_eps, add_to=s)

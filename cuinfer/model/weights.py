@@ -2,10 +2,12 @@
 
 Per layer: q/k/v projections become one [q + k + v, hidden] matrix (and one bias for
 Qwen2-style attention_bias), gate/up become one [2 * intermediate, hidden] matrix,
-so each is a single linear call. Linear weights stay in the HF layout [out, in]
-(y = x @ w.T) and may be quantized (cuinfer.ops.quant): quantized at load by to_device, or
-quantized already in the checkpoint (every row carries its own scales, so quantized q/k/v
-and gate/up stack row-wise as they are); norms and the embedding stay float.
+so each is a single linear call; which Hugging Face modules stack into which is the
+architecture's data (cuinfer.model.arch: Phi-3 stores them stacked already). Linear
+weights stay in the HF layout [out, in] (y = x @ w.T) and may be quantized
+(cuinfer.ops.quant): quantized at load by to_device, or quantized already in the checkpoint
+(every row carries its own scales, so quantized q/k/v and gate/up stack row-wise as they
+are); norms and the embedding stay float.
 """
 from __future__ import annotations
 
@@ -15,17 +17,22 @@ import numpy as np
 
 from ..errors import CuinferError
 from ..ops.quant import ARRAYS, QUANTIZED, concat_rows, quantize_spec, split_rows
+from .arch import LINEAR_FIELDS
 
 
 @dataclass
 class LayerWeights:
-    input_norm: object  # [hidden]
     qkv: object  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]
-    qkv_bias: object  # [(n_heads + 2 * n_kv_heads) * head_dim] or None
     o: object  # [hidden, n_heads * head_dim]
-    post_norm: object  # [hidden]
     gate_up: object  # [2 * intermediate, hidden]
     down: object  # [hidden, intermediate]
+    attn_norm: object  # [hidden]; the norms are as the arch names them (arch.NORM_FIELDS), None if absent
+    mlp_norm: object  # [hidden]
+    qkv_bias: object = None  # [(n_heads + 2 * n_kv_heads) * head_dim]
+    q_norm: object = None  # [head_dim]
+    k_norm: object = None  # [head_dim]
+    attn_out_norm: object = None  # [hidden]
+    mlp_out_norm: object = None  # [hidden]
 
 
 @dataclass
@@ -36,17 +43,9 @@ class Weights:
     lm_head: object  # [vocab, hidden]; the embedding itself when tied
 
 
-LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")
-
-
 def fused_modules(config) -> dict:
-    """Each linear field -> [(Hugging Face module, rows)] whose weights it stacks, in order."""
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    inter = config.intermediate_size
-    return {"qkv": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
-            "o": [("self_attn.o_proj", config.hidden_size)],
-            "gate_up": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)],
-            "down": [("mlp.down_proj", config.hidden_size)]}
+    """Each linear field -> [(Hugging Face module, rows)] whose weights it stacks, in order (the arch's)."""
+    return config.arch.linear(config)
 
 
 def _stack(parts):
@@ -64,23 +63,26 @@ def _get(tensors, name):
 
 def fuse(config, tensors) -> Weights:
     """Hugging Face names -> fused numpy weights, kept in the checkpoint's dtype (to_device casts);
-    quantized ones (Int8Weight / Int4Weight, from a quantized checkpoint) stack as quantized."""
+    quantized ones (Int8Weight / Int4Weight, from a quantized checkpoint) stack as quantized. Norm
+    weights become offset + w (float32) where the arch's norms multiply by that (Gemma's 1 + w)."""
+    arch = config.arch
+    norm = (lambda w: w) if not arch.norm_offset else (lambda w: np.asarray(w, np.float32) + arch.norm_offset)
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         get = lambda name, p=p: _get(tensors, p + name)
+        modules = fused_modules(config)
         bias = None
         if config.attention_bias:
-            bias = np.concatenate([get(f"self_attn.{n}_proj.bias") for n in "qkv"])
-        linear = {field: _stack([get(f"{m}.weight") for m, _ in modules])
-                  for field, modules in fused_modules(config).items()}
-        layers.append(LayerWeights(input_norm=get("input_layernorm.weight"), qkv_bias=bias,
-                                   post_norm=get("post_attention_layernorm.weight"), **linear))
+            bias = np.concatenate([get(f"{m}.bias") for m, _ in modules["qkv"]])
+        linear = {field: _stack([get(f"{m}.weight") for m, _ in parts]) for field, parts in modules.items()}
+        norms = {field: norm(get(f"{module}.weight")) for field, module in arch.norms.items()}
+        layers.append(LayerWeights(qkv_bias=bias, **linear, **norms))
     embed = _get(tensors, "model.embed_tokens.weight")
     lm_head = tensors.get("lm_head.weight")
     if lm_head is None or (config.tie_word_embeddings and not isinstance(lm_head, QUANTIZED)):
         lm_head = embed  # tied (a quantized checkpoint keeps its int8 lm_head as a tensor of its own)
-    return Weights(embed=embed, layers=layers, norm=_get(tensors, "model.norm.weight"), lm_head=lm_head)
+    return Weights(embed=embed, layers=layers, norm=norm(_get(tensors, "model.norm.weight")), lm_head=lm_head)
 
 
 def linear_tensors(config, w: Weights) -> dict:
@@ -132,12 +134,12 @@ def nonfinite_tensor(config, w: Weights):
     it stacks), else None. One reduction per array where it lives (quantized: its float scales)."""
     from ..ops import runtime
 
-    modules = fused_modules(config)
+    modules, norms = fused_modules(config), config.arch.norms
     named = [("model.embed_tokens.weight", w.embed), ("model.norm.weight", w.norm), ("lm_head.weight", w.lm_head)]
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
-        named += [(p + "input_layernorm.weight", lw.input_norm), (p + "post_attention_layernorm.weight", lw.post_norm),
-                  (" / ".join(f"{p}self_attn.{n}_proj.bias" for n in "qkv"), lw.qkv_bias)]
+        named += [(f"{p}{module}.weight", getattr(lw, f)) for f, module in norms.items()]
+        named.append((" / ".join(f"{p}{m}.bias" for m, _ in modules["qkv"]), lw.qkv_bias))
         named += [(" / ".join(f"{p}{m}.weight" for m, _ in modules[f]), getattr(lw, f)) for f in LINEAR_FIELDS]
     for name, a in named:
         arrays = [] if a is None else [getattr(a, n) for n in ARRAYS[type(a)]] if isinstance(a, QUANTIZED) else [a]

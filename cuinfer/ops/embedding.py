@@ -1,7 +1,8 @@
 """Embedding lookup.
 
-embedding(ids, table, out=None)
-    ids: int32/int64 [n]; table: [vocab, hidden] -> out: [n, hidden]
+embedding(ids, table, out=None, scale=1.0)
+    ids: int32/int64 [n]; table: [vocab, hidden] -> out: [n, hidden], rows times scale (in float32,
+    rounded once to the dtype; Gemma's sqrt(hidden))
 numpy arrays run the reference, which raises ValueError on an id outside [0, vocab); cupy arrays
 launch cuda_src/embedding.cu (one CTA per id), which cannot raise: it never reads the table for
 such an id and writes a row of zeros instead.
@@ -33,17 +34,18 @@ def embedding_reference(ids, table):
     return table[ids]
 
 
-def embedding(ids, table, out=None):
+def embedding(ids, table, out=None, scale=1.0):
     dev = runtime.on_device(ids, table, out)
     runtime.check("ids", ids, dtype=tuple(ID_CTYPES), ndim=1)
     runtime.check("table", table, dtype=runtime.FLOAT_DTYPES, ndim=2)
     n, (vocab, hidden) = ids.shape[0], table.shape
     out = runtime.check_out(out, (n, hidden), table.dtype, table)
     if not dev:
-        out[...] = embedding_reference(ids, table)
+        rows = embedding_reference(ids, table)
+        out[...] = rows if scale == 1.0 else (rows.astype(np.float32) * np.float32(scale)).astype(table.dtype)
         return out
     vec = runtime.vector_width(table, out)
     threads = min(256, max(32, (hidden // vec + 31) // 32 * 32))
     kern = runtime.kernel("embedding", instantiation(table.dtype, vec, ids.dtype))
-    runtime.launch(kern, (n,), (threads,), (ids, table, out, np.int64(vocab), np.int32(hidden)))
+    runtime.launch(kern, (n,), (threads,), (ids, table, out, np.int64(vocab), np.int32(hidden), np.float32(scale)))
     return out

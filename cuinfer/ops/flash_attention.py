@@ -1,11 +1,15 @@
 """Flash attention forward (prefill): packed variable-length sequences, and its paged form.
 
-flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None)
+flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, window=0, softcap=None)
     q: [tokens, n_heads, head_dim]; k, v: [tokens, n_kv_heads, head_dim]; cu_seqlens: int32 [num_seqs + 1]
-flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None)
+flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
+                      *, window=0, softcap=None)
     k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]; block_tables: int32
     [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]. The q rows of sequence i
     are its last q_len_i positions and attend causally to keys 0 .. context_len - q_len + j.
+window > 0 (causal only): query j sees only the last `window` of those keys; the kernels skip
+the K/V tiles wholly before every window of a CTA's rows, so a key outside is neither read nor
+counted. softcap c: scaled scores x -> c * tanh(x / c) before the softmax (Gemma 2).
 
 numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
 cuda_src/flash_attention.cu: on sm_90 with head_dim 64 / 128 / 256 a warp-specialized wgmma
@@ -84,6 +88,17 @@ def _check_q(q, n_kv_heads):
         raise ValueError(f"q: got {q.shape[1]} heads, need a multiple of n_kv_heads = {n_kv_heads}")
 
 
+def check_window(window, softcap, causal=True):
+    """window: an int >= 0 (0: none), causal only; softcap: None or > 0."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"window: got {window!r}, need an int >= 0 (0: no window)")
+    if window and not causal:
+        raise ValueError("window: a sliding window needs causal=True")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: got {softcap}, need None or > 0")
+    return int(window)
+
+
 def _check_kernel_args(q, scale):
     runtime.check("q", q, dtype=KERNEL_DTYPES, align=16)
     if q.shape[-1] not in HEAD_DIMS:
@@ -92,9 +107,11 @@ def _check_kernel_args(q, scale):
         raise ValueError(f"scale: got {scale}, need > 0 (the kernel takes the row max before scaling)")
 
 
-def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, max_seqlen_q=None):
+def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, max_seqlen_q=None, window=0,
+                    softcap=None):
     """Causal (or full) attention over packed sequences; returns [tokens, n_heads, head_dim] in q's dtype."""
     dev = runtime.on_device(q, k, v, cu_seqlens, out)
+    window = check_window(window, softcap, causal)
     runtime.check("k", k, ndim=3)
     _check_q(q, k.shape[1])
     tokens, _n_heads, d = q.shape
@@ -106,7 +123,7 @@ def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, m
     scale = default_scale(d) if scale is None else float(scale)
     if not dev:
         runtime.check("q", q, dtype=runtime.FLOAT_DTYPES)
-        res = varlen_attention(q, k, v, cu_seqlens, causal, scale).astype(q.dtype)  # rounded once
+        res = varlen_attention(q, k, v, cu_seqlens, causal, scale, window, softcap).astype(q.dtype)  # rounded once
         out = runtime.check_out(out, q.shape, q.dtype, q)
         out[...] = res
         return out
@@ -118,14 +135,16 @@ def flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, m
     num_seqs = cu_seqlens.shape[0] - 1
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if num_seqs else 0
-    launch_kernel(q, k, v, out, cu_seqlens, None, None, 0, num_seqs, max_seqlen_q, scale, causal)
+    launch_kernel(q, k, v, out, cu_seqlens, None, None, 0, num_seqs, max_seqlen_q, scale, causal, window=window,
+                  softcap=softcap)
     return out
 
 
 def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None,
-                          out=None, *, max_seqlen_q=None):
+                          out=None, *, max_seqlen_q=None, window=0, softcap=None):
     """Attention of new query chunks against a paged KV cache (chunked prefill, decode when q_len = 1)."""
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out)
+    window = check_window(window, softcap)
     runtime.check("k_cache", k_cache, ndim=4)
     _check_q(q, k_cache.shape[2])
     _tokens, _n_heads, d = q.shape
@@ -138,7 +157,8 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     scale = default_scale(d) if scale is None else float(scale)
     if not dev:
         runtime.check("q", q, dtype=runtime.FLOAT_DTYPES)
-        res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                     window, softcap)
         out = runtime.check_out(out, q.shape, q.dtype, q)
         out[...] = res.astype(q.dtype)  # rounded once
         return out
@@ -153,7 +173,7 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
     launch_kernel(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, bs, num_seqs,
-                  max_seqlen_q, scale, True)
+                  max_seqlen_q, scale, True, window=window, softcap=softcap)
     return out
 
 
@@ -163,7 +183,7 @@ def device_tile(head_dim: int, block_size: int = 0) -> tuple:
 
 
 def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
-                  scale, causal, tile=None):
+                  scale, causal, tile=None, window=0, softcap=None):
     """Launch on checked arguments; `tile` (kernel, BLOCK_M, BLOCK_N, warps) overrides device_tile
     (tests of every kernel, bench sweeps)."""
     paged = block_tables is not None
@@ -180,7 +200,10 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
                 np.int32(int(math.log2(block_size))))
     else:
         args = (q, k, v, out, cu_q, cu_q, cu_q, np.int32(0), np.int32(0))  # no context / table
-    args += (np.int32(n_heads), np.int32(n_kv), np.float32(scale * LOG2E), np.int32(bool(causal)))
+    # a softcap c caps the scores in the kernel: c log2 e tanh(s scale / c), exponentials then of 2^(s - m)
+    caps = (scale / softcap, softcap * LOG2E) if softcap else (0.0, 0.0)
+    args += (np.int32(n_heads), np.int32(n_kv), np.float32(LOG2E if softcap else scale * LOG2E), np.int32(bool(causal)),
+             np.int32(window), *(np.float32(c) for c in caps))
     if kind == "tma":
         kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
         args += (runtime.tensor_map(q, (bm, 1, 64)), runtime.tensor_map(k, kv_box), runtime.tensor_map(v, kv_box))

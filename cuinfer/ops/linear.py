@@ -3,8 +3,9 @@
 linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None) -> [M, N] in x's dtype
     x: [M, K] fp16 / bf16; w: [N, K] array of x's dtype, or cuinfer.ops.quant.Int8Weight /
     Int4Weight (Hugging Face layout, out_features first); bias: [N] in x's dtype.
-    activation="silu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I]) and the
-    result is silu(x @ gate.T) * (x @ up.T), [M, I] (ops.silu_and_mul of the plain result).
+    activation="silu_and_mul" / "gelu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I])
+    and the result is act(x @ gate.T) * (x @ up.T), [M, I] (ops.silu_and_mul / gelu_and_mul of the
+    plain result; GELU-tanh for Gemma).
     norm=(weight [K], eps): x is the residual stream and the product is taken with
     ops.rms_norm(x, weight, eps) instead (the decoder's pre-norm, fused: see below).
     residual: [M, N] (not with activation, not aliasing out): the result is round(round(y) +
@@ -24,11 +25,11 @@ memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM byte
 on the prefill path, ops.rms_norm runs first. Without norm the rows are copied there all the same
 when they fit, so the main loop's x reads never miss L1. Beyond that the weight is dequantized to a
 scratch [N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in an
-fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; the SiLU
-epilogue then runs unfused (ops.silu_and_mul on an [M, 2I] intermediate) and the residual is added
-after. Every path can be captured in a CUDA graph: the GEMV, the reduction and the norm allocate
-nothing when `out` (and for argmax `workspace`) is given; the cuBLAS path's scratch arrays come from
-whatever pool the capture allocates from.
+fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; a gated
+epilogue then runs unfused (ops.silu_and_mul / gelu_and_mul on an [M, 2I] intermediate) and the
+residual is added after. Every path can be captured in a CUDA graph: the GEMV, the reduction and the
+norm allocate nothing when `out` (and for argmax `workspace`) is given; the cuBLAS path's scratch
+arrays come from whatever pool the capture allocates from.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import runtime
-from .activation import act_and_mul_reference, silu_and_mul
+from .activation import act_and_mul_reference, gelu_and_mul, silu_and_mul
 from .cublas import gemm
 from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
@@ -45,7 +46,8 @@ from .rms_norm import rms_norm, rms_norm_reference
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
 GEMV_MAX_M = {16: 16, 8: 64, 4: 64}  # by weight bits: above, the prefill path
-EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2}  # EPI_* of linear.cu
+EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2, "gelu_and_mul": 3}  # EPI_* of linear.cu
+GATED = {"silu_and_mul": ("silu", silu_and_mul), "gelu_and_mul": ("gelu_tanh", gelu_and_mul)}  # act, unfused op
 QUAD_K = {16: 32, 8: 64, 4: 128}  # k per quad step of one lane quad
 NULL = np.uint64(0)  # a null pointer kernel argument
 NORM_SMEM = 32 * 1024  # bytes of normalized x rows a GEMV block may stage in shared memory
@@ -79,10 +81,10 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8; fp16 at M <= 8
     with >= 6 blocks per SM and K < 1024 (< 32 quads) U = 1 and 4 warps (smollm2's lm_head, 576 x
     49152: 23.1 us against 28.2 at U = 4 with 8 warps; llama3-8b's 4096 x 128256 keeps U = 4 with
-    8 warps, its best: docs/decode.md). With the SiLU epilogue half the warps take the
+    8 warps, its best: docs/decode.md). With a gated epilogue half the warps take the
     gate rows and half the up rows, each warp as in a plain GEMV."""
     nt = 1 if m <= 8 else 2
-    rt = 2 if nt == 2 and epilogue != "silu_and_mul" and n >= 16 * 2 * 4 * sms else 1
+    rt = 2 if nt == 2 and epilogue not in GATED and n >= 16 * 2 * 4 * sms else 1
     blocks = -(-n // (16 * rt))
     quads = -(-k // QUAD_K[bits])
     if bits == 16 or nt == 2:
@@ -149,7 +151,8 @@ def _formats():
 INSTANTIATIONS = sorted(
     {instantiation(dt, b, g, tile_config(b, m, n, k, epi, group_size=g), epi, norm, iz) for dt in KERNEL_DTYPES
      for b, g, iz in _formats() for m in (1, 16) for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
-     for epi in EPILOGUES for norm in {False, m == 1}}
+     for epi in EPILOGUES for norm in {False, m == 1}
+     if epi != "gelu_and_mul" or (m, n, k) == (1, 6144, 4096)}  # GELU differs from SiLU in its activation only
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g, _ in _formats() if b < 16}
     | {reduce_instantiation(dt) for dt in (np.float32, *KERNEL_DTYPES)})
 
@@ -206,14 +209,14 @@ def _check_inputs(x, w, dev):
 
 
 def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None):
-    """x @ W.T (+ bias), or its SiLU-and-mul of the two halves, of x or its RMSNorm, plus a
+    """x @ W.T (+ bias), or its act-and-mul of the two halves, of x or its RMSNorm, plus a
     residual; see the module docstring."""
-    if activation not in (None, "silu_and_mul"):
-        raise ValueError(f"activation: got {activation!r}, need None or 'silu_and_mul'")
+    if activation is not None and activation not in GATED:
+        raise ValueError(f"activation: got {activation!r}, need None, 'silu_and_mul' or 'gelu_and_mul'")
     dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm))
     m, k, n_w, bits = _check_inputs(x, w, dev)
     if activation and n_w % 2:
-        raise ValueError(f"w: got {n_w} rows, need an even number ([gate; up]) for activation='silu_and_mul'")
+        raise ValueError(f"w: got {n_w} rows, need an even number ([gate; up]) for activation={activation!r}")
     n = n_w // 2 if activation else n_w
     if bias is not None:
         runtime.check("bias", bias, dtype=x.dtype, shape=(n_w,))
@@ -227,7 +230,7 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None)
     out = runtime.check_out(out, (m, n), x.dtype, x)
     if not dev:
         y = linear_reference(x if norm is None else rms_norm_reference(x, *norm), w, bias)
-        y = (act_and_mul_reference(y, "silu") if activation else y).astype(x.dtype)  # rounded once
+        y = (act_and_mul_reference(y, GATED[activation][0]) if activation else y).astype(x.dtype)  # rounded once
         out[...] = y if residual is None else (y.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
         return out
     runtime.check("out", out, align=16)
@@ -235,7 +238,7 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None)
         x, norm = rms_norm(x, *norm), None
     if m > GEMV_MAX_M[bits]:
         if activation:
-            return silu_and_mul(_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)
+            return GATED[activation][1](_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)
         _prefill(x, w, bias, out)
         if residual is not None:
             out += residual  # T(T(y) + residual): one rounding of the exact sum
@@ -313,7 +316,7 @@ def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None
     norm: (weight, eps) to normalize x in the kernel (norm_fits), residual: added by EPI_STORE. The
     kernel stages x in shared memory whenever its rows fit (norm_fits), normalized or not."""
     (m, k), bits = x.shape, weight_bits(w)
-    n = w.shape[0] // (2 if epilogue == "silu_and_mul" else 1)
+    n = w.shape[0] // (2 if epilogue in GATED else 1)
     staged = stages_x(m, k, x.dtype, norm is not None)
     kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue,
                                                   staged, bits == 4 and w.integer_zeros))

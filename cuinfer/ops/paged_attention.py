@@ -1,10 +1,12 @@
 """Paged decode attention: one query token per sequence against a paged KV cache.
 
 paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                max_context_len=None, workspace=None, new_kv=None)
+                max_context_len=None, workspace=None, new_kv=None, window=0, softcap=None)
     q: [num_seqs, n_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]
     block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
     returns [num_seqs, n_heads, head_dim] in q's dtype (zeros where context_lens is 0)
+    window > 0: only the last `window` keys of each sequence are read and counted (the kernel's
+    partitions start at context_lens - window); softcap as in flash_attention
 
 new_kv=(k, v, slot_mapping, inv_freq) fuses write_kv into the call (decode: each sequence's new
 token is its last, at position context_lens - 1): q and k are then un-rotated, and the call does
@@ -48,6 +50,7 @@ import numpy as np
 
 from . import runtime
 from .attention_ref import default_scale, paged_prefix_attention
+from .flash_attention import check_window
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
@@ -179,8 +182,9 @@ def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                    max_context_len=None, workspace=None, new_kv=None):
+                    max_context_len=None, workspace=None, new_kv=None, window=0, softcap=None):
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out, *(new_kv or ()))
+    window = check_window(window, softcap)
     runtime.check("q", q, ndim=3, contiguous=new_kv is None)
     num_seqs, n_heads, d = q.shape
     runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, d))
@@ -197,9 +201,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
         runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, contiguous=new_kv is None)
         if new_kv is not None:  # by composition: write_kv's reference, then attention on the rotated q
             return paged_attention(_write_new_kv(q, k_cache, v_cache, context_lens, *new_kv), k_cache, v_cache,
-                                   block_tables, context_lens, scale, out)
+                                   block_tables, context_lens, scale, out, window=window, softcap=softcap)
         cu = np.arange(num_seqs + 1, dtype=np.int32)
-        res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
+        res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale, window, softcap)
         out = runtime.check_out(out, q.shape, q.dtype, q)
         out[...] = res.astype(q.dtype)  # rounded once
         return out
@@ -220,11 +224,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     runtime.check("out", out, align=16)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
-    n_splits, partition = decode_splits(num_seqs, n_heads, n_kv, max_context_len)
+    # a window bounds the keys each sequence reads: fewer splits cover them
+    n_splits, partition = decode_splits(num_seqs, n_heads, n_kv, min(max_context_len, window or max_context_len))
     if n_splits > 1 and workspace is None and runtime.capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace, new_kv=new_kv)
+                  partition, workspace, new_kv=new_kv, window=window, softcap=softcap)
     return out
 
 
@@ -259,7 +264,7 @@ def _refuse_capture(names):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace=None, u=None, new_kv=None, warps=None):
+                  partition, workspace=None, u=None, new_kv=None, warps=None, window=0, softcap=None):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
     context length, partition a multiple of 32; warps per CTA from cta_warps unless given.
     Arguments are checked by the caller."""
@@ -288,6 +293,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
     args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
-            *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)))
+            *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)), np.int32(window),
+            np.float32(softcap * LOG2E if softcap else 0.0))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
                    smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps))

@@ -1,12 +1,15 @@
-"""RMSNorm (Llama), optionally fused with the residual add before it.
+"""RMSNorm (Llama), optionally fused with the residual add before or after it.
 
-rms_norm(x, weight, eps, residual=None, out=None)
-    x: [rows, hidden]; weight: [hidden]; residual: [rows, hidden] or None
-    no residual -> normed: [rows, hidden]
+rms_norm(x, weight, eps, residual=None, out=None, *, add_to=None)
+    x: [rows, hidden]; weight: [hidden]; residual, add_to: [rows, hidden] or None (not both)
+    neither     -> normed: [rows, hidden]
     residual    -> (normed, new_residual) with new_residual = x + residual rounded to the dtype
                    (the residual stream lives in the model dtype) and normed = rmsnorm(new_residual)
-`out` is normed, or for the fused form a (normed, new_residual) pair; new_residual may be
-`residual` itself (updated in place, as the decoder does) and normed may be x. numpy arrays run
+    add_to      -> add_to + rmsnorm(x), the norm rounded, then the sum (Gemma's norms on the
+                   attention and MLP outputs, before their residual adds)
+`out` is the result, or for the residual form a (normed, new_residual) pair; new_residual may be
+`residual` itself (updated in place, as the decoder does), normed may be x, the add_to form's
+result may be add_to. numpy arrays run
 the reference; cupy arrays launch cuda_src/rms_norm.cu (one CTA per row, x and residual read once).
 
 Rounding follows Hugging Face LlamaRMSNorm: normalize in fp32, round to the dtype, multiply by
@@ -38,12 +41,15 @@ def row_launch(n_vec: int, max_threads: int = 256):
     return ITEMS[-1], min(MAX_THREADS, threads_for(ITEMS[-1]))
 
 
-def instantiation(dtype, vec, items, fused) -> str:
-    return f"rms_norm_kernel<{runtime.ctype(dtype)}, {vec}, {items}, {'true' if fused else 'false'}>"
+ADD = {None: 0, "before": 1, "after": 2}  # the kernel's residual add: none, before the norm, after it
 
 
-INSTANTIATIONS = [instantiation(dt, v, i, f) for dt in runtime.FLOAT_DTYPES for v in runtime.vector_widths(dt)
-                  for i in ITEMS for f in (False, True)]
+def instantiation(dtype, vec, items, add=None) -> str:
+    return f"rms_norm_kernel<{runtime.ctype(dtype)}, {vec}, {items}, {ADD[add]}>"
+
+
+INSTANTIATIONS = [instantiation(dt, v, i, a) for dt in runtime.FLOAT_DTYPES for v in runtime.vector_widths(dt)
+                  for i in ITEMS for a in ADD]
 
 
 def rms_norm_reference(x, weight, eps):
@@ -58,11 +64,15 @@ def rms_norm_reference(x, weight, eps):
     return (weight.astype(np.float32) * n).astype(x.dtype)  # rounded once
 
 
-def rms_norm(x, weight, eps, residual=None, out=None):
-    dev = runtime.on_device(x, weight, residual, *(out if isinstance(out, tuple) else (out,)))
+def rms_norm(x, weight, eps, residual=None, out=None, *, add_to=None):
+    dev = runtime.on_device(x, weight, residual, add_to, *(out if isinstance(out, tuple) else (out,)))
     runtime.check("x", x, dtype=runtime.FLOAT_DTYPES, ndim=2)
     rows, hidden = x.shape
     runtime.check("weight", weight, dtype=x.dtype, shape=(hidden,))
+    if add_to is not None:
+        if residual is not None:
+            raise ValueError("add_to: not with residual (one add, before or after the norm)")
+        runtime.check("add_to", add_to, dtype=x.dtype, shape=(rows, hidden))
     fused = residual is not None
     if fused:
         runtime.check("residual", residual, dtype=x.dtype, shape=(rows, hidden))
@@ -77,17 +87,22 @@ def rms_norm(x, weight, eps, residual=None, out=None):
             raise ValueError("out: without residual, need one array or None, got a tuple")
         normed, new_res = runtime.check_out(out, x.shape, x.dtype, x), None
     if not dev:
+        if add_to is not None:
+            normed[...] = (add_to.astype(np.float32) + rms_norm_reference(x, weight, eps).astype(np.float32)
+                           ).astype(x.dtype)  # the norm rounded, then the sum
+            return normed
         if fused:
             new_res[...] = (x.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)  # rounded
             normed[...] = rms_norm_reference(new_res, weight, eps)
             return normed, new_res
         normed[...] = rms_norm_reference(x, weight, eps)
         return normed
-    arrays = (x, weight, normed) + ((residual, new_res) if fused else ())
+    arrays = (x, weight, normed) + ((residual, new_res) if fused else ()) + ((add_to,) if add_to is not None else ())
     vec = runtime.vector_width(*arrays)
     items, threads = row_launch(hidden // vec)
-    kern = runtime.kernel("rms_norm", instantiation(x.dtype, vec, items, fused))
-    args = (x, residual if fused else x, weight, normed, new_res if fused else normed,
+    add = "before" if fused else "after" if add_to is not None else None
+    kern = runtime.kernel("rms_norm", instantiation(x.dtype, vec, items, add))
+    args = (x, residual if fused else x if add_to is None else add_to, weight, normed, new_res if fused else normed,
             np.int32(hidden), np.float32(eps))
     runtime.launch(kern, (rows,), (threads,), args)
     return (normed, new_res) if fused else normed

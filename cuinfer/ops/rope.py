@@ -2,7 +2,7 @@
 
 rope(q, k, positions, theta, scaling=None, out=None) -> (q_rot, k_rot)
     q: [tokens, n_heads, head_dim]; k: [tokens, n_kv_heads, head_dim]; positions: int32/int64 [tokens]
-    head_dim: any even number; scaling: the HF `rope_scaling` dict (rope_type "llama3") or None
+    head_dim: any even number; scaling: the HF `rope_scaling` dict (rope_type "linear" or "llama3") or None
 `out` may be a (q_out, k_out) pair, e.g. (q, k) to rotate in place. numpy arrays run the
 reference; cupy arrays launch cuda_src/rope.cu (one CTA per token).
 
@@ -34,12 +34,13 @@ INSTANTIATIONS = [instantiation(dt, v, p) for dt in runtime.FLOAT_DTYPES for v i
 
 # ----------------------------------------------------------------------- frequencies
 def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
-    """inv_freq: float32 [head_dim // 2], theta^(-2i/head_dim), Llama-3 scaled when `scaling` says so.
+    """inv_freq: float32 [head_dim // 2], theta^(-2i/head_dim), scaled when `scaling` says so.
 
     Computed in float64 and rounded once to float32 (Hugging Face computes the same formula in
     float32; the two agree to an ulp). `scaling` is the config's `rope_scaling` dict: None or
-    rope_type "default" means no scaling, "llama3" applies Meta's frequency-dependent scaling
-    (HF _compute_llama3_parameters); any other type raises ValueError.
+    rope_type "default" means no scaling, "linear" divides every frequency by `factor` (position
+    interpolation), "llama3" applies Meta's frequency-dependent scaling (HF
+    _compute_llama3_parameters); any other type raises ValueError.
     """
     return _inv_freq(int(head_dim), float(theta), _scaling_key(scaling)).copy()
 
@@ -50,22 +51,26 @@ def _scaling_key(scaling):
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"scaling: got rope_type {kind!r}, need 'llama3' (or None / 'default')")
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"scaling: got rope_type {kind!r}, need 'linear' or 'llama3' (or None / 'default')")
     try:
+        if kind == "linear":
+            return (float(scaling["factor"]),)
         return (float(scaling["factor"]), float(scaling["low_freq_factor"]),
                 float(scaling["high_freq_factor"]), float(scaling["original_max_position_embeddings"]))
     except KeyError as e:
-        raise ValueError(f"scaling: llama3 rope_scaling needs the key {e.args[0]!r}") from None
+        raise ValueError(f"scaling: {kind} rope_scaling needs the key {e.args[0]!r}") from None
 
 
 @functools.lru_cache(maxsize=64)
-def _inv_freq(head_dim, theta, llama3):
+def _inv_freq(head_dim, theta, scaling):
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: got {head_dim}, need a positive even number")
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if llama3 is not None:
-        factor, low, high, old_ctx = llama3
+    if scaling is not None and len(scaling) == 1:  # linear
+        inv = inv / scaling[0]
+    elif scaling is not None:  # llama3
+        factor, low, high, old_ctx = scaling
         wavelen = 2 * math.pi / inv
         smooth = (old_ctx / wavelen - low) / (high - low)
         # long wavelengths (> old_ctx / low) are divided by factor, short ones (< old_ctx / high)
@@ -131,8 +136,8 @@ def rope(q, k, positions, theta, scaling=None, out=None):
 
 
 @functools.lru_cache(maxsize=64)
-def _device_inv_freq(device_id, head_dim, theta, llama3):
+def _device_inv_freq(device_id, head_dim, theta, scaling):
     """inv_freq uploaded once per (device, head_dim, theta, scaling)."""
     cp = runtime.require_cupy()
     with cp.cuda.Device(device_id):
-        return cp.asarray(_inv_freq(head_dim, theta, llama3))
+        return cp.asarray(_inv_freq(head_dim, theta, scaling))

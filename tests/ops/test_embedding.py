@@ -42,16 +42,24 @@ def test_argument_checks():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.sampled_from([1, 17, 111, 989]), hidden=st.sampled_from([1, 17, 111, 576, 4096]),
        vocab=st.sampled_from([1, 17, 1000]), dtype=st.sampled_from(DTYPES),
-       id_dtype=st.sampled_from([np.int32, np.int64]), bad=st.booleans(), seed=st.integers(0, 2**31))
-def test_embedding_kernel(cp, n, hidden, vocab, dtype, id_dtype, bad, seed):
+       id_dtype=st.sampled_from([np.int32, np.int64]), bad=st.booleans(), scale=st.sampled_from([1.0, 59.75]),
+       seed=st.integers(0, 2**31))
+def test_embedding_kernel(cp, n, hidden, vocab, dtype, id_dtype, bad, scale, seed):
     rng = np.random.default_rng(seed)
     table = rng.standard_normal((vocab, hidden)).astype(dtype)
     ids = rng.integers(0, vocab, n).astype(id_dtype)
-    want = embedding(ids, table).copy()
+    want = embedding(ids, table, scale=scale).copy()
     if bad:  # out of range: the kernel writes zeros and reads nothing
         sel = rng.random(n) < 0.3
         ids[sel] = rng.choice([-1, vocab, 2**31 - 1, -(2**31)], sel.sum())
         want[sel] = 0
     out = poison(cp, want.shape, dtype)
-    assert embedding(cp.asarray(ids), cp.asarray(table), out=out) is out
-    np.testing.assert_array_equal(cp.asnumpy(out), want)
+    assert embedding(cp.asarray(ids), cp.asarray(table), out=out, scale=scale) is out
+    np.testing.assert_array_equal(cp.asnumpy(out), want)  # one float32 product, rounded once
+
+
+def test_reference_scale():
+    """Gemma's embedding scale: each row times the scale in float32, rounded once to the dtype."""
+    table = np.array([[1.0, -3.0], [0.5, 2.0]], np.float16)
+    got = embedding(np.array([1, 0], np.int32), table, scale=59.75)
+    np.testing.assert_array_equal(got, np.array([[29.875, 119.5], [59.75, -179.25]], np.float16))

@@ -7,13 +7,15 @@ from hypothesis import strategies as st
 from cuinfer.ops import runtime
 from cuinfer.ops.attention_ref import causal_attention, paged_prefix_attention, varlen_attention
 from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged, launch_kernel, tile_config
+from cuinfer.ops.paged_attention import paged_attention
 from tests.conftest import assert_close, poison
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 
 
-def attention_loops(q, k, v, scale, causal):
-    """float64, one query and head at a time: softmax over the visible keys, then the weighted sum."""
+def attention_loops(q, k, v, scale, causal, window=0, softcap=0.0):
+    """float64, one query and head at a time: softmax over the visible keys (the last `window` of
+    them when window > 0; scores capped as c * tanh(x / c) when softcap c), then the weighted sum."""
     m, h, d = q.shape
     n, hk = k.shape[:2]
     out = np.zeros((m, h, d))
@@ -21,10 +23,13 @@ def attention_loops(q, k, v, scale, causal):
         for j in range(h):
             kh = j // (h // hk)
             last = n - m + i if causal else n - 1
-            s = np.array([scale * np.dot(q[i, j].astype(np.float64), k[t, kh]) for t in range(last + 1)])
+            first = max(0, last - window + 1) if window else 0
+            s = np.array([scale * np.dot(q[i, j].astype(np.float64), k[t, kh]) for t in range(first, last + 1)])
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
             if len(s):
                 w = np.exp(s - s.max())
-                out[i, j] = (w[:, None] * v[: last + 1, kh].astype(np.float64)).sum(0) / w.sum()
+                out[i, j] = (w[:, None] * v[first: last + 1, kh].astype(np.float64)).sum(0) / w.sum()
     return out
 
 
@@ -58,6 +63,59 @@ def test_reference_matches_loops(m, n, h, hk, causal):
     k, v = rng.standard_normal((2, n, hk, 16))
     got = causal_attention(q, k, v, 0.3, causal, dtype=np.float64)
     np.testing.assert_allclose(got, attention_loops(q, k, v, 0.3, causal), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(0, 9), extra=st.integers(0, 20), window=st.integers(1, 24),
+       softcap=st.sampled_from([0.0, 0.7, 5.0]), ratio=st.sampled_from([1, 3]), seed=st.integers(0, 2**31))
+def test_reference_window_and_softcap_match_loops(m, extra, window, softcap, ratio, seed):
+    """Windows at, just under and just over the context length, chunks of any size."""
+    rng = np.random.default_rng(seed)
+    n = m + extra
+    q = rng.standard_normal((m, 2 * ratio, 8)) * 2
+    k, v = rng.standard_normal((2, n, 2, 8))
+    got = causal_attention(q, k, v, 0.4, True, dtype=np.float64, window=window, softcap=softcap)
+    np.testing.assert_allclose(got, attention_loops(q, k, v, 0.4, True, window, softcap), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=4), data=st.data(),
+       block_size=st.sampled_from([8, 16]), seed=st.integers(0, 2**31))
+def test_paged_window_reads_no_key_before_it(lens, data, block_size, seed):
+    """The paged references with a window: keys before every query's window are NaN in the cache and
+    change nothing (neither read nor counted); the result equals contiguous windowed attention."""
+    rng = np.random.default_rng(seed)
+    window = data.draw(st.sampled_from(sorted({1, block_size - 1, block_size, block_size + 1, max(lens),
+                                               max(lens) + 1})))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((cu[-1], 4, 16)).astype(np.float32)
+    k, v = rng.standard_normal((2, cu[-1], 2, 16)).astype(np.float32)
+    q_lens = np.array([data.draw(st.integers(1, n)) for n in lens], np.int32)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    rows = np.concatenate([np.arange(cu[i + 1] - q_lens[i], cu[i + 1]) for i in range(len(lens))])
+    poisoned_k, poisoned_v = k.copy(), v.copy()
+    for i, n in enumerate(lens):  # keys no query of the chunk sees
+        before = cu[i] + max(0, n - q_lens[i] - window + 1)
+        poisoned_k[cu[i]:before] = poisoned_v[cu[i]:before] = np.nan
+    tables, k_cache, v_cache = scatter_paged(rng, cu, block_size, poisoned_k, poisoned_v)
+    ctx = np.array(lens, np.int32)
+    want = varlen_attention(q, k, v, cu, window=window)[rows]
+    got = flash_attention_paged(q[rows], k_cache, v_cache, tables, cu_q, ctx, window=window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    last = cu[1:] - 1
+    got = paged_attention(q[last], k_cache, v_cache, tables, ctx, window=window)
+    np.testing.assert_allclose(got, varlen_attention(q, k, v, cu, window=window)[last], rtol=1e-5, atol=1e-6)
+
+
+def test_window_argument_checks():
+    q = np.zeros((4, 2, 64), np.float32)
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match="window: got -1"):
+        flash_attention(q, q, q, cu, window=-1)
+    with pytest.raises(ValueError, match="window: a sliding window needs causal=True"):
+        flash_attention(q, q, q, cu, causal=False, window=3)
+    with pytest.raises(ValueError, match="softcap: got 0"):
+        flash_attention(q, q, q, cu, softcap=0)
 
 
 def test_reference_chunks_long_sequences(monkeypatch):
@@ -125,13 +183,13 @@ def _rand(cp, rng, shape, dtype, mag=1.0):
     return x, cp.asarray(x)
 
 
-def run_contiguous(cp, kernel, q, k, v, cu, causal, out):
+def run_contiguous(cp, kernel, q, k, v, cu, causal, out, window=0, softcap=None):
     """flash_attention with the device's kernel (kernel None) or the sm_80 one ("mma", on any device)."""
     if kernel is None:
-        return flash_attention(q, k, v, cp.asarray(cu), causal, out=out)
+        return flash_attention(q, k, v, cp.asarray(cu), causal, out=out, window=window, softcap=softcap)
     d = q.shape[-1]
     launch_kernel(q, k, v, out, cp.asarray(cu), None, None, 0, len(cu) - 1, int(np.diff(cu).max()), d ** -0.5,
-                  causal, tile_config(d, 80))
+                  causal, tile_config(d, 80), window=window, softcap=softcap)
 
 
 # None: the kernel the device gets (wgmma on sm_90 for head_dim 64 / 128 / 256); "mma": the mma.sync
@@ -141,6 +199,8 @@ KERNELS = pytest.mark.parametrize("kernel", [None, "mma"])
 
 seq_len = st.one_of(st.sampled_from([0, 1, 2, 15, 16, 17, 63, 64, 65, 111, 127, 128, 129, 989]),
                     st.integers(1, 700))
+# sliding windows at the key tiles' edges (BLOCK_N 32, 64, 128) and past them
+windows = st.one_of(st.sampled_from([1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 257]), st.integers(1, 600))
 
 
 @pytest.mark.gpu
@@ -159,6 +219,37 @@ def test_flash_attention_kernel(cp, kernel, lens, ratio, n_kv, d, dtype, causal,
     out = poison(cp, q.shape, dtype)
     run_contiguous(cp, kernel, q_d, k_d, v_d, cu, causal, out)
     assert_close(out, varlen_attention(q, k, v, cu, causal), dtype)
+
+
+@pytest.mark.gpu
+@KERNELS
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(seq_len, min_size=1, max_size=4), window=windows, ratio=st.sampled_from([1, 4, 7]),
+       d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), softcap=st.sampled_from([None, 0.5, 50.0]),
+       seed=st.integers(0, 2**31))
+def test_flash_attention_kernel_window(cp, kernel, lens, window, ratio, d, dtype, softcap, seed):
+    """Windows, and Gemma 2's score cap (0.5: every score saturated; 50: its value, mostly linear)."""
+    rng = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    q, q_d = _rand(cp, rng, (t, 2 * ratio, d), dtype, 2.0)
+    k, k_d = _rand(cp, rng, (t, 2, d), dtype)
+    v, v_d = _rand(cp, rng, (t, 2, d), dtype)
+    out = poison(cp, q.shape, dtype)
+    run_contiguous(cp, kernel, q_d, k_d, v_d, cu, True, out, window, softcap)
+    assert_close(out, varlen_attention(q, k, v, cu, True, window=window, softcap=softcap), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [None, "mma", "cp.async"])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ctx=st.lists(seq_len, min_size=1, max_size=4), data=st.data(), window=windows, ratio=st.sampled_from([1, 4, 8]),
+       d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
+       seed=st.integers(0, 2**31))
+def test_flash_attention_paged_kernel_window(cp, kernel, ctx, data, window, ratio, d, dtype, block_size, seed):
+    """Chunks at the end of long contexts: the key tiles before the window are never read (NaN there)."""
+    q_lens = [data.draw(st.sampled_from(sorted({0, 1, min(n, 3), min(n, 17), n}))) for n in ctx]
+    paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed, window)
 
 
 @pytest.mark.gpu
@@ -198,26 +289,32 @@ def test_flash_attention_paged_kernel_empty_context(cp, kernel):
             paged_kernel_case(cp, kernel, ctx, q_lens, 7, d, np.dtype(np.float16), 8, 0)
 
 
-def paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed):
+def paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed, window=0):
+    """With a window, the keys of every whole 128-key tile before the window of a chunk's first query
+    (no BLOCK_N reads them) are NaN in the cache; the reference gets them clean."""
     rng = np.random.default_rng(seed)
     cu_kv = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
     k, _ = _rand(cp, rng, (int(cu_kv[-1]), 2, d), dtype)
     v, _ = _rand(cp, rng, (int(cu_kv[-1]), 2, d), dtype)
     tables, k_cache, v_cache = scatter_paged(rng, cu_kv, block_size, k, v)
+    k_dev, v_dev = k_cache.copy(), v_cache.copy()
+    for i, (n, m) in enumerate(zip(ctx, q_lens)):
+        t = np.arange(max(0, n - m - window + 1) // 128 * 128 if window else 0)  # positions never read
+        k_dev[tables[i, t // block_size], t % block_size] = v_dev[tables[i, t // block_size], t % block_size] = np.nan
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q, q_d = _rand(cp, rng, (int(cu_q[-1]), 2 * ratio, d), dtype)
     lens = np.array(ctx, np.int32)
     out = poison(cp, q.shape, dtype)
-    args = (q_d, cp.asarray(k_cache), cp.asarray(v_cache))
+    args = (q_d, cp.asarray(k_dev), cp.asarray(v_dev))
     if kernel is None:
-        flash_attention_paged(*args, cp.asarray(tables), cp.asarray(cu_q), cp.asarray(lens), out=out)
+        flash_attention_paged(*args, cp.asarray(tables), cp.asarray(cu_q), cp.asarray(lens), out=out, window=window)
     else:
         if kernel == "cp.async" and runtime.device_info()["arch"] != "sm_90":
             return
         tile = tile_config(d, 80) if kernel == "mma" else tile_config(d, 90, block_size=4)
         launch_kernel(*args, out, cp.asarray(cu_q), cp.asarray(lens), cp.asarray(tables), block_size, len(ctx),
-                      max(q_lens), d ** -0.5, True, tile)
-    assert_close(out, paged_prefix_attention(q, k_cache, v_cache, tables, cu_q, lens), dtype)
+                      max(q_lens), d ** -0.5, True, tile, window=window)
+    assert_close(out, paged_prefix_attention(q, k_cache, v_cache, tables, cu_q, lens, window=window), dtype)
 
 
 @pytest.mark.gpu

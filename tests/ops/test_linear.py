@@ -113,14 +113,14 @@ def test_tile_config_fits_instantiations():
         for m in range(1, 17):
             for n in (1, 17, 1024, 4096, 6144, 8448, 14336, 16896, 128256):
                 for k in (32, 576, 4096, 14336):
-                    for epi in ("store", "silu_and_mul", "argmax"):
+                    for epi in ("store", "silu_and_mul", "argmax", "gelu_and_mul"):
                         t = tile_config(bits, m, n, k, epi, group_size=gs)
                         # three blocks an SM (80 registers) only for the g128 int4 kernel that fits them
                         assert t.occupancy == 0 or (t.occupancy, bits, gs, t.u, t.warps) == (3, 4, 128, 2, 8)
                         # a warp's raw weights <= 32 registers: it holds RT row tiles (with the SiLU
                         # epilogue, of the gate or the up half: the warps split in two)
                         assert 8 * t.nt >= m and t.rt * t.u * (2 if bits == 4 else 1) <= 4
-                        assert epi != "silu_and_mul" or t.warps % 2 == 0
+                        assert epi not in ("silu_and_mul", "gelu_and_mul") or t.warps % 2 == 0
                         assert t.split in (1, 2, 4, 8)
                         assert tile_config(bits, m, n, k, epi, clusters=False).split == 1
 
@@ -134,6 +134,8 @@ def test_silu_and_mul_and_argmax_references():
         y = linear_reference(x, w).astype(np.float64)
         want = y[:, :5] / (1 + np.exp(-y[:, :5])) * y[:, 5:]
         assert_close(linear(x, w, activation="silu_and_mul"), want)
+        gelu = 0.5 * y[:, :5] * (1 + np.tanh(np.sqrt(2 / np.pi) * (y[:, :5] + 0.044715 * y[:, :5] ** 3)))
+        assert_close(linear(x, w, activation="gelu_and_mul"), gelu * y[:, 5:])
         logits = y.astype(np.float16)
         got = linear_argmax(x, w)
         assert got.dtype == np.int32 and (got == np.argmax(logits, axis=1)).all()
@@ -284,6 +286,8 @@ def test_gemv_every_tile_config(fmt, gs, config):
     out = poison(cp, (m, n), np.float16)
     _gemv(cp.asarray(x), w_dev, None, out, tile, "silu_and_mul")
     assert_close(out, act_and_mul_reference(ref, "silu"))
+    _gemv(cp.asarray(x), w_dev, None, out, tile, "gelu_and_mul")
+    assert_close(out, act_and_mul_reference(ref, "gelu_tanh"))
     ws = cp.full(argmax_workspace_size(2 * n), -1, cp.int32)
     nb = -(-2 * n // (16 * tile.rt))
     vals, idx = ws[:m * nb].view(cp.float32), ws[m * nb:2 * m * nb]
@@ -318,11 +322,12 @@ def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
         y = cp.asnumpy(product).astype(np.float32)
     else:
         y = reference_rounded(x, w, bias, False)
-    out = poison(cp, (m, n), dtype)
-    got = linear(cp.asarray(x), w_dev, bias_dev, out=out, activation="silu_and_mul")
-    assert got is out
-    # the fused epilogue rounds once; the reference's fp32 silu(gate) * up is rounded by assert_close's table
-    assert_close(out, act_and_mul_reference(y, "silu"))
+    for act, name in (("silu_and_mul", "silu"), ("gelu_and_mul", "gelu_tanh")):
+        out = poison(cp, (m, n), dtype)
+        got = linear(cp.asarray(x), w_dev, bias_dev, out=out, activation=act)
+        assert got is out
+        # the fused epilogue rounds once; the reference's fp32 act(gate) * up is rounded by assert_close's table
+        assert_close(out, act_and_mul_reference(y, name))
 
     got = linear_argmax(cp.asarray(x), w_dev, out=cp.full(m, -1, cp.int32),
                         workspace=cp.full(argmax_workspace_size(2 * n), -1, cp.int32))

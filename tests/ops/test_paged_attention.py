@@ -14,9 +14,9 @@ from tests.ops.test_write_kv import inv_freq_for
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 
 
-def decode_reference(q, k_cache, v_cache, tables, lens):
+def decode_reference(q, k_cache, v_cache, tables, lens, window=0):
     cu = np.arange(len(lens) + 1, dtype=np.int32)
-    return paged_prefix_attention(q, k_cache, v_cache, tables, cu, lens)
+    return paged_prefix_attention(q, k_cache, v_cache, tables, cu, lens, window=window)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -97,6 +97,34 @@ def test_paged_attention_kernel(cp, lens, ratio, n_kv, d, dtype, block_size, mag
     paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
                     cp.asarray(lens), out=out)
     assert_close(out, decode_reference(q, k_cache, v_cache, tables, lens), dtype)
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(ctx_len, min_size=1, max_size=6), window=st.one_of(
+           st.sampled_from([1, 2, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]), st.integers(1, 3000)),
+       ratio=st.sampled_from([1, 4, 7, 8]), d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES),
+       block_size=st.sampled_from([8, 16, 32]), softcap=st.sampled_from([None, 0.5, 50.0]),
+       seed=st.integers(0, 2**31))
+def test_paged_attention_kernel_window(cp, lens, window, ratio, d, dtype, block_size, softcap, seed):
+    """Only the last `window` keys count, and the rows before them are never read (NaN there); with
+    and without Gemma 2's score cap."""
+    rng = np.random.default_rng(seed)
+    lens = np.array(lens, np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    k, v = (rng.standard_normal((cu[-1], 2, d)).astype(np.float32).astype(dtype) for _ in range(2))
+    tables, k_cache, v_cache = scatter_paged(rng, cu, block_size, k, v)
+    q = (rng.standard_normal((len(lens), 2 * ratio, d)) * 2).astype(np.float32).astype(dtype)
+    k_dev, v_dev = k_cache.copy(), v_cache.copy()
+    for i, n in enumerate(lens):
+        t = np.arange(max(0, int(n) - window))
+        k_dev[tables[i, t // block_size], t % block_size] = v_dev[tables[i, t // block_size], t % block_size] = np.nan
+    out = poison(cp, q.shape, dtype)
+    paged_attention(cp.asarray(q), cp.asarray(k_dev), cp.asarray(v_dev), cp.asarray(tables), cp.asarray(lens),
+                    out=out, window=window, softcap=softcap)
+    cu = np.arange(len(lens) + 1, dtype=np.int32)
+    want = paged_prefix_attention(q, k_cache, v_cache, tables, cu, lens, window=window, softcap=softcap)
+    assert_close(out, want, dtype)
 
 
 @pytest.mark.gpu
@@ -286,7 +314,7 @@ def device_case(cp, case, strided=True):
                                            ("lens", "slots", "inv_freq", "tables", "k_cache", "v_cache")})
 
 
-def write_kv_then_decode(cp, case, max_context_len):
+def write_kv_then_decode(cp, case, max_context_len, window=0):
     """(out, k_cache, v_cache) of write_kv at positions lens - 1 then paged_attention, on copies of the caches."""
     from cuinfer.ops.write_kv import write_kv
 
@@ -294,19 +322,21 @@ def write_kv_then_decode(cp, case, max_context_len):
     slots = cp.where(a["lens"] > 0, a["slots"], -1).astype(cp.int32)
     pos = (a["lens"] - 1).astype(cp.int32)
     q_rot = write_kv(a["q"], a["k"], a["v"], pos, a["k_cache"], a["v_cache"], slots, a["inv_freq"])
-    out = paged_attention(q_rot, a["k_cache"], a["v_cache"], a["tables"], a["lens"], max_context_len=max_context_len)
+    out = paged_attention(q_rot, a["k_cache"], a["v_cache"], a["tables"], a["lens"], max_context_len=max_context_len,
+                          window=window)
     return out, a["k_cache"], a["v_cache"]
 
 
-def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True):
+def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True, window=0):
     """paged_attention(new_kv=...) against write_kv then paged_attention: caches and output bit for bit
     (the same rounded q and K/V, the same split, the same arithmetic)."""
     b = device_case(cp, case, strided)
     out = poison(cp, b["q"].shape, b["q"].dtype)
     got = paged_attention(b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], out=out,
-                          max_context_len=max_context_len, new_kv=(b["k"], b["v"], b["slots"], b["inv_freq"]))
+                          max_context_len=max_context_len, new_kv=(b["k"], b["v"], b["slots"], b["inv_freq"]),
+                          window=window)
     assert got is out
-    for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_context_len)):
+    for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_context_len, window)):
         np.testing.assert_array_equal(bits(x), bits(y))
 
 
@@ -450,3 +480,16 @@ def test_new_kv_graph_capture(cp):
         for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_ctx)):
             np.testing.assert_array_equal(bits(x), bits(y))
         assert not ws[:2 * n_kv].view(cp.int32).any()
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.one_of(st.sampled_from([1, 2, 8, 9, 33, 256, 257, 1025]), st.integers(0, 3000)),
+                     min_size=1, max_size=6),
+       window=st.one_of(st.sampled_from([1, 2, 8, 9, 32, 33, 256, 1024]), st.integers(1, 3000)),
+       ratio=st.sampled_from([1, 4, 8]), d=st.sampled_from([64, 128, 256]), dtype=st.sampled_from(DTYPES),
+       block_size=st.sampled_from([8, 16]), extra=st.sampled_from([None, 0, 700]), seed=st.integers(0, 2**31))
+def test_new_kv_window_matches_write_kv_then_decode(cp, lens, window, ratio, d, dtype, block_size, extra, seed):
+    """The fused write with a window: the split that holds the new row (counted from ctx - window) writes it."""
+    case = new_token_case(np.random.default_rng(seed), lens, ratio, 2, d, dtype, block_size)
+    check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, window=window)

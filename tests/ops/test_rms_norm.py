@@ -39,6 +39,21 @@ def test_reference_fused_residual_in_place():
     assert_close(normed, rms_norm_f64(want_res, w, 1e-5, np.float16))
 
 
+def test_reference_add_to_in_place():
+    """add_to: the norm of x rounded, then added to add_to and rounded (Gemma's output norms)."""
+    rng = np.random.default_rng(2)
+    x, s = (rng.standard_normal((5, 64)).astype(np.float16) for _ in range(2))
+    w = rng.uniform(0.5, 1.5, 64).astype(np.float16)
+    want = (s.astype(np.float64) + rms_norm_f64(x, w, 1e-5, np.float16)).astype(np.float16)
+    got = rms_norm(x, w, 1e-5, add_to=s, out=s)
+    assert got is s
+    np.testing.assert_array_equal(s, want)
+    with pytest.raises(ValueError, match="add_to: not with residual"):
+        rms_norm(x, w, 1e-5, residual=x, add_to=x)
+    with pytest.raises(ValueError, match="add_to: got shape"):
+        rms_norm(x, w, 1e-5, add_to=x[:2])
+
+
 def test_fp16_large_inputs_do_not_overflow():
     x = np.full((2, 4096), 6e4, np.float16)
     out = rms_norm(x, np.ones(4096, np.float16), 1e-6)
@@ -80,7 +95,7 @@ def _device(cp, a, offset):
 @pytest.mark.gpu
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.sampled_from([1, 2, 17, 111]), hidden=st.sampled_from([1, 17, 111, 576, 989, 4096, 8192, 16392, 20000]),
-       dtype=st.sampled_from(DTYPES), fused=st.booleans(), in_place=st.booleans(),
+       dtype=st.sampled_from(DTYPES), fused=st.sampled_from([False, True, "add_to"]), in_place=st.booleans(),
        offset=st.sampled_from([0, 0, 1]), scale=st.sampled_from([1.0, 1e3, 3e4]), seed=st.integers(0, 2**31))
 def test_rms_norm_kernel(cp, rows, hidden, dtype, fused, in_place, offset, scale, seed):
     rng = np.random.default_rng(seed)
@@ -90,6 +105,13 @@ def test_rms_norm_kernel(cp, rows, hidden, dtype, fused, in_place, offset, scale
     res = rng.uniform(-scale, scale, (rows, hidden)).astype(dtype)
     w = rng.uniform(-2, 2, hidden).astype(dtype)
     dx, dres, dw = _device(cp, x, offset), _device(cp, res, offset), cp.asarray(w)
+    if fused == "add_to":  # res + norm(x): the norm rounded once (as the reference), then the sum
+        want = rms_norm(x, w, 1e-6, add_to=res)
+        out = dres if in_place else poison(cp, x.shape, dtype)
+        got = rms_norm(dx, dw, 1e-6, add_to=dres, out=out)
+        assert got is out
+        assert_close(got, want)
+        return
     if not fused:
         want = rms_norm(x, w, 1e-6)
         out = dx if in_place else poison(cp, x.shape, dtype)

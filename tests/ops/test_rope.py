@@ -56,6 +56,12 @@ def test_inv_freq_llama3():
     assert got[0] == np.float32(1.0) and got[-1] < rope_inv_freq(128, 500000.0)[-1] / 7.9
 
 
+def test_inv_freq_linear():
+    """Position interpolation (Gemma 3's full layers): every frequency divided by the factor."""
+    got = rope_inv_freq(256, 1e6, dict(rope_type="linear", factor=8.0))
+    np.testing.assert_allclose(got, rope_inv_freq(256, 1e6) / np.float32(8.0), rtol=1e-7)
+
+
 def test_inv_freq_rejects_other_scaling():
     with pytest.raises(ValueError, match="scaling: got rope_type 'yarn'"):
         rope_inv_freq(128, 1e4, dict(rope_type="yarn", factor=4.0))
@@ -98,8 +104,8 @@ def test_argument_checks():
         rope(q, k, pos[:2], 1e4)
     with pytest.raises(ValueError, match="out: need a"):
         rope(q, k, pos, 1e4, out=q)
-    with pytest.raises(ValueError, match="scaling: got rope_type 'linear'"):
-        rope(q, k, pos, 1e4, scaling=dict(rope_type="linear", factor=2.0))
+    with pytest.raises(ValueError, match="scaling: got rope_type 'dynamic'"):
+        rope(q, k, pos, 1e4, scaling=dict(rope_type="dynamic", factor=2.0))
 
 
 @pytest.mark.gpu

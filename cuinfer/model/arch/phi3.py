@@ -1,0 +1,26 @@
+"""Phi-3: the Llama block with q/k/v stored as one module (qkv_proj) and gate/up as one
+(gate_up_proj, gate rows first); sliding_window, when set, applies to every layer."""
+from ...errors import CuinferError
+from .base import Arch, gguf_table, layer_types
+from .llama import NORMS
+
+
+def linear(c) -> dict:
+    return {"qkv": [("self_attn.qkv_proj", c.q_size + 2 * c.kv_size)], "o": [("self_attn.o_proj", c.hidden_size)],
+            "gate_up": [("mlp.gate_up_proj", 2 * c.intermediate_size)], "down": [("mlp.down_proj", c.hidden_size)]}
+
+
+def read(d: dict) -> dict:
+    rotary = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if rotary != 1.0:
+        raise CuinferError(f"config: partial_rotary_factor {rotary} is not supported: cuinfer rotates whole heads")
+    return {"layer_types": layer_types(d, lambda i: True)}
+
+
+GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn_qkv.weight": "self_attn.qkv_proj.weight",
+              "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+              "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+
+PHI3 = Arch(names={"Phi3ForCausalLM": "phi3"}, linear=linear, norms=NORMS, read=read, gguf_arch="phi3",
+            gguf_names=gguf_table(GGUF_LAYER))
+ARCHES = (PHI3,)

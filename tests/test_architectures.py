@@ -1,0 +1,224 @@
+"""Every architecture against transformers itself: a random-weight checkpoint saved by transformers
+loads in cuinfer, whose NumPy float32 logits at every position equal transformers' float32 eager
+logits. Prompts are longer than the sliding windows, and fed in chunks through the paged cache."""
+import numpy as np
+import pytest
+
+from cuinfer.io.checkpoint import load_checkpoint
+from cuinfer.model.decoder import Batch, DecodeInputs, Model, slot_mapping
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+WINDOW = 8
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+# architecture -> (transformers config class, its fields beyond SMALL)
+CASES = {
+    "llama3.2-tied": ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    "llama-head-dim": ("LlamaConfig", {"head_dim": 32}),
+    "mistral-window": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+    "qwen3-window": ("Qwen3Config", {"head_dim": 24, "use_sliding_window": True, "sliding_window": WINDOW,
+                                     "max_window_layers": 2}),
+    "phi3": ("Phi3Config", {"sliding_window": None, "original_max_position_embeddings": 256}),
+    "phi3-window": ("Phi3Config", {"sliding_window": WINDOW, "original_max_position_embeddings": 256}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                    "rope_parameters": {
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                           "rope_theta": 1000000.0}}}),
+}
+
+
+def randomize(model, seed):
+    """Weights of realistic scale (transformers' init leaves norms at 1 and weights tiny): linear
+    N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1^2) (Gemma's (1 + w): w = N(0, 0.1^2)),
+    biases N(0, 0.1^2)."""
+    g = torch.Generator().manual_seed(seed)
+    gemma = "gemma" in model.config.model_type
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_((0 if gemma else 1) + 0.1 * r)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5)
+
+
+def save_case(name, path, **over):
+    """(directory, transformers model): case `name` with random weights, saved by transformers."""
+    cls, fields = CASES[name]
+    config = getattr(transformers, cls)(**{**SMALL, **fields, **over})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomize(model, seed=1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def prompt_ids(n=5 * WINDOW + 3):
+    return np.random.default_rng(3).integers(3, SMALL["vocab_size"], size=(2, n))
+
+
+def cuinfer_logits(model, config, ids, chunk):
+    """Logits at every position of each row of ids, fed in chunks through a paged cache of 4-token
+    blocks interleaved between the rows."""
+    from test_model import make_cache, run_chunks
+
+    seqs = [([i + j for j in range(0, 2 * (-(-len(s) // 4)), 2)], list(s)) for i, s in enumerate(ids)]
+    return run_chunks(model, make_cache(config, model, num_blocks=2 * len(seqs[0][0]) + 2, block_size=4), seqs,
+                      chunk)
+
+
+def decode_logits(model, config, ids, n_prefill):
+    """Logits of positions n_prefill.. of one sequence: ids[:n_prefill] through Model.forward, then one
+    token a step through Model.decode (paged_attention with the new token's write fused), teacher forced."""
+    from test_model import make_cache
+
+    xp, bs = model.xp, 16
+    table = np.arange(-(-len(ids) // bs), dtype=np.int32)[None, :]  # [1, blocks]
+    cache = make_cache(config, model, num_blocks=table.shape[1], block_size=bs)
+    model.forward(Batch.from_chunks([(ids[:n_prefill], 0, table[0].tolist())], bs).to(xp), cache)
+    out = []
+    for p in range(n_prefill, len(ids)):
+        pos = np.array([p], np.int32)
+        inputs = DecodeInputs(token_ids=xp.asarray([ids[p]], dtype=np.int32), positions=xp.asarray(pos),
+                              slot_mapping=xp.asarray(slot_mapping(table, np.zeros(1, np.int64), pos, bs)),
+                              block_tables=xp.asarray(table), context_lens=xp.asarray(pos + 1))
+        logits = model.decode(inputs, cache, max_context_len=p + 1)
+        out.append(logits.get() if xp is not np else logits)
+    return np.concatenate(out)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    return save_case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_numpy_logits_equal_transformers(checkpoint):
+    path, hf = checkpoint
+    config, tensors = load_checkpoint(path)
+    assert config.architecture == hf.config.architectures[0]
+    model = Model.from_tensors(config, tensors, "cpu")
+    ids = prompt_ids()
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()  # [2, n, vocab] float32
+    for chunk in (7, 1000):
+        for g, r in zip(cuinfer_logits(model, config, ids, chunk), ref):
+            err = np.linalg.norm(g - r) / np.linalg.norm(r)
+            assert err < 2e-6, f"chunk {chunk}: relative L2 error {err:.2e}"
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
+
+
+def test_decode_steps_equal_forward(checkpoint):
+    """Model.decode one token at a time past the windows (the decode step the engine's graphs run)
+    gives the logits Model.forward gives for the same positions."""
+    path, _ = checkpoint
+    config, tensors = load_checkpoint(path)
+    model = Model.from_tensors(config, tensors, "cpu")
+    ids = prompt_ids()[0].tolist()
+    want = cuinfer_logits(model, config, [ids], 1000)[0][WINDOW // 2:]
+    np.testing.assert_allclose(decode_logits(model, config, ids, WINDOW // 2), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_logits_as_close_as_transformers_half(name, dtype, tmp_path):
+    """fp16 / bf16 logits on the GPU (head_dim 64: the kernels' smallest) against transformers' float32:
+    relative L2 error, largest error and top-1 agreement over all positions at least as good as
+    transformers' own run in that dtype, within 1.5x on the errors (the two round differently)."""
+    from cuinfer.ops import runtime
+
+    path, hf = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64)
+    config, tensors = load_checkpoint(path)
+    model = Model.from_tensors(config, tensors, "gpu", np.dtype(np.float16) if dtype == "float16" else runtime.bfloat16)
+    ids = prompt_ids(3 * 64 + 5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()
+        half = hf.to(device, getattr(torch, dtype))(torch.as_tensor(ids, device=device)).logits.float().cpu().numpy()
+    got = np.stack(cuinfer_logits(model, config, ids, 64))
+    err = lambda x: np.linalg.norm(x - ref) / np.linalg.norm(ref)
+    worst = lambda x: np.abs(x - ref).max()
+    top1 = lambda x: (x.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"{name} {dtype}: cuinfer {err(got):.2e} (max {worst(got):.2e}) top-1 {top1(got):.3f}, "
+          f"transformers {err(half):.2e} (max {worst(half):.2e}) top-1 {top1(half):.3f}")
+    assert np.isfinite(got).all()
+    assert err(got) <= 1.5 * err(half) and worst(got) <= 1.5 * worst(half) and top1(got) >= top1(half) - 0.02
+
+
+@pytest.mark.parametrize("name", ["llama3.2-tied", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_decode_bench_peer_gets_our_weights(name, tmp_path):
+    """bench decode's transformers peer: our fused weights under the architecture's Hugging Face
+    names (split rows, Gemma's norms back to w) give a fresh transformers model the original logits."""
+    from cuinfer.benches.decode import hf_state_dict
+    from cuinfer.model.weights import fuse, to_device
+
+    path, hf = save_case(name, tmp_path / name)
+    config, tensors = load_checkpoint(path)
+    sd = hf_state_dict(torch, config, to_device(fuse(config, tensors), np, np.float32))
+    fresh = transformers.AutoModelForCausalLM.from_config(hf.config).eval()
+    fresh.load_state_dict(sd, strict=not config.tie_word_embeddings)
+    ids = torch.as_tensor(prompt_ids())
+    with torch.no_grad():
+        np.testing.assert_allclose(fresh(ids).logits.numpy(), hf(ids).logits.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_decode_steps_match_numpy(name, dtype, tmp_path):
+    """The GPU decode step (paged_attention with the fused write, windows, caps; the GEMV epilogues)
+    one token at a time past 64-token windows, against the NumPy backend's forward: relative L2 error
+    of the logits within test_model's GPU bound (set for 30 layers; these have 3)."""
+    from test_model import GPU_LOGIT_REL_L2
+
+    from cuinfer.ops import runtime
+
+    path, _ = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64,
+                        sliding_window=64)
+    config, tensors = load_checkpoint(path)
+    dt = np.dtype(np.float16) if dtype == "float16" else runtime.bfloat16
+    ids = prompt_ids(3 * 64 + 5)[0].tolist()
+    want = cuinfer_logits(Model.from_tensors(config, tensors, "cpu"), config, [ids], 1000)[0][40:]
+    got = decode_logits(Model.from_tensors(config, tensors, "gpu", dt), config, ids, 40)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"{name} {dtype}: decode logits relative L2 error {err:.2e}")
+    assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
+
+
+def test_arch_records_are_well_formed():
+    """Every family's record: the four linear fields, norms among the layer's norm fields (the two
+    pre-norms always), each Hugging Face architecture in one record, GGUF names onto tensors it has."""
+    from cuinfer.convert import load_preset
+    from cuinfer.io.checkpoint import expected_tensors
+    from cuinfer.model.arch import ARCHES, LINEAR_FIELDS, NORM_FIELDS
+
+    presets = {"LlamaForCausalLM": "tiny", "MistralForCausalLM": "mistral-7b", "Qwen2ForCausalLM": "tiny-qwen2",
+               "Qwen3ForCausalLM": "tiny-qwen3", "Phi3ForCausalLM": "tiny-phi3", "Gemma2ForCausalLM": "tiny-gemma2",
+               "Gemma3ForCausalLM": "gemma3-12b-text"}
+    assert set(presets) == set(ARCHES)
+    for name, arch in ARCHES.items():
+        config = load_preset(presets[name]).replace(architecture=name, tie_word_embeddings=False)
+        assert tuple(arch.linear(config)) == LINEAR_FIELDS
+        assert {"attn_norm", "mlp_norm"} <= set(arch.norms) <= set(NORM_FIELDS)
+        names = expected_tensors(config)
+        for hf in arch.gguf_names.values():
+            assert hf.format(i=0) in names or (hf.endswith(".bias") and not config.attention_bias), (name, hf)
