@@ -202,7 +202,7 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
         args = (q, k, v, out, cu_q, cu_q, cu_q, np.int32(0), np.int32(0))  # no context / table
     # a softcap c caps the scores in the kernel: c log2 e tanh(s scale / c), exponentials then of 2^(s - m)
     caps = (scale / softcap, softcap * LOG2E) if softcap else (0.0, 0.0)
-    args += (np.int32(n_heads), np.int32(n_kv), np.float32(LOG2E if softcap else scale * LOG2E), np.int32(bool(causal)),
+    args += (np.int32(n_heads), np.int32(n_kv), np.float32(1.0 if softcap else scale * LOG2E), np.int32(bool(causal)),
              np.int32(window), *(np.float32(c) for c in caps))
     if kind == "tma":
         kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
