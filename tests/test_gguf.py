@@ -1,7 +1,7 @@
 """GGUF import: dequantization, the Q/K row order, tokenizer metadata, and clear refusals."""
 import numpy as np
 import pytest
-from helpers import llama_cpp_permute, write_gguf
+from helpers import llama_cpp_permute, varied_strings, write_gguf
 
 from cuinfer.convert import load_preset, random_tensors
 from cuinfer.io.checkpoint import load_checkpoint
@@ -179,7 +179,7 @@ def test_other_architectures_round_trip(tmp_path, arch):
 @pytest.mark.parametrize("change, message", [
     (dict(arch="gemma2"), "GGUF architecture 'gemma2' is not supported"),
     (dict(types={"model.layers.0.mlp.up_proj.weight": "Q4_K"}), "blk.0.ffn_up.weight has GGUF type Q4_K"),
-    (dict(tokenizer_model="llama"), "GGUF tokenizer model 'llama' is not supported"),
+    (dict(tokenizer_model="t5"), "GGUF tokenizer model 't5' is not supported"),
     (dict(pre="deepseek-coder"), "GGUF pre-tokenizer 'deepseek-coder' is not supported"),
 ])
 def test_refusals(tmp_path, change, message):
@@ -225,3 +225,54 @@ def test_commands_take_a_gguf_file(tmp_path, monkeypatch, capsys):
     assert len(list((tmp_path / "cache" / "models").iterdir())) == 1
     assert generate.main(argv) == 0
     assert "converting" not in capsys.readouterr().err
+
+
+def spm_gguf(tmp_path, text, vocab_size=600, **train):
+    """(SentencePieceProcessor, GGUF path): a BPE model trained on `text` as Llama's was (byte
+    fallback, no normalization, spaces kept), written the way llama.cpp writes a "llama" vocabulary."""
+    spm = pytest.importorskip("sentencepiece")
+    gguf = pytest.importorskip("gguf")
+    (tmp_path / "corpus.txt").write_text(text)
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
+                                   model_type="bpe", vocab_size=vocab_size, byte_fallback=True,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   character_coverage=1.0, minloglevel=2, **train)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    n = sp.get_piece_size()
+    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_context_length(512)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types(types)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sp, tmp_path / "t.gguf"
+
+
+def test_sentencepiece_tokenizer_equals_sentencepiece(tmp_path):
+    """A "llama" (SentencePiece BPE) vocabulary rebuilt from GGUF metadata encodes and decodes every
+    string of the corpus as SentencePiece itself does: merges by score, the space prefix, byte fallback."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from cuinfer.io.tokenizer import TINY_CORPUS, Tokenizer
+
+    strings = varied_strings()
+    sp, path = spm_gguf(tmp_path, "\n".join([TINY_CORPUS] * 4 + strings[::3]))
+    out = tmp_path / "tok"
+    out.mkdir()
+    cg.tokenizer_files(cg.open_gguf(path), out)
+    tok = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    ours = Tokenizer.from_pretrained(out)
+    for s in strings:
+        want = sp.encode(s)
+        got = tok.encode(s, add_special_tokens=False).ids
+        assert got == want, (s, [sp.id_to_piece(i) for i in got], [sp.id_to_piece(i) for i in want])
+        assert tok.decode(got) == sp.decode(want), s
+        stream = ours.stream(skip_special_tokens=False)  # streamed text: the same, space prefix and all
+        assert "".join(stream.push(t) for t in got) + stream.flush() == sp.decode(want), s

@@ -11,9 +11,10 @@ llama.cpp stores (Phi-3) applies to every layer.
 `raw_tensors` yields the undequantized blocks (rows already in Hugging Face order) for a
 direct INT8/INT4 import.
 
-The tokenizer is rebuilt from the vocabulary: gpt2-style byte-level BPE only. The
-pre-tokenizer follows llama.cpp's `tokenizer.ggml.pre`; for "smollm" that is single digits
-split off before the GPT-2 byte-level regex, as SmolLM2's own tokenizer.json does.
+The tokenizer is rebuilt from the vocabulary: gpt2-style byte-level BPE, or llama-style
+SentencePiece BPE (Llama 2, Mistral, Phi-3: `sentencepiece_bpe`). The byte-level pre-tokenizer
+follows llama.cpp's `tokenizer.ggml.pre`; for "smollm" that is single digits split off before the
+GPT-2 byte-level regex, as SmolLM2's own tokenizer.json does.
 (transformers' GGUF loader uses the plain GPT-2 regex for "smollm", which differs where
 whitespace runs precede a digit: "  1" -> [" ", " ", "1"] there, ["  ", "1"] here.)
 
@@ -46,7 +47,7 @@ PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "qwen2")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2 / Qwen3: single digits
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6  # llama.cpp token types
 
 
 class RawTensor(NamedTuple):
@@ -206,6 +207,29 @@ class GGUFTensors(Mapping):
 # ------------------------------------------------------------------ tokenizer
 
 
+def sentencepiece_bpe(tokens, types, scores, add_space_prefix: bool):
+    """A tokenizers BPE equal to SentencePiece's BPE over llama.cpp's "llama" vocabulary: a space is
+    "\u2581" (one prepended when add_space_prefix), pieces merge best score first (the merges are
+    every split of a piece into two pieces, ranked by the piece's score), characters outside the
+    vocabulary fall back to their <0xXX> byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t: sc for t, ty, sc in zip(tokens, types, scores) if ty in (NORMAL, USER_DEFINED)}
+    merges = sorted(((t[:j], t[j:], sc) for t, sc in mergeable.items() for j in range(1, len(t))
+                     if t[:j] in mergeable and t[j:] in mergeable),
+                    key=lambda m: (-m[2], vocab[m[0]], vocab[m[1]]))
+    unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    space = [normalizers.Replace(" ", "\u2581")]
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if add_space_prefix else []) + space)
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *strip])
+    return tok
+
+
 def tokenizer_files(reader, out_dir: Path):
     """Write tokenizer.json and tokenizer_config.json rebuilt from the GGUF vocabulary."""
     from tokenizers import (
@@ -219,23 +243,27 @@ def tokenizer_files(reader, out_dir: Path):
     )
 
     kind, pre = field(reader, "tokenizer.ggml.model"), field(reader, "tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
-        raise CuinferError(f"GGUF tokenizer model {kind!r} is not supported: cuinfer rebuilds "
-                           "gpt2-style byte-level BPE tokenizers")
-    if pre not in PRE_TOKENIZERS:
-        raise CuinferError(f"GGUF pre-tokenizer {pre!r} is not supported: need one of "
-                           f"{', '.join(PRE_TOKENIZERS)}")
+    if kind not in ("gpt2", "llama"):
+        raise CuinferError(f"GGUF tokenizer model {kind!r} is not supported: cuinfer rebuilds gpt2-style "
+                           "byte-level BPE and llama-style SentencePiece BPE tokenizers")
     tokens = field(reader, "tokenizer.ggml.tokens")
     types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in ("llama-bpe", "qwen2"))
-    split = {"smollm": pre_tokenizers.Digits(individual_digits=True),
-             "llama-bpe": pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-             "qwen2": pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")}.get(pre)
-    tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence([split, byte_level])
-    tok.decoder = decoders.ByteLevel()
+    if kind == "llama":
+        tok = sentencepiece_bpe(tokens, types, field(reader, "tokenizer.ggml.scores"),
+                                bool(field(reader, "tokenizer.ggml.add_space_prefix", True)))
+    else:
+        if pre not in PRE_TOKENIZERS:
+            raise CuinferError(f"GGUF pre-tokenizer {pre!r} is not supported: need one of "
+                               f"{', '.join(PRE_TOKENIZERS)}")
+        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in ("llama-bpe", "qwen2"))
+        split = {"smollm": pre_tokenizers.Digits(individual_digits=True),
+                 "llama-bpe": pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                 "qwen2": pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")}.get(pre)
+        tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence([split, byte_level])
+        tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
