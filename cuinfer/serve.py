@@ -100,6 +100,8 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
 
     @app.get("/health")
     async def health():
+        if not aengine.alive():
+            raise APIError(503, "the engine process has stopped", "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")

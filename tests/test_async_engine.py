@@ -58,6 +58,30 @@ def test_text_and_stop_strings_equal_the_engines(ckpt):
         aengine.shutdown()
 
 
+def test_a_dead_engine_process_ends_streams_with_an_error(ckpt):
+    from cuinfer.errors import CuinferError
+
+    aengine = AsyncEngine.start(ckpt, device="cpu", kv_tokens=4096)
+
+    async def stream():
+        return [out async for out in aengine.generate([5, 6, 7], SamplingParams(max_new_tokens=10_000,
+                                                                               ignore_eos=True), "r")]
+
+    async def main():
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(0.5)  # the request is running
+        aengine._process.kill()
+        with pytest.raises(CuinferError, match="engine process exited"):
+            await asyncio.wait_for(task, 30)
+
+    try:
+        assert aengine.alive()
+        asyncio.run(main())
+        assert not aengine.alive()
+    finally:
+        aengine.shutdown()
+
+
 def test_a_bad_checkpoint_fails_start_with_its_message(tmp_path):
     from cuinfer.errors import CuinferError
 

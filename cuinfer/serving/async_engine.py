@@ -102,6 +102,10 @@ class AsyncEngine:
             if not engine_done:
                 self._send(("abort", request_id))
 
+    def alive(self) -> bool:
+        """Whether the engine process is running and taking requests."""
+        return not self._stopped and self._process.is_alive()
+
     def stats(self) -> dict:
         """running, waiting, kv_cache_usage, draft_tokens, accepted_tokens as of the engine's last step."""
         with self._lock:
