@@ -442,3 +442,48 @@ def test_greedy_matches_transformers(name, tmp_path_factory):
         logits = eng.model.forward(batch, cache, all_logits=True)
         err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
         assert err < 1e-4, f"logits differ by {err:.2e} of their largest magnitude"
+
+
+def released_window_case(device):
+    """Every layer slides a 40-key window: a sequence stops holding its blocks wholly behind the
+    window (and the kernels' read margin) as it grows, other sequences reuse them, and the tokens
+    equal those of an engine that holds every block (in a cache roomy enough for that)."""
+    from cuinfer.serving.scheduler import WINDOW_READ_MARGIN
+
+    cfg = small_config().replace(sliding_window=40, layer_types=("sliding_attention",) * 2)
+    model = Model.from_tensors(cfg, random_tensors(cfg, seed=4), device, *([np.float16] if device == "gpu" else []))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in (30, 200, 90, 260, 5, 150)]
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    holding = make_engine(model, 16 * 64, block_size=8, max_batch_tokens=96)
+    holding.scheduler.window = 0
+    want = [o.token_ids for o in holding.generate(prompts, params)]
+    peak_holding = holding.stats.peak_kv_blocks
+
+    eng = make_engine(model, 16 * 64, block_size=8, max_batch_tokens=96)
+    assert eng.scheduler.window == 40
+    released = []
+    computed = eng.scheduler.computed
+
+    def spy(seq, n):
+        computed(seq, n)
+        released.append(seq.num_released)
+        assert all(eng.blocks._refs[b] >= 1 for b in seq.block_table[seq.num_released:])
+        # no block a query may still read is released
+        assert seq.num_released * 8 <= max(0, seq.num_computed - 40 + 1 - WINDOW_READ_MARGIN)
+
+    eng.scheduler.computed = spy
+    got = [o.token_ids for o in eng.generate(prompts, params)]
+    assert got == want
+    assert max(released) >= 20 and eng.stats.peak_kv_blocks < peak_holding
+    assert eng.kv_cache_usage() == 0.0
+
+
+def test_blocks_behind_every_window_are_released_and_outputs_unchanged():
+    released_window_case("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_blocks_behind_every_window_are_released_and_outputs_unchanged():
+    """The kernels read released blocks (reused by other sequences) only where they mask them."""
+    released_window_case("gpu")

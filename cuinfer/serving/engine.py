@@ -143,7 +143,8 @@ class Engine:
         self.decoder = decoder(managed) if decoder is not None else None
         self.async_decode = async_decode
         self._inflight = None  # _Launched, or None
-        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_num_seqs)
+        windows = model.windows  # per layer, 0: full attention
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, max_num_seqs, window=min(windows) and max(windows))
         self.max_len = min(model.config.max_position_embeddings, managed * kv_cache.block_size)
         self._rng = np.random.default_rng(seed)
         self._requests = {}  # request id -> _Request, until its final output is returned

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager, blocks_for
 
 PENDING = -1  # an output token still on the device (the engine's pipelined decode)
+WINDOW_READ_MARGIN = 128  # keys an attention kernel may read (masked) before a window: its widest key tile
 
 
 @dataclass(eq=False)
@@ -38,6 +39,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks
     num_registered: int = 0  # leading blocks already offered to the prefix cache
+    num_released: int = 0  # leading blocks behind every layer's window, no longer held (Scheduler.window)
 
     @property
     def token_ids(self) -> list:
@@ -71,7 +73,9 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int = 512, max_num_seqs: int = 256):
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int = 512, max_num_seqs: int = 256, window: int = 0):
+        """window: when every layer attends within a sliding window, the largest (0: some layer sees
+        everything); a sequence's blocks wholly behind it are then released as it grows."""
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_batch_tokens and max_num_seqs must be >= 1, got "
                              f"{max_batch_tokens} and {max_num_seqs}")
@@ -79,6 +83,7 @@ class Scheduler:
         self.block_size = blocks.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
+        self.window = window
         self.waiting: deque = deque()
         self.running: list = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -158,6 +163,8 @@ class Scheduler:
         """n more of seq's tokens have their K/V in the cache (or will, once the step in flight runs)."""
         seq.num_computed += n
         self.blocks.cache_full_blocks(seq, seq.num_known)
+        if self.window:
+            self._release_behind_window(seq)
 
     def append(self, seq: Sequence, token: int) -> None:
         """A new output token (PENDING: one the device has not returned yet); a real token replaces
@@ -217,9 +224,21 @@ class Scheduler:
         return True
 
     def _release(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq.block_table[seq.num_released:])
         seq.block_table = []
-        seq.num_registered = 0
+        seq.num_registered = seq.num_released = 0
+
+    def _release_behind_window(self, seq: Sequence) -> None:
+        """Stop holding seq's leading blocks that no query of it will read again: its next query
+        (position num_computed) sees keys past num_computed - window, and the attention kernels
+        start at most WINDOW_READ_MARGIN keys earlier (a key tile's alignment; those keys are
+        masked, so whatever a released block holds by then never counts). The released blocks stay
+        in the table, keep their prefix-cache hashes, and count as free."""
+        first_read = seq.num_computed - self.window + 1 - WINDOW_READ_MARGIN
+        n = min(max(0, first_read // self.block_size), len(seq.block_table))
+        if n > seq.num_released:
+            self.blocks.free(seq.block_table[seq.num_released:n])
+            seq.num_released = n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
