@@ -189,8 +189,10 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
         rid = ("chatcmpl-" if chat else "cmpl-") + base
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        # echo (completions): each choice's text starts with its prompt, as the tokenizer decodes it
+        echoed = {i: aengine.tokenizer.decode(ids) for i, ids, *_ in jobs} if getattr(req, "echo", False) else {}
         if not req.stream:
-            texts, finals, lps = {}, {}, {}
+            texts, finals, lps = dict(echoed), {}, {}
             try:
                 async for i, out in merged(jobs):
                     texts[i] = texts.get(i, "") + out.new_text
@@ -218,6 +220,9 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                              for i, *_ in jobs])
+            if echoed:
+                yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": None}
+                             for i, text in echoed.items()])
             try:
                 async for i, out in merged(jobs):
                     if out.finished:

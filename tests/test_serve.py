@@ -135,6 +135,19 @@ def test_completions_prompts_n_seeds_and_stop(client):
         assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
+def test_completions_echo_the_prompt_streamed_or_not(client, engine):
+    plain = client.completions.create(model=MODEL, prompt="hello there", max_tokens=8, temperature=0)
+    prompt_text = engine.tokenizer.decode(engine.encode("hello there"))
+    echoed = client.completions.create(model=MODEL, prompt="hello there", max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt_text + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0, echo=True, stream=True) if c.choices]
+    assert pieces[0] == engine.tokenizer.decode([5, 6, 7])
+    assert "".join(pieces[1:]) == client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8,
+                                                            temperature=0).choices[0].text
+
+
 def test_concurrent_streams_equal_sequential(server):
     prompts = [f"question number {i} about {w}" for i, w in enumerate(["cats", "ships", "rain", "maps"] * 4)]
     aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
@@ -191,7 +204,9 @@ def post(server, path, body, key=KEY):
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 10 ** 6}, KEY, 400, "past the context"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, KEY, 400, "the context holds"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, KEY, 400, "non-empty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True}, KEY, 400, "echo: not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 2}, KEY, 400, "echo with logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "echo": True}, KEY, 400,
+     "echo: a completions field"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, KEY, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 3}, KEY, 400, "presence_penalty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

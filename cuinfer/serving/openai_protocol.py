@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-NOT_SUPPORTED = {"echo": False, "best_of": None, "suffix": None, "tools": None, "response_format": None}
+NOT_SUPPORTED = {"best_of": None, "suffix": None, "tools": None, "response_format": None}
 
 
 class StreamOptions(BaseModel):
@@ -78,6 +78,12 @@ class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
+    @model_validator(mode="after")
+    def _no_echo(self):
+        if self.echo:
+            raise ValueError("echo: a completions field, not supported for chat completions")
+        return self
+
     @property
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -88,6 +94,12 @@ class ChatCompletionRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.num_logprobs is not None:
+            raise ValueError("echo with logprobs: not supported by cuinfer yet (it needs the prompt's logprobs)")
+        return self
 
     @property
     def num_logprobs(self) -> int | None:
