@@ -224,8 +224,8 @@ def _engine_main(conn, path: str, engine_args: dict):
                 try:
                     engine.add_request(prompt_ids, params, request_id=rid)
                     live.add(rid)
-                except CuinferError as e:
-                    conn.send(("error", [rid], str(e)))
+                except Exception as e:  # a refused request ends alone; the engine goes on
+                    conn.send(("error", [rid], str(e) if isinstance(e, CuinferError) else f"request refused: {e!r}"))
         except (EOFError, OSError):  # the server has gone
             return
         if not engine.has_unfinished_requests():
