@@ -52,7 +52,7 @@ def sampling_params(req, prompt_len: int, max_len: int, index: int) -> SamplingP
                           top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
                           repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty, logprobs=logprobs, seed=seed, stop=req.stops,
-                          ignore_eos=req.ignore_eos)
+                          ignore_eos=req.ignore_eos, prompt_logprobs=logprobs if getattr(req, "echo", False) else None)
 
 
 def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting: int = 1024):
@@ -196,7 +196,7 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
             try:
                 async for i, out in merged(jobs):
                     texts[i] = texts.get(i, "") + out.new_text
-                    lps.setdefault(i, []).extend(out.new_logprobs)
+                    lps.setdefault(i, []).extend((out.prompt_logprobs or []) + out.new_logprobs)
                     if out.finished:
                         finals[i] = out
             except CuinferError as e:
@@ -205,7 +205,8 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
             choices = [{"index": i, "finish_reason": finals[i].finish_reason,
                         **({"message": {"role": "assistant", "content": texts[i]}} if chat
                            else {"text": texts[i]}),
-                        "logprobs": to_logprobs(aengine.tokenizer, finals[i].token_ids, lps[i])}
+                        "logprobs": to_logprobs(aengine.tokenizer, (finals[i].prompt_ids if echoed else [])
+                                                + finals[i].token_ids, lps[i])}
                        for i in sorted(finals)]
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
                                  "choices": choices, "usage": usage(finals)})
@@ -220,11 +221,11 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                              for i, *_ in jobs])
-            if echoed:
-                yield chunk([{"index": i, "text": text, "finish_reason": None, "logprobs": None}
-                             for i, text in echoed.items()])
             try:
                 async for i, out in merged(jobs):
+                    if i in echoed:  # the prompt first, with its logprobs (they come with the first output)
+                        lp = completion_logprobs(aengine.tokenizer, out.prompt_ids, out.prompt_logprobs)
+                        yield chunk([{"index": i, "text": echoed.pop(i), "finish_reason": None, "logprobs": lp}])
                     if out.finished:
                         finals[i] = out
                     if out.new_token_ids or out.finished:  # one chunk a token (its text may be held back)

@@ -487,3 +487,31 @@ def test_blocks_behind_every_window_are_released_and_outputs_unchanged():
 def test_gpu_blocks_behind_every_window_are_released_and_outputs_unchanged():
     """The kernels read released blocks (reused by other sequences) only where they mask them."""
     released_window_case("gpu")
+
+
+def test_prompt_logprobs_equal_the_log_softmax_of_one_forward(cpu_model):
+    """prompt_logprobs over chunked prefill (16-token steps) equal the log-softmax of one forward
+    over the whole prompt, handed out once, in the first output; the prefix cache is not used."""
+    from cuinfer.model.decoder import Batch
+
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, cpu_model.config.vocab_size, 50).tolist()
+    eng = make_engine(cpu_model, 4096, max_batch_tokens=16)
+    eng.generate([prompt], SamplingParams(max_new_tokens=2))  # its blocks are now cached
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=3, prompt_logprobs=3))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    assert outs[-1].num_cached_tokens == 0 and [o.prompt_logprobs is not None for o in outs] == [True, False, False]
+    got = outs[0].prompt_logprobs
+
+    ref = make_engine(cpu_model, 4096)
+    batch = Batch.from_chunks([(prompt, 0, ref.blocks.allocate(4))], 16)
+    logits = cpu_model.forward(batch, ref.kv_cache, all_logits=True).astype(np.float64)
+    m = logits.max(-1, keepdims=True)
+    lp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    assert len(got) == len(prompt) and got[0] is None
+    for p in range(1, len(prompt)):
+        chosen, top = got[p]
+        np.testing.assert_allclose(chosen, lp[p - 1, prompt[p]], atol=1e-4)
+        assert [t for t, _ in top] == list(np.argsort(-lp[p - 1])[:3])

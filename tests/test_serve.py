@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from helpers import make_tiny_checkpoint
 from hypothesis import HealthCheck, given, settings
@@ -136,6 +137,7 @@ def test_completions_prompts_n_seeds_and_stop(client):
 
 
 def test_completions_echo_the_prompt_streamed_or_not(client, engine):
+    from cuinfer import SamplingParams
     plain = client.completions.create(model=MODEL, prompt="hello there", max_tokens=8, temperature=0)
     prompt_text = engine.tokenizer.decode(engine.encode("hello there"))
     echoed = client.completions.create(model=MODEL, prompt="hello there", max_tokens=8, temperature=0, echo=True)
@@ -146,6 +148,17 @@ def test_completions_echo_the_prompt_streamed_or_not(client, engine):
     assert pieces[0] == engine.tokenizer.decode([5, 6, 7])
     assert "".join(pieces[1:]) == client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8,
                                                             temperature=0).choices[0].text
+    # with logprobs: the prompt's tokens first (the first has none), then the completion's
+    ids = engine.encode("hello there")
+    lp = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, temperature=0, echo=True,
+                                   logprobs=2).choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    rid = engine.add_request(ids, SamplingParams(max_new_tokens=1, prompt_logprobs=2))
+    first = next(o for o in engine.step() if o.request_id == rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], [c for c, _ in first.prompt_logprobs[1:]], atol=1e-5)
 
 
 def test_concurrent_streams_equal_sequential(server):
@@ -204,7 +217,6 @@ def post(server, path, body, key=KEY):
     ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 10 ** 6}, KEY, 400, "past the context"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, KEY, 400, "the context holds"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, KEY, 400, "non-empty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 2}, KEY, 400, "echo with logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "echo": True}, KEY, 400,
      "echo: a completions field"),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, KEY, 400, "logprobs"),

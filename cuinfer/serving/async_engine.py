@@ -88,11 +88,11 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     engine_done = True
                     raise item
-                new_ids, new_logprobs, reason, cached, ttft = item
+                new_ids, new_logprobs, reason, cached, ttft, prompt_logprobs = item
                 token_ids += new_ids
                 engine_done = reason is not None
                 out = with_text(RequestOutput(request_id, prompt_ids, list(token_ids), "", "", new_ids, reason,
-                                              cached, ttft, new_logprobs), text)
+                                              cached, ttft, new_logprobs, prompt_logprobs), text)
                 yield out
                 if out.finished:
                     return
@@ -194,7 +194,7 @@ def _engine_main(conn, path: str, engine_args: dict):
     """The child: load the engine, say "ready", then step while there is work, draining the pipe
     between steps. Messages in: ("add", id, prompt ids, params), ("abort", id), ("stop",); out:
     ("ready", info) or ("error", message) once, then ("step", [(id, (new ids, new logprobs,
-    finish reason, cached tokens, ttft))], stats) per step, ("error", ids, message) for refused or
+    finish reason, cached tokens, ttft, prompt logprobs))], stats) per step, ("error", ids, message) for refused or
     failed requests, and ("stopped",) last."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C reaches the whole group: it stops us
     from .engine import Engine
@@ -244,7 +244,7 @@ def _engine_main(conn, path: str, engine_args: dict):
         items = []
         for o in outs:
             items.append((o.request_id, (o.new_token_ids, o.new_logprobs, o.finish_reason, o.num_cached_tokens,
-                                         o.ttft_s)))
+                                         o.ttft_s, o.prompt_logprobs)))
             if o.finished:
                 live.discard(o.request_id)
         conn.send(("step", items, _stats(engine)))

@@ -31,7 +31,7 @@ from ..ops import runtime
 from .block_manager import BlockManager
 from .detokenizer import RequestText
 from .runner import DecodeGraph
-from .sampling import SamplingParams, draw_uniform, sample
+from .sampling import SamplingParams, draw_uniform, sample, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
 from .spec import NO_DRAFT, make_speculator, verify
 from .verify import Verifier
@@ -71,6 +71,9 @@ class RequestOutput:
     ttft_s: float = 0.0  # submission to the first token
     # with SamplingParams.logprobs: per new token (its logprob, [(token, logprob)] of the top ones)
     new_logprobs: list = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs, in the first output: per prompt token as new_logprobs
+    # (None for the first, which nothing predicts)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,12 +111,14 @@ class _Request:
     submitted: float
     text: RequestText | None  # None: the caller detokenizes (Engine.detokenize off)
     ttft_s: float = 0.0
+    prompt_logprobs: list | None = None  # filled as the prompt's chunks run; handed out once
 
     def output(self, new_text="", new_token_ids=(), new_logprobs=()) -> RequestOutput:
         s = self.seq
+        prompt_lps, self.prompt_logprobs = self.prompt_logprobs, None
         return RequestOutput(s.seq_id, s.prompt_ids, s.output_ids, self.text.taken if self.text else "", new_text,
                              list(new_token_ids), s.finish_reason, s.num_cached_tokens, self.ttft_s,
-                             list(new_logprobs))
+                             list(new_logprobs), prompt_lps)
 
 
 @dataclass(eq=False)
@@ -210,11 +215,12 @@ class Engine:
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise CuinferError(f"request id {rid!r} is in use")
-        seq = Sequence(rid, ids, params)
+        seq = Sequence(rid, ids, params, match_prefix=params.prompt_logprobs is None)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
         text = RequestText(self.tokenizer, params.stop) if self.detokenize else None
         self.scheduler.add(seq)
-        self._requests[rid] = _Request(seq, seed, time.perf_counter(), text)
+        self._requests[rid] = _Request(seq, seed, time.perf_counter(), text,
+                                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self.stats.prompt_tokens += len(ids)
         return rid
 
@@ -455,7 +461,8 @@ class Engine:
     def _run_model(self, plan):
         """(host argmax tokens, None) when the decoder took the step greedily, else (None, float32
         logits [num_seqs, vocab] on the model's device)."""
-        if self.decoder is not None and all(n == 1 for _, n in plan):
+        want = [i for i, (s, n) in enumerate(plan) if self._wants_prompt_logprobs(s, n)]
+        if self.decoder is not None and all(n == 1 for _, n in plan) and not want:
             greedy = not any(s.params.needs_logits for s, _ in plan)
             out = self.decoder.run([s.token_at(s.num_computed) for s, _ in plan],
                                    [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan], greedy)
@@ -463,7 +470,34 @@ class Engine:
         chunks = [(s.token_slice(s.num_computed, s.num_computed + n), s.num_computed, s.block_table)
                   for s, n in plan]
         batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
-        return None, self.model.forward(batch, self.kv_cache)
+        if not want:
+            return None, self.model.forward(batch, self.kv_cache)
+        logits = self.model.forward(batch, self.kv_cache, all_logits=True)  # logits: [tokens, vocab]
+        ends = np.cumsum([n for _, n in plan])
+        self._prompt_logprobs([plan[i] for i in want], ends[want] - [plan[i][1] for i in want], logits)
+        return None, logits[self.model.xp.asarray(ends - 1)]
+
+    def _wants_prompt_logprobs(self, seq, n: int) -> bool:
+        """Whether seq's chunk of n tokens predicts prompt tokens whose logprobs it still lacks."""
+        lps = self._requests[seq.seq_id].prompt_logprobs
+        return lps is not None and len(lps) < min(seq.num_computed + n + 1, len(seq.prompt_ids))
+
+    def _prompt_logprobs(self, plan, starts, logits):
+        """Append to each (sequence, n) of `plan` the logprobs of the prompt tokens its chunk's rows
+        (from starts[i] in logits) predict and it lacks (a recomputed chunk adds nothing): row j gives
+        the token at position num_computed + j + 1."""
+        rows, nxt, owners = [], np.zeros(len(logits), np.int64), []
+        for (s, n), r0 in zip(plan, starts):
+            have = len(self._requests[s.seq_id].prompt_logprobs)
+            for j in range(n):
+                p = s.num_computed + j + 1  # the token this row predicts
+                if have <= p < len(s.prompt_ids):
+                    rows.append(int(r0) + j)
+                    nxt[int(r0) + j] = s.prompt_ids[p]
+                    owners.append(s)
+        entries = token_logprobs(logits, nxt, rows, [s.params.prompt_logprobs for s in owners], self.model.xp)
+        for s, entry in zip(owners, entries):
+            self._requests[s.seq_id].prompt_logprobs.append(entry)
 
     def _append(self, req: _Request, token: int, now: float, logprob=None) -> RequestOutput:
         seq, p = req.seq, req.seq.params

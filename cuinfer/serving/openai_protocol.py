@@ -95,12 +95,6 @@ class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.num_logprobs is not None:
-            raise ValueError("echo with logprobs: not supported by cuinfer yet (it needs the prompt's logprobs)")
-        return self
-
     @property
     def num_logprobs(self) -> int | None:
         return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
@@ -128,11 +122,12 @@ def chat_logprobs(tokenizer, token_ids, entries) -> dict | None:
 
 
 def completion_logprobs(tokenizer, token_ids, entries, offset: int = 0) -> dict | None:
-    """The completions endpoint's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    """The completions endpoint's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset);
+    an entry None (an echoed prompt's first token, which nothing predicts) gives None there."""
     if not entries:
         return None
     texts = [tokenizer.decode([t]) for t in token_ids]
     offsets = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
-    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{tokenizer.decode([a]): v for a, v in top} for _, top in entries],
+    return {"tokens": texts, "token_logprobs": [None if e is None else e[0] for e in entries],
+            "top_logprobs": [None if e is None else {tokenizer.decode([a]): v for a, v in e[1]} for e in entries],
             "text_offset": offsets}

@@ -33,6 +33,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated (OpenAI)
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated (OpenAI)
     logprobs: int | None = None  # report each token's logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (its prefix is then recomputed)
     seed: int | None = None
     stop: tuple = ()  # stop strings: the text ends before the first one
     stop_token_ids: tuple = ()  # extra to the model's end-of-sequence tokens
@@ -53,7 +54,9 @@ class SamplingParams:
                   ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
                   ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
                   ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-                  ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "None or in [0, 20]")]
+                  ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "None or in [0, 20]"),
+                  ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                   "None or in [0, 20]")]
         for name, ok, need in checks:
             if not ok:
                 raise runtime.CuinferError(f"{name}: got {getattr(self, name)}, need {need}")

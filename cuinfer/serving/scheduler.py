@@ -40,6 +40,7 @@ class Sequence:
     block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     num_released: int = 0  # leading blocks behind every layer's window, no longer held (Scheduler.window)
+    match_prefix: bool = True  # whether admission may take its prompt's blocks from the prefix cache
 
     @property
     def token_ids(self) -> list:
@@ -195,7 +196,7 @@ class Scheduler:
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return None
         seq = self.waiting[0]
-        cached = self.blocks.match(seq)
+        cached = self.blocks.match(seq) if seq.match_prefix else []
         start = len(cached) * self.block_size
         n = min(seq.num_tokens - start, budget)
         need = blocks_for(start + n, self.block_size) - len(cached) + self.blocks.num_free_in(cached)
