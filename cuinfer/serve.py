@@ -14,8 +14,8 @@ import time
 import uuid
 
 from .errors import CuinferError
-from .ops import runtime
 from .generate import add_speculative_arguments, speculative_options
+from .ops import runtime
 from .serving.sampling import SamplingParams
 
 

@@ -1,6 +1,7 @@
 """pyproject.toml installs every subpackage of cuinfer (an editable install would hide a missing one)."""
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

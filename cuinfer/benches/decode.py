@@ -259,7 +259,7 @@ def model_rows(cp, torch, name, config, base, args, batches, quants):
                  "graph_mib": engine.decoder.graph_bytes() / 2**20, "prefill_tok_s": prefill_tok_s(cp, engine)}
             if b == 1:
                 eager = make_engine(cp, model, b, args, use_graphs=False)
-                decode_run(eager, prompts, args.new_tokens)  # as the graphs' run: its prompt then comes from the prefix cache
+                decode_run(eager, prompts, args.new_tokens)  # as the graph run: the prompts then come from the cache
                 eager_ms, eager_tokens = decode_run(eager, prompts, args.new_tokens)
                 d.update(eager_tok_s=1000 / eager_ms, graph_eq_eager=eager_tokens == tokens)
             if hf is not None and b == 1:

@@ -18,7 +18,6 @@ transformers' continuous batching (generate_batch; one max_new_tokens for all: t
 """
 from __future__ import annotations
 
-
 import time
 from dataclasses import dataclass, field, replace
 

@@ -2,8 +2,8 @@
 
 The draft model runs through the same code as the target (the catch-up chunk of a sequence as a
 verify step, Verifier's CUDA graphs on the GPU, or Model.forward when it is a long prefill; then
-one decode step per further draft token, DecodeGraph's CUDA graphs) with its own paged KV cache and its own BlockManager (no prefix cache), as many blocks as the
-target's. Per sequence it keeps a block table and how many of the sequence's tokens have their
+one decode step per further draft token, DecodeGraph's CUDA graphs) with its own paged KV cache
+and its own BlockManager (no prefix cache), as many blocks as the target's. Per sequence it keeps a block table and how many of the sequence's tokens have their
 draft K/V in place (`computed`). Proposing k tokens for a sequence of N tokens:
 
     catch-up: tokens computed..N-1 in one chunk -> logits at N-1 -> d1 ~ q1
@@ -81,8 +81,8 @@ class DraftProposer:
         for j in range(max(budgets[i] for i in rows)):
             if j:
                 live = [i for i in rows if budgets[i] > j]
-                logits = self._decode([out[i][0][-1] for i in live],
-                                      [seqs[i].num_tokens + j - 1 for i in live], [self.state[seqs[i]].table for i in live])
+                logits = self._decode([out[i][0][-1] for i in live], [seqs[i].num_tokens + j - 1 for i in live],
+                                      [self.state[seqs[i]].table for i in live])
             else:
                 live = rows
             self._pick(logits, [seqs[i].params for i in live], [uniforms[i][j] for i in live], [out[i] for i in live])
