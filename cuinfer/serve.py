@@ -140,24 +140,26 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
                 jobs.append((index, ids, params, f"{base}-{index}"))
         return base, jobs
 
+    async def observed(ids, params, rid):
+        """The request's RequestOutputs; its metrics are recorded when it finishes."""
+        started = time.perf_counter()
+        async for out in aengine.generate(ids, params, rid):
+            if out.finished:
+                metrics.finished(out, started)
+            yield out
+
     async def merged(jobs):
         """(choice index, RequestOutput) from every job as they come."""
         if len(jobs) == 1:  # the common case: no task and queue in between
-            index, ids, params, rid = jobs[0]
-            started = time.perf_counter()
-            async for out in aengine.generate(ids, params, rid):
-                if out.finished:
-                    metrics.finished(out, started)
+            index, *job = jobs[0]
+            async for out in observed(*job):
                 yield index, out
             return
         q = asyncio.Queue()
 
         async def pump(index, ids, params, rid):
-            started = time.perf_counter()
             try:
-                async for out in aengine.generate(ids, params, rid):
-                    if out.finished:
-                        metrics.finished(out, started)
+                async for out in observed(ids, params, rid):
                     await q.put((index, out))
             except CuinferError as e:
                 await q.put((index, e))

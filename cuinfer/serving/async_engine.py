@@ -41,7 +41,7 @@ class AsyncEngine:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _streams and _stats (event loops and the reader thread)
         self._streams = {}  # request id -> (event loop, asyncio.Queue)
-        self._stats = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "draft_tokens": 0, "accepted_tokens": 0}
+        self._stats = info["stats"]
         self._stopped = False
         self._reader = threading.Thread(target=self._read, name="cuinfer-engine-reader", daemon=True)
         self._reader.start()
@@ -205,7 +205,7 @@ def _engine_main(conn, path: str, engine_args: dict):
         conn.send(("error", str(e)))
         return
     engine.detokenize = False  # the server makes the text, in its own process
-    conn.send(("ready", {"max_len": engine.max_len}))
+    conn.send(("ready", {"max_len": engine.max_len, "stats": _stats(engine)}))
     live = set()
     while True:
         drained = False  # block for the first message when idle, then take what is there

@@ -479,6 +479,8 @@ class Engine:
 
     def _wants_prompt_logprobs(self, seq, n: int) -> bool:
         """Whether seq's chunk of n tokens predicts prompt tokens whose logprobs it still lacks."""
+        if seq.params.prompt_logprobs is None:  # every decode step asks: answer without a lookup
+            return False
         lps = self._requests[seq.seq_id].prompt_logprobs
         return lps is not None and len(lps) < min(seq.num_computed + n + 1, len(seq.prompt_ids))
 
