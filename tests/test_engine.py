@@ -451,6 +451,8 @@ def released_window_case(device):
     from cuinfer.serving.scheduler import WINDOW_READ_MARGIN
 
     cfg = small_config().replace(sliding_window=40, layer_types=("sliding_attention",) * 2)
+    if device == "gpu":
+        cfg = cfg.replace(head_dim=64)  # the smallest head the GPU kernels instantiate
     model = Model.from_tensors(cfg, random_tensors(cfg, seed=4), device, *([np.float16] if device == "gpu" else []))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in (30, 200, 90, 260, 5, 150)]
