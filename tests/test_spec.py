@@ -21,6 +21,15 @@ def cpu_model():
     return Model.from_tensors(cfg, random_tensors(cfg, seed=3), "cpu")
 
 
+
+def cheap_verify(eng):
+    """The engine with its verify steps timed as costing one plain step: on NumPy a step's time
+    grows with its rows, which says nothing of the GPU's, where the tests of the speculation
+    machinery must see verify steps run."""
+    note = eng.spec.note_verify_step
+    eng.spec.note_verify_step = lambda num_seqs, seconds: note(num_seqs, 0.0) or 1.0
+    return eng
+
 def test_ngram_match_prefers_the_longest_suffix():
     #        0  1  2  3  4  5  6  7  8  9 10 11 12
     seq = [5, 1, 2, 9, 9, 7, 1, 2, 3, 4, 8, 1, 2]
@@ -140,7 +149,7 @@ def test_greedy_with_stops_and_pipelined_decode(cpu_model):
     params = SamplingParams(max_new_tokens=40, stop=(stop,))
     want = make_engine(cpu_model, 4096, tokenizer=tok, eos=(eos,)).generate(prompts, params)
     for kw in ({}, dict(decoder=NumpyDecoder, async_decode=True)):
-        eng = make_engine(cpu_model, 4096, tokenizer=tok, eos=(eos,), speculative="ngram", **kw)
+        eng = cheap_verify(make_engine(cpu_model, 4096, tokenizer=tok, eos=(eos,), speculative="ngram", **kw))
         got = eng.generate(prompts, params)
         assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
             [(o.token_ids, o.text, o.finish_reason) for o in want]
@@ -151,7 +160,7 @@ def test_greedy_with_stops_and_pipelined_decode(cpu_model):
 
 def test_streamed_text_and_tokens_are_complete(cpu_model):
     tok = CharTokenizer()
-    eng = make_engine(cpu_model, 4096, tokenizer=tok, speculative="ngram")
+    eng = cheap_verify(make_engine(cpu_model, 4096, tokenizer=tok, speculative="ngram"))
     prompts = repetitive_prompts(3, seed=2)
     params = SamplingParams(max_new_tokens=25, ignore_eos=True)
     rid = eng.add_request(prompts[0], params)
@@ -210,6 +219,31 @@ def test_backoff_stops_verifying_what_never_matches(cpu_model):
     for _ in range(spec.PROBE_EVERY):
         probe.note_verify_step(1, 0.001)
     assert not probe.wants([(live, 1)])
+
+
+def test_a_step_verifies_only_when_it_pays_for_the_batch():
+    """The due sequences' expected extra tokens must exceed what a verify step costs the whole batch:
+    (cost - 1) x batch, with cost the bucket's verify steps in plain steps."""
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    seqs = []
+    for i in range(16):
+        seq = Sequence(i, [1, 2, 3], params)
+        seq.output_ids, seq.num_computed = [4], 3
+        seqs.append(seq)
+    plan = [(s, 1) for s in seqs]
+    gate = spec.Speculator(spec.NgramProposer(), 4)
+    gate.note_plain_step(16, 0.001)
+    assert gate.wants(plan)  # no verify step timed yet: each due sequence's prior gain is k / 2 + 1
+    gate.note_verify_step(16, 0.002)  # cost 2: 16 sequences must gain 16 extra tokens
+    assert gate.wants(plan)  # 16 x 2 expected
+    for s in seqs[1:]:
+        gate.record(s, 4, 0, 2.0)  # misses: they back off
+    assert not gate.wants(plan)  # one due sequence, 2 extra tokens expected
+    gate.note_plain_step(1, 0.001)
+    gate.note_verify_step(1, 0.002)
+    assert gate.wants(plan[:1])  # alone it pays (2 > cost - 1)
+    gate.record(seqs[0], 4, 1, 2.0)  # gained 2 tokens in a step that cost 2: a miss
+    assert not gate.due(seqs[0])
 
 
 def test_bad_options_are_one_clear_error(cpu_model):
@@ -326,28 +360,30 @@ def test_draft_model_needs_the_target_vocabulary(cpu_model):
 
 
 def test_padded_verify_batch_gives_the_rows_of_the_chunks(cpu_model):
-    """The GPU verifier's static layout (chunks padded to one q_len, the batch to a bucket, slot -1
-    for padding), run on the NumPy backend: the real rows' logits and the KV cache equal those of
-    the chunks as they are, and padding writes no slot."""
+    """The GPU verifier's static layout (chunks padded to one q_len, the batch to a bucket, a row per
+    token, slot -1 and context 0 for padding), run on the NumPy backend: the real rows' logits and
+    the KV cache equal those of one forward over the chunks as they are, padding writes no slot, and
+    a greedy step gives the rows' argmax."""
+    from cuinfer.model.decoder import input_views
     from cuinfer.model.kv_cache import CacheShape, KVCache
-    from cuinfer.serving.verify import batch_views, pack_chunks
+    from cuinfer.serving.verify import Verifier, pack_chunks
 
     cfg, bs = cpu_model.config, 16
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs)
-    caches = [KVCache.allocate(shape, np.float32, np, 1024) for _ in range(2)]
+    caches = [KVCache.allocate(shape, np.float32, np, 1024) for _ in range(3)]
     rng = np.random.default_rng(0)
     chunks = [(rng.integers(0, 97, n).tolist(), start, table)
               for n, start, table in ((3, 0, [5]), (1, 17, [2, 7]), (5, 30, [9, 3, 4]))]
     prefixes = [(rng.integers(0, 97, start).tolist(), 0, table) for _, start, table in chunks if start]
-    for cache in caches:  # the same cached prefixes in both
+    for cache in caches:  # the same cached prefixes in all
         cpu_model.forward(Batch.from_chunks(prefixes, bs), cache)
     want = cpu_model.forward(Batch.from_chunks(chunks, bs), caches[0], all_logits=True)
     b, q, width = 4, 5, 4
-    buf = np.zeros(b * (3 * q + 2 + width) + 1, dtype=np.int32)
+    buf = np.zeros(b * q * (4 + width), dtype=np.int32)
     pack_chunks(buf, chunks, b, q, width, bs)
-    batch = batch_views(buf, b, q, width)
-    assert (batch.slot_mapping == -1).sum() == b * q - 9
-    got = cpu_model.forward(batch, caches[1], all_logits=True)
+    inputs = input_views(buf, b * q, width)
+    assert (inputs.slot_mapping == -1).sum() == b * q - 9 and (inputs.context_lens == 0).sum() == b * q - 9
+    got = cpu_model.decode(inputs, caches[1], width * bs, verify=True)
     rows = [0, 1, 2, 5, 10, 11, 12, 13, 14]
     np.testing.assert_allclose(got[rows], want, rtol=1e-5, atol=1e-5)
     unused = sorted(set(range(caches[1].num_blocks)) - {b for _, _, t in chunks for b in t})
@@ -355,6 +391,8 @@ def test_padded_verify_batch_gives_the_rows_of_the_chunks(cpu_model):
         for a, c in zip(caches[0].layer(layer), caches[1].layer(layer)):
             np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5)
             assert not c[unused].any()
+    tokens = Verifier(cpu_model, caches[2]).run(chunks, greedy=True)
+    np.testing.assert_array_equal(tokens, np.argmax(want, axis=-1))
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -12,8 +12,8 @@ Rows:
   sequence gains per verify step) and how many outputs equal plain decoding's.
 - "open b=1 <method>": the open-ended prompts of the same file: the slowdown where drafts rarely hit
   (backoff turns speculation off per sequence).
-- "verify k=K <model>": GPU ms of one verify step of K drafts plus one token (Verifier: a CUDA
-  graph) at batch 1 and a 512-token context, against a plain greedy decode step (DecodeGraph) of
+- "verify k=K <model>": GPU ms of one greedy verify step of K drafts plus one token (Verifier: a
+  CUDA graph of the decode kernels over K + 1 rows, ending in the argmax) at batch 1 and a 512-token context, against a plain greedy decode step (DecodeGraph) of
   the same model and context (peer_ms); for the target and for --verify-preset (random weights,
   default llama3-8b; "none" to skip). Its shape column gives the cost ratio and the speedup the
   acceptance measured at batch 1 with ngram would give at that cost: (1 + accepted per verify row)
@@ -117,7 +117,7 @@ def verify_rows(cp, model, label, k_max, gain) -> list:
     rows = []
     for k in range(1, k_max + 1):
         chunks = [([1] * (k + 1), VERIFY_CONTEXT, table)]
-        ms = bench.time_ms(lambda: verifier.run(chunks), warmup=3, iters=20)
+        ms = bench.time_ms(lambda: verifier.run(chunks, greedy=True), warmup=3, iters=20)
         ratio = ms / decode_ms
         rows.append({"name": f"verify k={k} {label}", "shape": f"{ratio:.2f}x a decode step · "
                      f"ngram's acceptance would give {(1 + min(gain, k)) / ratio:.2f}x", "dtype": str(model.dtype),

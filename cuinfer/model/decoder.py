@@ -226,16 +226,24 @@ class Model:
         return self.logits(s)
 
     def decode(self, inputs: DecodeInputs, kv_cache, max_context_len: int, workspace=None, greedy=False,
-               tokens_out=None):
-        """One new token per sequence (the step DecodeGraph captures): paged_attention (split-K)
-        with `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
-        Returns float32 logits [num_seqs, vocab], or with greedy the int32 argmax [num_seqs], written
-        into tokens_out if given (which may be inputs.token_ids: the embedding has read them by then)."""
-        def attend(i, q, k, v, k_cache, v_cache):  # RoPE and the cache write fused; out: DecodeGraph's pool
-            return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-                                   out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len,
-                                   workspace=workspace, new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]),
-                                   **self.attention_kwargs(i))
+               tokens_out=None, verify=False):
+        """One new token per row (the step DecodeGraph captures): paged_attention (split-K) with
+        `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
+        Returns float32 logits [rows, vocab], or with greedy the int32 argmax [rows], written into
+        tokens_out if given (which may be inputs.token_ids: the embedding has read them by then).
+        Each row is its own sequence, and RoPE and the cache write are fused into the attention;
+        with verify, rows may be consecutive tokens of one sequence (a verify step: each row has its
+        own position, context_lens and block-table row): every row's K/V is written first
+        (write_kv), then each row attends over its context, which holds the rows before it."""
+        def attend(i, q, k, v, k_cache, v_cache):  # out: the caller's pool (DecodeGraph's, Verifier's)
+            kw = dict(out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len, workspace=workspace,
+                      **self.attention_kwargs(i))
+            if not verify:  # RoPE and the cache write fused
+                return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
+                                       new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), **kw)
+            q = write_kv(q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, self.inv_freq[i],
+                         out=self.xp.empty(q.shape, q.dtype))
+            return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)
 
         s = self.hidden(inputs.token_ids, kv_cache, attend)
         if greedy:  # the cap on the logits keeps their order
@@ -253,9 +261,9 @@ class Model:
     def prefill_attention(self, batch: Batch):
         """`forward`'s attend: write_kv (RoPE on q and k, k and v into the cache), then
         flash_attention_paged over each sequence's cached prefix and new tokens."""
-        def attend(i, q, k, v, k_cache, v_cache):
-            q, k, v = (self.xp.ascontiguousarray(a) for a in (q, k, v))  # write_kv reads packed rows
-            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, self.inv_freq[i], out=q)
+        def attend(i, q, k, v, k_cache, v_cache):  # q, k, v: views of the qkv rows
+            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, self.inv_freq[i],
+                         out=self.xp.empty(q.shape, q.dtype))
             return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, max_seqlen_q=batch.max_seqlen_q,
                                          **self.attention_kwargs(i))

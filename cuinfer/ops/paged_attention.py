@@ -51,6 +51,7 @@ import numpy as np
 from . import runtime
 from .attention_ref import default_scale, paged_prefix_attention
 from .flash_attention import check_window
+from .write_kv import check_head_rows
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
@@ -239,11 +240,7 @@ def _check_new_kv(q, n_kv, k, v, slot_mapping, inv_freq):
     runtime.check("k", k, dtype=q.dtype, shape=(num_seqs, n_kv, d), contiguous=False)
     runtime.check("v", v, dtype=q.dtype, shape=(num_seqs, n_kv, d), contiguous=False)
     for name, a in (("q", q), ("k", k), ("v", v)):
-        rows_ok = a.shape[0] == 1 or (a.strides[0] > 0 and a.strides[0] % 16 == 0)
-        if not rows_ok or a.strides[2] != a.itemsize or (a.shape[1] > 1 and a.strides[1] != d * a.itemsize):
-            raise ValueError(f"{name}: got strides {a.strides}, need ({a.itemsize * d}-byte heads contiguous "
-                             "in rows a multiple of 16 bytes apart)")
-        runtime.check(name, a, align=16, contiguous=False)
+        check_head_rows(name, a)
     runtime.check("slot_mapping", slot_mapping, dtype=np.int32, shape=(num_seqs,))
     runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(d // 2,))
 

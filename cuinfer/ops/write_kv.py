@@ -5,7 +5,9 @@ write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=None)
     k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim], updated in place
     slot_mapping: int32 [tokens], slot = block * block_size + offset; a negative slot skips the token
     inv_freq: float32 [head_dim // 2] from cuinfer.ops.rope.rope_inv_freq (Hugging Face rotate-half)
-`out` may be q itself (in place). numpy arrays run the reference; cupy arrays launch
+q, k and v may be views of one qkv row ([tokens, (n_heads + 2 * n_kv_heads) * head_dim]): heads
+contiguous within a token's row, rows any multiple of 16 bytes apart (check_head_rows). `out`
+(contiguous) may be q itself when q is contiguous (in place). numpy arrays run the reference; cupy arrays launch
 cuda_src/write_kv.cu (one CTA per token). Under CUDA-graph capture pass `out` (allocated
 before capture): the op then allocates nothing, and its grid depends on shapes only.
 """
@@ -35,15 +37,26 @@ def write_kv_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_f
     return q_rot
 
 
+def check_head_rows(name, a):
+    """a: [tokens, heads, head_dim] with heads contiguous within a token's row, rows a multiple of
+    16 bytes apart, 16-byte aligned (the layout of q, k and v sliced from one qkv projection)."""
+    tokens, heads, d = a.shape
+    rows_ok = tokens == 1 or (a.strides[0] > 0 and a.strides[0] % 16 == 0)
+    if not rows_ok or a.strides[2] != a.itemsize or (heads > 1 and a.strides[1] != d * a.itemsize):
+        raise ValueError(f"{name}: got strides {a.strides}, need ({a.itemsize * d}-byte heads contiguous "
+                         "in rows a multiple of 16 bytes apart)")
+    runtime.check(name, a, align=16, contiguous=False)
+
+
 def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=None):
     dev = runtime.on_device(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out)
-    runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, ndim=3)
+    runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, ndim=3, contiguous=False)
     tokens, n_heads, d = q.shape
     if d % 8:
         raise ValueError(f"q: got head_dim {d}, need a multiple of 8")
-    runtime.check("k", k, dtype=q.dtype, shape=(tokens, None, d))
+    runtime.check("k", k, dtype=q.dtype, shape=(tokens, None, d), contiguous=False)
     n_kv = k.shape[1]
-    runtime.check("v", v, dtype=q.dtype, shape=(tokens, n_kv, d))
+    runtime.check("v", v, dtype=q.dtype, shape=(tokens, n_kv, d), contiguous=False)
     runtime.check("positions", positions, dtype=np.int32, shape=(tokens,))
     runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, n_kv, d))
     runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
@@ -55,14 +68,18 @@ def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=N
         out = runtime.check_out(out, q.shape, q.dtype, q)
         out[...] = res.astype(q.dtype)  # rounded once
         return out
-    for name, a in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        check_head_rows(name, a)
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         runtime.check(name, a, align=16)
     if out is None and runtime.capturing():
         raise ValueError("out: needed under CUDA-graph capture, allocated before it (see cuinfer.ops.write_kv)")
     out = runtime.check_out(out, q.shape, q.dtype, q)
     runtime.check("out", out, align=16)
     kern = runtime.kernel("write_kv", f"write_kv_kernel<{runtime.ctype(q.dtype)}>")
+    if out is q and not q.flags.c_contiguous:
+        raise ValueError("out: may be q only when q is contiguous")
     args = (q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out,
-            np.int32(n_heads), np.int32(n_kv), np.int32(d))
+            np.int32(n_heads), np.int32(n_kv), np.int32(d), *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)))
     runtime.launch(kern, (tokens,), (THREADS,), args)
     return out

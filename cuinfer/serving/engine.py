@@ -33,7 +33,7 @@ from .detokenizer import RequestText
 from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniform, sample, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
-from .spec import NO_DRAFT, make_speculator, verify
+from .spec import NO_DRAFT, accept_greedy, make_speculator, verify
 from .verify import Verifier
 
 CPU_KV_TOKENS = 16384
@@ -404,7 +404,13 @@ class Engine:
         self._note_kv_blocks()
         chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
                   for s, d in zip(seqs, drafts)]
-        kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), [len(c[0]) for c in chunks])
+        lens = [len(c[0]) for c in chunks]
+        if any(s.params.needs_logits for s in seqs):
+            kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), lens)
+        else:  # only each row's argmax comes back
+            targets, starts = self.verifier.run(chunks, greedy=True).tolist(), np.cumsum([0] + lens)
+            kept = [accept_greedy(targets[a:b], d.tokens) for a, b, d in zip(starts, starts[1:], drafts)]
+            lps = [None] * len(seqs)
         now = time.perf_counter()
         events, results = [], []
         for s, r, d, k, tokens, lp in zip(seqs, reqs, drafts, budgets, kept, lps):

@@ -7,8 +7,8 @@ speculate (Speculator.wants). Each due sequence gets up to k draft tokens from t
 NgramProposer (prompt lookup: the continuation of the longest earlier match of the sequence's last
 n tokens, n = 4..1) or DraftProposer (a smaller model with the same tokenizer, cuinfer/serving/
 draft.py). The target scores [last token, d1..dk] of every sequence in one step (Verifier,
-cuinfer/serving/verify.py: Model.forward with q_len k_i + 1 and the logits of every row, a CUDA
-graph on the GPU); each sequence keeps the drafts the verification accepts plus one token of the
+cuinfer/serving/verify.py: the decode step's kernels over k_i + 1 rows per sequence, a CUDA graph on
+the GPU, ending in each row's argmax when no row needs logits); each sequence keeps the drafts the verification accepts plus one token of the
 target's, so a step yields 1..k+1 tokens per sequence (docs/speculative.md):
 - greedy rows (accept_greedy): the drafts that equal the target's argmax, then the argmax after
   them, which is the token plain greedy decoding would give;
@@ -25,6 +25,12 @@ or at least when none of its drafts was accepted (or it had none to propose). Af
 the sequence decodes plainly for the next min(2**m, MAX_BACKOFF) tokens, through the pipelined
 CUDA-graph decode path, so text the drafts do not predict, or drafts that cost more than they
 gain, do not slow decoding. A verify step that pays resets it.
+
+A step verifies only when it should pay for the whole batch: the tokens the due sequences are
+expected to gain beyond their one (a moving average of each sequence's gains in the verify steps
+that paid since its last miss; k / 2 + 1 before the first) exceed what the step costs the others, (cost - 1) x batch, with cost
+the bucket's last verify step in plain steps. One due sequence among many does not turn every
+step of the batch into a synchronous verify step.
 """
 from __future__ import annotations
 
@@ -39,9 +45,10 @@ from .runner import bucket
 from .sampling import token_probs
 
 MAX_SPECULATIVE_TOKENS = 16
-MAX_BACKOFF = 64  # output tokens decoded without drafts after repeated misses, at most
+MAX_BACKOFF = 256  # output tokens decoded without drafts after repeated misses, at most
 PROBE_EVERY = 32  # verify steps of a batch bucket after which a plain step is timed again
 PLAIN_SAMPLES = 8  # plain step times kept per batch bucket (their minimum is the estimate)
+SMOOTHING = 0.5  # weight of the newest value in the moving averages of gains and costs
 NGRAM_MAX, NGRAM_MIN = 4, 1
 
 
@@ -127,12 +134,14 @@ class _PlainTimes:
     """A batch bucket's plain decode steps: their last wall times, and verify steps since."""
     seconds: deque = field(default_factory=lambda: deque(maxlen=PLAIN_SAMPLES))
     verifies: int = 0
+    cost: float = 0.0  # verify steps' cost in plain steps, a moving average (0: none yet)
 
 
 @dataclass
 class _Backoff:
     resume_at: int = 0  # output length from which the sequence proposes again
     misses: int = 0
+    gain: float = 0.0  # tokens gained per verify step, a moving average (0: none yet)
 
 
 class Speculator:
@@ -153,7 +162,15 @@ class Speculator:
         """Whether the step `plan` ([(sequence, tokens)]) becomes a verify step: every sequence
         decodes and one is due."""
         decoding = all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
-        return decoding and not self._probe(len(plan)) and any(self.due(s) for s, _ in plan)
+        if not decoding or self._probe(len(plan)):
+            return False
+        extra = sum(self._gain(s) - 1 for s, _ in plan if self.due(s))
+        cost = self._plain[bucket(len(plan))].cost
+        return extra > 0 and extra > (cost - 1) * len(plan)
+
+    def _gain(self, seq) -> float:
+        b = self._backoff.get(seq)
+        return b.gain if b is not None and b.gain else self.k / 2 + 1
 
     def budgets(self, seqs, max_len: int) -> list:
         """Draft tokens each sequence may take: k, less what would pass max_new_tokens or the context."""
@@ -182,7 +199,11 @@ class Speculator:
         verify steps look cheap), 1.0 while none was timed."""
         t = self._plain.setdefault(bucket(num_seqs), _PlainTimes())
         t.verifies += 1
-        return seconds / min(t.seconds) if t.seconds else 1.0
+        if not t.seconds:
+            return 1.0
+        cost = seconds / min(t.seconds)
+        t.cost = cost if not t.cost else SMOOTHING * cost + (1 - SMOOTHING) * t.cost
+        return cost
 
     def record(self, seq, proposed: int, accepted: int, cost: float = 1.0) -> None:
         """A due sequence's verify result: a miss (it gained accepted + 1 tokens in a step that cost
@@ -190,8 +211,9 @@ class Speculator:
         b = self._backoff.setdefault(seq, _Backoff())
         if proposed and accepted and accepted + 1 > cost:
             b.misses, b.resume_at = 0, 0
-        else:
-            b.misses += 1
+            b.gain = accepted + 1 if not b.gain else SMOOTHING * (accepted + 1) + (1 - SMOOTHING) * b.gain
+        else:  # when it is due again its gain is unknown again
+            b.misses, b.gain = b.misses + 1, 0.0
             b.resume_at = len(seq.output_ids) + min(2 ** b.misses, MAX_BACKOFF)
 
 

@@ -3,22 +3,27 @@
     verifier = Verifier(model, kv_cache)
     logits = verifier.run(chunks)   # chunks: [(k_i + 1 tokens, position of the first, block table)]
     # float32 [sum(k_i + 1), vocab] on the model's device: the logits of every row, chunks in order
+    tokens = verifier.run(chunks, greedy=True)   # int32 [sum(k_i + 1)]: each row's argmax
 
-A verify step is Model.forward over each sequence's last token and its drafts (paged prefill
-attention over the cached prefix, all_logits). Its shape is fixed once every chunk is padded to
-q_len = the longest chunk, the number of sequences to a batch bucket (1, 2, 4, ...) and the block
-tables to a context bucket (256, 512, ... tokens, as DecodeGraph's); the inputs live in one static
-int32 device buffer
+A verify step is the decode step over more rows (Model.decode with verify=True): each sequence's
+last token and its drafts are rows of their own, each with its position, context length and a copy
+of the sequence's block table. write_kv puts every row's K/V in the cache, then the split-K paged
+decode attention lets each row attend over its context (which holds the rows before it). So the
+step runs the kernels a plain decode step runs, on k + 1 rows per sequence: the weights are read
+once, and a greedy step ends in the fused lm_head argmax, so only the tokens come back. Its shape
+is fixed once every chunk is padded to q_len = the longest chunk, the number of sequences to a
+batch bucket (1, 2, 4, ...) and the block tables to a context bucket (256, 512, ... tokens, as
+DecodeGraph's); the inputs live in one static int32 device buffer, decoder.input_views' layout
+over T = b * q_len rows
 
-    [token_ids T | positions T | slot_mapping T | cu_seqlens_q b+1 | context_lens b | block_tables b x width]
+    [token_ids T | positions T | slot_mapping T | context_lens T | block_tables T x width]
 
-(T = b * q_len), filled each step by one asynchronous copy from pinned host memory. Padding tokens
-(after a short chunk, and the rows of padding sequences) have slot -1: write_kv skips them, so they
-write no KV block; they attend to whatever their table rows point at, and their logits are dropped.
-Capture follows DecodeGraph's rules (runner.capture: an eager warm-up, then stream capture, in a
-private memory pool); every step is captured (past the GEMV's rows the linear layers take
-ops.cublas, which capture allows). use_graphs=False runs the same step eagerly on the same buffers,
-and the CPU runs it on NumPy buffers (so the CPU tests check the layout the graphs use).
+filled each step by one asynchronous copy from pinned host memory. Padding rows (after a short
+chunk, and those of padding sequences) have slot -1 and context length 0: they write no KV and
+attend to nothing, and their outputs are dropped. Capture follows DecodeGraph's rules
+(runner.capture: an eager warm-up, then stream capture, in a private memory pool); every step is
+captured. use_graphs=False runs the same step eagerly on the same buffers, and the CPU runs it on
+NumPy buffers (so the CPU tests check the layout the graphs use).
 """
 from __future__ import annotations
 
@@ -26,17 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.decoder import Batch, slot_mapping
+from ..model.decoder import input_views, slot_mapping
 from ..ops import runtime
 from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async
-
-
-def batch_views(buf, b: int, q: int, width: int) -> Batch:
-    """A Batch viewing one int32 buffer [b * (3 * q + 2 + width) + 1] in the layout above."""
-    t = b * q
-    return Batch(token_ids=buf[:t], positions=buf[t:2 * t], slot_mapping=buf[2 * t:3 * t],
-                 cu_seqlens_q=buf[3 * t:3 * t + b + 1], context_lens=buf[3 * t + b + 1:3 * t + 2 * b + 1],
-                 block_tables=buf[3 * t + 2 * b + 1:].reshape(b, width), max_seqlen_q=q)
 
 
 def step_shape(chunks, block_size: int) -> tuple:
@@ -48,28 +45,27 @@ def step_shape(chunks, block_size: int) -> tuple:
 
 
 def pack_chunks(buf, chunks, b: int, q: int, width: int, block_size: int) -> None:
-    """Write a verify step's chunks into the host buffer, padded as described above."""
-    v = batch_views(buf, b, q, width)
-    v.token_ids[:], v.slot_mapping[:], v.block_tables[...] = 0, -1, 0
-    positions = np.tile(np.arange(q), b)  # padding sequences: positions 0..q-1
+    """Write a verify step's chunks into the host buffer, one row per token, padded as described above."""
+    v = input_views(buf, b * q, width)
+    v.token_ids[:], v.positions[:], v.slot_mapping[:], v.context_lens[:], v.block_tables[...] = 0, 0, -1, 0, 0
     for i, (tokens, start, table) in enumerate(chunks):
-        n = len(tokens)
-        v.token_ids[i * q:i * q + n] = tokens
-        positions[i * q:(i + 1) * q] += start
-        v.block_tables[i, :len(table)] = table
-        rows = np.full(n, i)
-        v.slot_mapping[i * q:i * q + n] = slot_mapping(v.block_tables, rows, positions[i * q:i * q + n], block_size)
-    v.positions[:] = positions
-    v.cu_seqlens_q[:] = np.arange(b + 1) * q
-    v.context_lens[:] = positions.reshape(b, q)[:, -1] + 1
+        rows = slice(i * q, i * q + len(tokens))
+        v.token_ids[rows] = tokens
+        v.positions[rows] = np.arange(start, start + len(tokens))
+        v.block_tables[rows, :len(table)] = table
+        v.slot_mapping[rows] = slot_mapping(v.block_tables[rows], np.arange(len(tokens)), v.positions[rows],
+                                            block_size)
+        v.context_lens[rows] = v.positions[rows] + 1
 
 
 @dataclass(eq=False)
 class _Step:
     host: np.ndarray  # int32 staging buffer (GPU: pinned; CPU: the inputs themselves)
     device: object  # the int32 inputs the step reads, same layout (CPU: host itself)
-    batch: Batch  # views of `device`
-    out: object = None  # static logits [T, vocab], written by the graph
+    inputs: object  # DecodeInputs: views of `device`
+    workspace: object  # float32 paged_attention split partials, or None (no split)
+    tokens: object  # int32 [T]: a greedy step's argmax
+    out: object = None  # static output (logits [T, vocab] or `tokens`), written by the graph
     graph: object = None
     copied: object = None  # event after the last copy out of `host`
 
@@ -84,18 +80,18 @@ class Verifier:
             self.stream = self.cp.cuda.Stream(non_blocking=True)
         self.steps = {}
 
-    def run(self, chunks):
-        """Logits of every row of the chunks (module docstring); the same padded step on the CPU,
-        run by Model.forward's NumPy path."""
+    def run(self, chunks, greedy: bool = False):
+        """Logits of every row of the chunks, or with greedy their int32 argmax (module docstring);
+        the same padded step on the CPU, run by Model.decode's NumPy path."""
         b, q, width = step_shape(chunks, self.kv_cache.block_size)
-        step = self.steps.get((b, q, width)) or self._new_step(b, q, width)
+        step = self.steps.get((b, q, width, greedy)) or self._new_step(b, q, width, greedy)
         self._load(step, chunks, b, q, width)
         if not self.use_graphs:
-            out = self._forward(step)
+            out = self._forward(step, greedy)
         else:
             if step.graph is None:
                 self.cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
-                step.graph, step.out, _ = capture(lambda: self._forward(step), self.stream, self.pool)
+                step.graph, step.out, _ = capture(lambda: self._forward(step, greedy), self.stream, self.pool)
             step.graph.launch()
             out = step.out
         rows = np.concatenate([i * q + np.arange(len(t)) for i, (t, _, _) in enumerate(chunks)])
@@ -115,17 +111,21 @@ class Verifier:
             step.copied = cp.cuda.Event(disable_timing=True)
         step.copied.record(stream)
 
-    def _new_step(self, b: int, q: int, width: int) -> _Step:
-        size = b * (3 * q + 2 + width) + 1
-        if self.model.xp is np:
+    def _new_step(self, b: int, q: int, width: int, greedy: bool) -> _Step:
+        xp, rows = self.model.xp, b * q
+        size = rows * (4 + width)
+        if xp is np:
             host = device = np.zeros(size, dtype=np.int32)
         else:
-            cp = self.cp
-            host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
-            device = cp.zeros(size, dtype=np.int32)
-        step = _Step(host, device, batch_views(device, b, q, width))
-        self.steps[(b, q, width)] = step
+            host = np.frombuffer(self.cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+            device = self.cp.zeros(size, dtype=np.int32)
+        elems = self.model.decode_workspace_elems(rows, width * self.kv_cache.block_size) if xp is not np else 0
+        step = _Step(host, device, input_views(device, rows, width), xp.zeros(elems, np.float32) if elems else None,
+                     xp.zeros(rows, np.int32))
+        self.steps[(b, q, width, greedy)] = step
         return step
 
-    def _forward(self, step: _Step):
-        return self.model.forward(step.batch, self.kv_cache, all_logits=True)
+    def _forward(self, step: _Step, greedy: bool):
+        max_context_len = step.inputs.block_tables.shape[1] * self.kv_cache.block_size
+        return self.model.decode(step.inputs, self.kv_cache, max_context_len, step.workspace, greedy,
+                                 tokens_out=step.tokens if greedy else None, verify=True)

@@ -74,18 +74,27 @@ def test_argument_checks():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tokens=st.sampled_from([1, 2, 17, 111, 989]), heads=st.sampled_from([(8, 8), (12, 4), (7, 1), (32, 8)]),
        d=st.sampled_from([64, 80, 96, 128, 256]), dtype=st.sampled_from([np.float32, np.float16, runtime.bfloat16]),
-       in_place=st.booleans(), max_pos=st.sampled_from([16, 4096, 131072]), seed=st.integers(0, 2**31))
-def test_write_kv_kernel(cp, tokens, heads, d, dtype, in_place, max_pos, seed):
+       in_place=st.booleans(), packed=st.sampled_from([0, 8, 24]), max_pos=st.sampled_from([16, 4096, 131072]),
+       seed=st.integers(0, 2**31))
+def test_write_kv_kernel(cp, tokens, heads, d, dtype, in_place, packed, max_pos, seed):
+    """packed > 0: q, k and v are views of one row per token, as sliced from a qkv projection, with
+    `packed` elements of padding after v (row strides of any 16-byte multiple)."""
     rng = np.random.default_rng(seed)
     block_size, n_blocks = 16, -(-tokens // 16) + 2
     q, k, v, pos, slots = make(rng, tokens, heads[0], heads[1], d, dtype, n_blocks, block_size, max_pos)
     inv = inv_freq_for(d, 500000.0)
     shape = (n_blocks, block_size, heads[1], d)
     kc, vc = (cp.asarray(np.full(shape, np.nan, dtype)) for _ in range(2))  # NaN for bf16 too
-    q_d = cp.asarray(q)
-    out = q_d if in_place else poison(cp, q.shape, dtype)
-    res = write_kv(q_d, cp.asarray(k), cp.asarray(v), cp.asarray(pos), kc, vc, cp.asarray(slots),
-                   cp.asarray(inv), out=out)
+    if packed:
+        rows = cp.asarray(np.concatenate([a.reshape(tokens, -1) for a in (q, k, v)]
+                                         + [np.zeros((tokens, packed), dtype)], axis=1))
+        nq, nkv = heads[0] * d, heads[1] * d
+        q_d, k_d, v_d = (rows[:, a:b].reshape(tokens, -1, d) for a, b in ((0, nq), (nq, nq + nkv),
+                                                                         (nq + nkv, nq + 2 * nkv)))
+    else:
+        q_d, k_d, v_d = (cp.asarray(a) for a in (q, k, v))
+    out = q_d if in_place and not packed else poison(cp, q.shape, dtype)
+    res = write_kv(q_d, k_d, v_d, cp.asarray(pos), kc, vc, cp.asarray(slots), cp.asarray(inv), out=out)
     assert res is out
     assert_close(out, rotate_complex(q, pos, inv), dtype)
     want_k, want_v = expected_caches(k, v, pos, slots, inv, shape, np.nan)
