@@ -58,6 +58,7 @@ class DraftProposer:
         self.blocks = BlockManager(self.cache.num_blocks - on_gpu, bs, enable_prefix_caching=False)
         self.decoder = DecodeGraph(draft, self.cache, self.blocks.num_blocks, use_graphs) if on_gpu else None
         self.verifier = Verifier(draft, self.cache, use_graphs)  # short catch-up chunks, as verify steps
+        self.runners = (self.decoder, self.verifier)  # whose new step shapes the engine watches
         self.state = {}  # Sequence -> _DraftSeq
 
     def propose(self, seqs, budgets, seeds) -> list:

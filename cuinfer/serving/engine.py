@@ -392,6 +392,7 @@ class Engine:
         the slots of rejected drafts are rolled back. Without any draft: a plain synchronous step."""
         seqs = [s for s, _ in plan]
         reqs = [self._requests[s.seq_id] for s in seqs]
+        shapes = self._graph_shapes()
         budgets = self.spec.budgets(seqs, self.max_len)
         drafts = self.spec.propose(seqs, budgets, [r.seed for r in reqs])
         drafts = [d if d.tokens and self.scheduler.reserve_draft(s, len(d.tokens)) else NO_DRAFT
@@ -424,12 +425,18 @@ class Engine:
                 self.stats.accepted_tokens += len(tokens) - 1
                 self.stats.verify_rows += 1
         elapsed = time.perf_counter() - t0
-        cost = self.spec.note_verify_step(len(seqs), elapsed)
+        cost = self.spec.note_verify_step(len(seqs), elapsed if self._graph_shapes() == shapes else None)
         for s, proposed, accepted in results:
             self.spec.record(s, proposed, accepted, cost)
         self.stats.decode_s += elapsed
         self.stats.decode_tokens += sum(len(o.new_token_ids) for o in events)
         return events
+
+    def _graph_shapes(self) -> int:
+        """Step shapes the decode and verify runners (the draft model's too) have met: a new one
+        captured a graph, so the step that met it says nothing of a step's cost."""
+        runners = (self.decoder, self.verifier, *getattr(self.spec.proposer, "runners", ()))
+        return sum(len(getattr(r, "steps", ())) for r in runners)
 
     def _verify(self, seqs, drafts, logits, lens):
         """(tokens, logprobs entries or None) per sequence from a verify step's logits (lens: each

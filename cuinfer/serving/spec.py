@@ -28,8 +28,9 @@ gain, do not slow decoding. A verify step that pays resets it.
 
 A step verifies only when it should pay for the whole batch: the tokens the due sequences are
 expected to gain beyond their one (a moving average of each sequence's gains in the verify steps
-that paid since its last miss; k / 2 + 1 before the first) exceed what the step costs the others, (cost - 1) x batch, with cost
-the bucket's last verify step in plain steps. One due sequence among many does not turn every
+that paid since its last miss; k / 2 + 1 before the first) exceed what the step costs the others,
+(cost - 1) x batch, with cost the cheapest of the bucket's recent verify steps in plain steps (a
+step that met a new shape, and so captured a graph, is not timed: Engine._spec_step). One due sequence among many does not turn every
 step of the batch into a synchronous verify step.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_BACKOFF = 256  # output tokens decoded without drafts after repeated misses, at most
 PROBE_EVERY = 32  # verify steps of a batch bucket after which a plain step is timed again
 PLAIN_SAMPLES = 8  # plain step times kept per batch bucket (their minimum is the estimate)
-SMOOTHING = 0.5  # weight of the newest value in the moving averages of gains and costs
+SMOOTHING = 0.5  # weight of the newest gain in a sequence's moving average
 NGRAM_MAX, NGRAM_MIN = 4, 1
 
 
@@ -134,7 +135,7 @@ class _PlainTimes:
     """A batch bucket's plain decode steps: their last wall times, and verify steps since."""
     seconds: deque = field(default_factory=lambda: deque(maxlen=PLAIN_SAMPLES))
     verifies: int = 0
-    cost: float = 0.0  # verify steps' cost in plain steps, a moving average (0: none yet)
+    costs: deque = field(default_factory=lambda: deque(maxlen=PLAIN_SAMPLES))  # verify steps', in plain steps
 
 
 @dataclass
@@ -165,8 +166,8 @@ class Speculator:
         if not decoding or self._probe(len(plan)):
             return False
         extra = sum(self._gain(s) - 1 for s, _ in plan if self.due(s))
-        cost = self._plain[bucket(len(plan))].cost
-        return extra > 0 and extra > (cost - 1) * len(plan)
+        costs = self._plain[bucket(len(plan))].costs
+        return extra > 0 and extra > (min(costs, default=1.0) - 1) * len(plan)
 
     def _gain(self, seq) -> float:
         b = self._backoff.get(seq)
@@ -193,17 +194,16 @@ class Speculator:
         t.seconds.append(seconds)
         t.verifies = 0
 
-    def note_verify_step(self, num_seqs: int, seconds: float) -> float:
-        """A verify step of num_seqs sequences took `seconds`: its cost in plain decode steps of
-        the same batch bucket (their fastest recent one: a graph capture or a stall does not make
-        verify steps look cheap), 1.0 while none was timed."""
+    def note_verify_step(self, num_seqs: int, seconds: float | None) -> float:
+        """A verify step of num_seqs sequences took `seconds` (None: not timed, it met a new shape):
+        its cost in plain decode steps of the same batch bucket (their fastest recent one: a graph
+        capture or a stall does not make verify steps look cheap), 1.0 while none was timed."""
         t = self._plain.setdefault(bucket(num_seqs), _PlainTimes())
         t.verifies += 1
-        if not t.seconds:
+        if not t.seconds or seconds is None:
             return 1.0
-        cost = seconds / min(t.seconds)
-        t.cost = cost if not t.cost else SMOOTHING * cost + (1 - SMOOTHING) * t.cost
-        return cost
+        t.costs.append(seconds / min(t.seconds))
+        return t.costs[-1]
 
     def record(self, seq, proposed: int, accepted: int, cost: float = 1.0) -> None:
         """A due sequence's verify result: a miss (it gained accepted + 1 tokens in a step that cost
