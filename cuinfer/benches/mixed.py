@@ -1,0 +1,69 @@
+"""Mixed steps: prefill chunks and decodes in one forward, against the same work as separate steps.
+
+A preset with random weights on the GPU (default llama3-8b fp16). Each row is one step shape: P
+prompt chunks of L new tokens each (at context C, so the chunk attends over C - L cached tokens
+too) and D decoding sequences at context C, all in one Model.forward (paged FlashAttention over
+every sequence, linear layers over all P * L + D rows: what the engine runs when chunked prefill
+meets running decodes). ms: the GPU time of that step (CUDA events, median); peer_ms: the same
+work as two steps, the P chunks alone plus the D decodes alone (a DecodeGraph replay, the engine's
+decode step); speedup = peer_ms / ms. The shape column gives the tokens the step processes and its
+tok/s. The KV cache holds random values: attention reads the same bytes whatever they are.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import bench
+from ..model.decoder import Batch, Model
+from ..model.kv_cache import CacheShape, KVCache
+from ..ops import runtime
+from ..serving.runner import DecodeGraph
+from .decode import random_weights
+
+BLOCK = 16
+SHAPES = ((1, 512, 64), (1, 2048, 64), (4, 512, 128), (1, 512, 256), (2, 1024, 32))  # (P, L, D)
+
+
+def add_arguments(parser):
+    parser.add_argument("--preset", default="llama3-8b", help="a models/*.json preset (random weights)")
+    parser.add_argument("--context", type=int, default=1024, help="tokens of every sequence's context (C)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+
+
+def shape_rows(cp, model, config, shapes, ctx: int) -> list:
+    blocks = -(-ctx // BLOCK)
+    most = max(p + d for p, _, d in shapes)
+    shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, BLOCK)
+    cache = KVCache.allocate(shape, model.dtype, cp, (most * blocks + 1) * BLOCK)
+    for k, v in (cache.layer(i) for i in range(config.num_hidden_layers)):
+        k[...] = cp.random.standard_normal(k.shape, dtype=cp.float32).astype(k.dtype)
+        v[...] = k
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(most)]
+    decoder = DecodeGraph(model, cache, most * blocks)
+    rng = np.random.default_rng(0)
+    rows = []
+    for p, n, d in shapes:
+        chunks = [(rng.integers(0, config.vocab_size, n).tolist(), ctx - n, tables[i]) for i in range(p)]
+        decodes = [([int(rng.integers(0, config.vocab_size))], ctx - 1, tables[p + i]) for i in range(d)]
+        mixed = Batch.from_chunks(chunks + decodes, BLOCK).to(cp)
+        prefill = Batch.from_chunks(chunks, BLOCK).to(cp)
+        ms = bench.time_ms(lambda b=mixed: model.forward(b, cache), warmup=3, iters=10)
+        alone = bench.time_ms(lambda b=prefill: model.forward(b, cache), warmup=3, iters=10)
+        step = [[t[0] for t, _, _ in decodes], [s for _, s, _ in decodes], [t for _, _, t in decodes]]
+        decode = bench.time_ms(lambda s=step: decoder.run(*s, greedy=True), warmup=3, iters=10)
+        tokens = p * n + d
+        rows.append({"name": f"mixed P={p} L={n} D={d} C={ctx}",
+                     "shape": f"{tokens} tokens · {tokens / ms * 1e3:,.0f} tok/s",
+                     "ms": ms, "peer": "prefill + decode steps", "peer_ms": alone + decode})
+    return rows
+
+
+def run(args):
+    from ..convert import load_preset
+
+    runtime.pick_device("gpu")  # no GPU: one clear message
+    cp = runtime.require_cupy()
+    dtype = runtime.bfloat16 if args.dtype == "bfloat16" else np.dtype(np.float16)
+    config = load_preset(args.preset)
+    model = Model(config, random_weights(cp, config, dtype))
+    return [{**r, "dtype": args.dtype} for r in shape_rows(cp, model, config, SHAPES, args.context)]
