@@ -77,13 +77,22 @@ def spec_uniforms(seed: int, step: int, stream: int, n: int) -> np.ndarray:
 def ngram_match(tokens, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) -> list:
     """Up to k tokens that followed an earlier occurrence of the last n tokens, for the largest n in
     max_n..min_n that occurs earlier: the latest such occurrence with k tokens after it, else the
-    first one (the longest continuation)."""
+    first one (the longest continuation). One pass over the sequence finds the earlier
+    occurrences of the last token; each longer n keeps those whose token n - 1 back matches too."""
     arr = np.asarray(tokens, dtype=np.int64)
     size = len(arr)
+    ends = np.flatnonzero(arr[:size - 1] == arr[-1]) if size > 1 else arr[:0]  # where a match ends
+    found = {}
+    for n in range(1, min(max_n, size - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[arr[ends - (n - 1)] == arr[size - n]]
+        if not len(ends):
+            break
+        found[n] = ends - (n - 1)  # where they start
     for n in range(min(max_n, size - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)  # starts 0..size-1-n
-        hits = np.flatnonzero((windows == arr[size - n:]).all(axis=1))
-        if len(hits):
+        if n in found:
+            hits = found[n]
             full = hits[hits + n + k <= size]
             start = (full[-1] if len(full) else hits[0]) + n
             return arr[start:start + k].tolist()
