@@ -30,6 +30,7 @@ def cheap_verify(eng):
     eng.spec.note_verify_step = lambda num_seqs, seconds: note(num_seqs, 0.0) or 1.0
     return eng
 
+
 def test_ngram_match_prefers_the_longest_suffix():
     #        0  1  2  3  4  5  6  7  8  9 10 11 12
     seq = [5, 1, 2, 9, 9, 7, 1, 2, 3, 4, 8, 1, 2]
@@ -39,6 +40,27 @@ def test_ngram_match_prefers_the_longest_suffix():
     assert ngram_match([7, 7, 7], 4) == [7]  # the longest continuation when none holds k tokens
     assert ngram_match([1, 2, 3, 4, 1, 2, 3, 4, 0, 2, 3, 4], 2) == [0, 2]  # "2 3 4" at 1 and 5: the latest
     assert ngram_match([3], 2) == []
+
+
+def test_ngram_match_equals_a_search_of_every_window():
+    """Against the definition, window by window, on short sequences over small vocabularies (many
+    repeats, ties between occurrences, matches at the very start)."""
+    def brute(tokens, k, max_n, min_n):
+        size = len(tokens)
+        for n in range(min(max_n, size - 1), min_n - 1, -1):
+            hits = [h for h in range(size - n) if tokens[h:h + n] == tokens[size - n:]]
+            if hits:
+                full = [h for h in hits if h + n + k <= size]
+                start = (full[-1] if full else hits[0]) + n
+                return tokens[start:start + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        tokens = rng.integers(0, int(rng.integers(1, 6)), int(rng.integers(0, 40))).tolist()
+        k, min_n = int(rng.integers(1, 9)), int(rng.integers(1, 3))
+        max_n = int(rng.integers(min_n, 6))
+        assert ngram_match(tokens, k, max_n, min_n) == brute(tokens, k, max_n, min_n), (tokens, k, max_n, min_n)
 
 
 def test_accept_greedy():
