@@ -5,7 +5,7 @@ Rows:
 - "grounded b=B <method>": the input-grounded prompts of benches/spec_prompts.json (repeat,
   summarize or edit a given passage, in the chat template) through one Engine with max_num_seqs=B
   (continuous batching at B), for the methods plain, ngram and draft (the --draft checkpoint, or the
-  target quantized to --draft-quant at load, e.g. its int4 copy). Each engine runs the set once to
+  target quantized to --draft-quant at load, e.g. its int4 copy), the last two at each --k. Each engine runs the set once to
   warm up (graphs captured), then once timed. ms: wall milliseconds per generated token; peer_ms:
   plain's at the same B, so speedup = tok/s over plain decoding, measured in the same run. The
   shape column gives tok/s, draft tokens accepted of proposed, the mean accepted length (tokens a
@@ -45,7 +45,7 @@ def add_arguments(parser):
     parser.add_argument("--draft", help="a draft checkpoint (default: the target quantized to --draft-quant)")
     parser.add_argument("--draft-quant", default="int4", help="the draft made from the target at load; none: no draft")
     parser.add_argument("--batch", default="1,4,16", help="batch sizes (max_num_seqs), comma-separated")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", default="4", help="num_speculative_tokens, comma-separated: rows for each")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--verify-preset", default="llama3-8b", help="a models/*.json preset for the verify rows; none")
@@ -76,14 +76,16 @@ def generation_rows(model, tok, draft, args, batches) -> tuple:
     """(rows, ngram's accepted drafts per verify row at batch 1) over the prompt sets."""
     sets = load_prompts(tok)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    methods = {"plain": None, "ngram": "ngram", **({"draft": draft} if draft is not None else {})}
+    ks = [int(k) for k in str(args.k).split(",")]
+    methods = [("plain", None, 0)] + [(f"{m} k={k}", spec, k) for k in ks
+                                      for m, spec in (("ngram", "ngram"), ("draft", draft)) if spec is not None]
     kv_tokens = max(batches) * (max(len(p) for s in sets.values() for p in s) + args.new_tokens + 64)
     rows, gain = [], 0.0
     for name, prompts, bs in (("grounded", sets["grounded"], batches), ("open", sets["open"], [1])):
         for b in bs:
             base = None
-            for method, speculative in methods.items():
-                eng = engine_for(model, tok, speculative, args.k, b, kv_tokens)
+            for method, speculative, k in methods:
+                eng = engine_for(model, tok, speculative, k or 1, b, kv_tokens)
                 secs, outs = timed(eng, prompts, params)
                 n = sum(len(o.token_ids) for o in outs)
                 ms = 1000 * secs / n
@@ -95,7 +97,7 @@ def generation_rows(model, tok, draft, args, batches) -> tuple:
                 if speculative is not None:
                     detail += (f" · accepted {st.accepted_tokens}/{st.draft_tokens} · mean accepted length "
                                f"{st.mean_accepted_length:.2f} · same as plain {same}/{len(outs)}")
-                    if (name, b, method) == ("grounded", 1, "ngram") and st.verify_rows:
+                    if (name, b, method) == ("grounded", 1, f"ngram k={ks[0]}") and st.verify_rows:
                         gain = st.accepted_tokens / st.verify_rows
                 rows.append({"name": f"{name} b={b} {method}", "shape": detail, "dtype": str(model.dtype),
                              "ms": ms, "peer": "plain", "peer_ms": base[0]})
