@@ -249,6 +249,8 @@ def spm_gguf(tmp_path, text, vocab_size=600, **train):
     w.add_token_types(types)
     w.add_bos_token_id(sp.bos_id())
     w.add_eos_token_id(sp.eos_id())
+    if not train.get("add_dummy_prefix", True):
+        w.add_add_space_prefix(False)  # as llama.cpp writes Gemma's
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -256,15 +258,17 @@ def spm_gguf(tmp_path, text, vocab_size=600, **train):
     return sp, tmp_path / "t.gguf"
 
 
-def test_sentencepiece_tokenizer_equals_sentencepiece(tmp_path):
+@pytest.mark.parametrize("space_prefix", [True, False])
+def test_sentencepiece_tokenizer_equals_sentencepiece(tmp_path, space_prefix):
     """A "llama" (SentencePiece BPE) vocabulary rebuilt from GGUF metadata encodes and decodes every
-    string of the corpus as SentencePiece itself does: merges by score, the space prefix, byte fallback."""
+    string of the corpus as SentencePiece itself does: merges by score, the space prefix (Llama 2,
+    Phi-3) or none (Gemma: add_space_prefix false), byte fallback."""
     from tokenizers import Tokenizer as HFTokenizer
 
     from cuinfer.io.tokenizer import TINY_CORPUS, Tokenizer
 
     strings = varied_strings()
-    sp, path = spm_gguf(tmp_path, "\n".join([TINY_CORPUS] * 4 + strings[::3]))
+    sp, path = spm_gguf(tmp_path, "\n".join([TINY_CORPUS] * 4 + strings[::3]), add_dummy_prefix=space_prefix)
     out = tmp_path / "tok"
     out.mkdir()
     cg.tokenizer_files(cg.open_gguf(path), out)

@@ -153,7 +153,9 @@ def gguf_config(reader) -> ModelConfig:
     n_layers = field(reader, a + "block_count")
     fields = {
         "architecture": next(iter(arch.names)),
-        "vocab_size": field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
+        # the embedding's rows (llama.cpp drops Gemma 3's rows past its tokenizer), else the metadata's
+        "vocab_size": next((int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), None)
+        or field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
         "hidden_size": hidden,
         "intermediate_size": field(reader, a + "feed_forward_length"),
         "num_hidden_layers": n_layers,

@@ -192,6 +192,8 @@ class Model:
         # longrope (Phi-3): (context length past which a sequence's step rotates with the long
         # factors, those frequencies); the short ones are self.inv_freq
         scaling = config.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope" and config.rope_local_base_freq is not None:
+            raise runtime.CuinferError("config: longrope with a local RoPE base per layer is not supported")
         self.longrope = None if scaling.get("rope_type") != "longrope" else (
             scaling["original_max_position_embeddings"],
             self.xp.asarray(rope_inv_freq(self.head_dim, config.rope_theta, scaling, long=True)))

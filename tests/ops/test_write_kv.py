@@ -204,6 +204,7 @@ def test_write_kv_norm_allocates_nothing_with_out(cp):
     write_kv(*args, caches[2], caches[3], *rest, out=out, q_norm=w_d, k_norm=w_d)  # compiled before capture
     out.fill(np.nan)
     caches[2].fill(0)
+    cp.cuda.Device().synchronize()  # the capture stream does not wait for the legacy one
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
     with cp.cuda.using_allocator(pool.malloc), stream:
