@@ -268,6 +268,42 @@ def test_gpu_longrope_crossing_matches_numpy(dtype, tmp_path):
         assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3-longrope"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_graph_decode_matches_numpy(name, dtype, tmp_path, cp):
+    """Decode steps replayed from CUDA graphs (write_kv with the q/k norms or longrope's per-row
+    frequencies, then paged_attention) for three sequences of different lengths (longrope: one short,
+    two past original_max_position_embeddings 64), against the NumPy backend's forward of the same
+    tokens; the captures take nothing from the pool beyond their warm-up."""
+    from test_model import GPU_LOGIT_REL_L2, make_cache
+
+    from cuinfer.ops import runtime
+    from cuinfer.serving.runner import DecodeGraph
+
+    extra = {"original_max_position_embeddings": 64, "max_position_embeddings": 512} if "longrope" in name else {}
+    path, _ = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64, **extra)
+    config, tensors = load_checkpoint(path)
+    dt = np.dtype(np.float16) if dtype == "float16" else runtime.bfloat16
+    cpu, gpu = Model.from_tensors(config, tensors, "cpu"), Model.from_tensors(config, tensors, "gpu", dt)
+    rng = np.random.default_rng(4)
+    ids = [rng.integers(3, SMALL["vocab_size"], n).tolist() for n in (9, 70, 130)]
+    tables = [[1], list(range(2, 7)), list(range(10, 19))]  # 16-token blocks; 23 is the scratch block
+    cpu_cache, gpu_cache = make_cache(config, cpu, num_blocks=24), make_cache(config, gpu, num_blocks=24)
+    graphs = DecodeGraph(gpu, gpu_cache, 23)
+    prefix = Batch.from_chunks([(s[:-4], 0, tb) for tb, s in zip(tables, ids)], 16)
+    cpu.forward(prefix, cpu_cache)
+    gpu.forward(prefix.to(cp), gpu_cache)
+    for j in range(4, 0, -1):
+        pos = [len(s) - j for s in ids]
+        ref = cpu.forward(Batch.from_chunks([([s[p]], p, tb) for s, p, tb in zip(ids, pos, tables)], 16), cpu_cache)
+        got = graphs.run([s[p] for s, p in zip(ids, pos)], pos, tables, greedy=False).get()
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        print(f"{name} {dtype}: graph decode logits relative L2 error {err:.2e}")
+        assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
+    assert graphs.steps and all(s.capture_bytes == 0 for s in graphs.steps.values())
+
+
 def test_arch_records_are_well_formed():
     """Every family's record: the four linear fields, norms among the layer's norm fields (the two
     pre-norms always), each Hugging Face architecture in one record, GGUF names onto tensors it has."""
