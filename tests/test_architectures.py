@@ -268,6 +268,35 @@ def test_gpu_longrope_crossing_matches_numpy(dtype, tmp_path):
         assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
 
 
+@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope"])
+def test_batched_decode_steps_equal_forward(name, tmp_path):
+    """Model.decode over padded rows of three sequences (q/k, v views of each qkv row; longrope: one
+    short row, two past original_max_position_embeddings 16) equals Model.forward's logits."""
+    from test_model import make_cache
+
+    from cuinfer.model.decoder import input_views, pack_inputs
+
+    extra = {"original_max_position_embeddings": 16, "max_position_embeddings": 128} if "longrope" in name else {}
+    path, _ = save_case(name, tmp_path / name, **extra)
+    config, tensors = load_checkpoint(path)
+    model = Model.from_tensors(config, tensors, "cpu")
+    rng = np.random.default_rng(4)
+    ids = [rng.integers(3, SMALL["vocab_size"], n).tolist() for n in (5, 19, 33)]
+    tables = [[1], list(range(2, 7)), list(range(10, 19))]  # 4-token blocks; 23 is the scratch block
+    caches = [make_cache(config, model, num_blocks=24, block_size=4) for _ in range(2)]
+    prefix = Batch.from_chunks([(s[:-3], 0, tb) for tb, s in zip(tables, ids)], 4)
+    for c in caches:
+        model.forward(prefix, c)
+    b, width = 4, 9
+    buf = np.zeros(b * (4 + width), np.int32)
+    for j in range(3, 0, -1):
+        pos = [len(s) - j for s in ids]
+        ref = model.forward(Batch.from_chunks([([s[p]], p, tb) for s, p, tb in zip(ids, pos, tables)], 4), caches[0])
+        pack_inputs(buf, [s[p] for s, p in zip(ids, pos)], pos, tables, 4, 23, b, width)
+        got = model.decode(input_views(buf, b, width), caches[1], max_context_len=max(pos) + 1)[:3]
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3-longrope"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
