@@ -1,48 +1,93 @@
 // Fused RoPE (Hugging Face rotate-half) on q and k + paged KV-cache write, one CTA per token.
 // Each thread rotates pairs (x[j], x[j + D/2]) in fp32 with the angle positions[t] * inv_freq[j]
 // (rope_lo / rope_hi of common.cuh) and rounds once; v is copied with 16-byte vectors.
+// NORM (Qwen3, Gemma 3): each q and k head is first RMS-normed over head_dim with its weight
+// (q_norm or k_norm), rounded as rms_norm.cu rounds (normalize in fp32, round to T, times the weight
+// in fp32, round to T), then rotated: one warp per head, the sum of squares a warp reduction.
+// inv_freq is one row [D/2] for every token (freq_stride 0) or one row per token (freq_stride
+// D/2: Phi-3's longrope picks short or long factors per sequence).
 #include "common.cuh"
 
 using namespace cuinfer;
 
+// One head's rotate-half into y, pairs j = j0, j0 + stride, ... < half; with a norm, x normed first.
+template <typename T, bool NORM>
+__device__ __forceinline__ void rope_head(const T* x, T* y, const float* __restrict__ inv_freq, float pos,
+                                          int half, int j0, int stride, const T* __restrict__ w, float inv_rms) {
+  for (int j = j0; j < half; j += stride) {
+    float s, c;
+    sincosf(pos * inv_freq[j], &s, &c);
+    float x1, x2;
+    if constexpr (NORM) {
+      x1 = to_float(rms_normed(x[j], w[j], inv_rms));
+      x2 = to_float(rms_normed(x[j + half], w[j + half], inv_rms));
+    } else {
+      x1 = to_float(x[j]);
+      x2 = to_float(x[j + half]);
+    }
+    y[j] = from_float<T>(rope_lo(x1, x2, c, s));
+    y[j + half] = from_float<T>(rope_hi(x1, x2, c, s));
+  }
+}
+
 // grid: (tokens) · block: 128 · smem: none
-// q: [tokens, n_heads, head_dim], k, v: [tokens, n_kv_heads, head_dim], heads contiguous, token rows
-// q_stride, k_stride, v_stride elements apart (views of one qkv row work; v's rows 16-byte aligned)
-// out: [tokens, n_heads, head_dim] contiguous (may alias q when q is contiguous)
+// q: [tokens, n_heads, head_dim], k, v: [tokens, n_kv_heads, head_dim], rows q_stride / k_stride /
+// v_stride elements apart (views of one qkv row), heads contiguous; out: q's shape, packed (may alias
+// q when q is packed)
 // k_cache, v_cache: [num_blocks * block_size, n_kv_heads, head_dim] viewed flat by slot
-// positions, slot_mapping: [tokens] (slot < 0: skip the cache write); inv_freq: [head_dim / 2] fp32
-template <typename T>
+// positions, slot_mapping: [tokens] (slot < 0: skip the cache write); inv_freq: fp32 [head_dim / 2]
+// (freq_stride 0) or [tokens, head_dim / 2] (freq_stride head_dim / 2); q_norm, k_norm: [head_dim]
+// (NORM only, else unused)
+template <typename T, bool NORM>
 __global__ void __launch_bounds__(128) write_kv_kernel(
     const T* q, const T* __restrict__ k, const T* __restrict__ v, const int* __restrict__ positions,
     T* __restrict__ k_cache, T* __restrict__ v_cache, const int* __restrict__ slot_mapping,
-    const float* __restrict__ inv_freq, T* out, int n_heads, int n_kv_heads, int head_dim, int q_stride,
-    int k_stride, int v_stride) {
+    const float* __restrict__ inv_freq, T* out, int n_heads, int n_kv_heads, int head_dim, int freq_stride,
+    const T* __restrict__ q_norm, const T* __restrict__ k_norm, float eps, long long q_stride, long long k_stride,
+    long long v_stride) {
   pdl_wait();  // every input of this kernel may come from the previous one
   pdl_trigger();
   constexpr int N = 16 / sizeof(T);
-  const int t = blockIdx.x, half = head_dim / 2;
+  const long long t = blockIdx.x;
+  const int half = head_dim / 2;
   const float pos = static_cast<float>(positions[t]);
   const int slot = slot_mapping[t];
-  const int n_rot = (slot >= 0 ? n_heads + n_kv_heads : n_heads) * half;
-  for (int i = threadIdx.x; i < n_rot; i += blockDim.x) {
-    const int h = i / half, j = i % half;
-    float s, c;
-    sincosf(pos * inv_freq[j], &s, &c);
-    const T* x;
-    T* y;
+  const int n_rot_heads = slot >= 0 ? n_heads + n_kv_heads : n_heads;
+  const float* freq = inv_freq + (size_t)t * freq_stride;
+  auto head_ptrs = [&](int h, const T*& x, T*& y) {
     if (h < n_heads) {
-      x = q + (size_t)t * q_stride + (size_t)h * head_dim;
+      x = q + t * q_stride + (size_t)h * head_dim;
       y = out + ((size_t)t * n_heads + h) * head_dim;
     } else {
-      x = k + (size_t)t * k_stride + (size_t)(h - n_heads) * head_dim;
+      x = k + t * k_stride + (size_t)(h - n_heads) * head_dim;
       y = k_cache + ((size_t)slot * n_kv_heads + (h - n_heads)) * head_dim;
     }
-    const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
-    y[j] = from_float<T>(rope_lo(x1, x2, c, s));
-    y[j + half] = from_float<T>(rope_hi(x1, x2, c, s));
+  };
+  if constexpr (NORM) {  // a warp per head: its sum of squares, then its pairs
+    const int lane = threadIdx.x & 31;
+    for (int h = threadIdx.x >> 5; h < n_rot_heads; h += blockDim.x >> 5) {
+      const T* x;
+      T* y;
+      head_ptrs(h, x, y);
+      float sum_sq = 0.0f;
+      for (int j = lane; j < head_dim; j += 32) {
+        const float f = to_float(x[j]);
+        sum_sq += f * f;
+      }
+      const float inv_rms = rms_inv(warp_reduce(sum_sq), head_dim, eps);
+      __syncwarp();  // every lane has read x before any writes y (out may alias q)
+      rope_head<T, true>(x, y, freq, pos, half, lane, 32, h < n_heads ? q_norm : k_norm, inv_rms);
+    }
+  } else {
+    for (int i = threadIdx.x; i < n_rot_heads * half; i += blockDim.x) {
+      const T* x;
+      T* y;
+      head_ptrs(i / half, x, y);
+      rope_head<T, false>(x, y, freq, pos, half, i % half, half, nullptr, 0.0f);
+    }
   }
   if (slot < 0) return;
   const int row = n_kv_heads * head_dim;  // a multiple of N (head_dim % 8 == 0)
   for (int i = threadIdx.x * N; i < row; i += blockDim.x * N)
-    Vec<T, N>::load(v + (size_t)t * v_stride + i).store(v_cache + (size_t)slot * row + i);
+    Vec<T, N>::load(v + t * v_stride + i).store(v_cache + (size_t)slot * row + i);
 }

@@ -44,13 +44,15 @@ def quantize(a, kind):
 
 
 def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model="gpt2",
-               pre="smollm", add_bos=False, merges=("Ġ t", "h e", "Ġt he", "i n")):
+               pre="smollm", add_bos=False, merges=("Ġ t", "h e", "Ġt he", "i n"), norm_shift=0.0, extra=None):
     """Write a GGUF file the way llama.cpp's converter does (names from gguf-py's tensor map of
     `arch`; for llama Q/K rows permuted; a config's sliding window as attention.sliding_window),
     from Hugging Face tensors. types: HF name -> "F32" / "F16" / "BF16" / "Q8_0" / "Q4_0" / "Q4_1" /
     any ggml type name (default F32). Returns {HF name: gguf's dequantization of the HF tensor
     quantized in HF row order} (row-wise blocks, so the Q/K row permutation commutes with
-    quantization). The tokenizer is a small gpt2-style vocabulary."""
+    quantization). The tokenizer is a small gpt2-style vocabulary. norm_shift is added to every
+    "...norm.weight" tensor (Gemma: llama.cpp stores 1 + w); extra(writer) adds the family's own
+    metadata and tensors."""
     import numpy as np
 
     gguf = pytest.importorskip("gguf")
@@ -82,9 +84,11 @@ def write_gguf(path, config, tensors, types=None, arch="llama", tokenizer_model=
     w.add_eos_token_id(2)
     w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    if extra is not None:
+        extra(w)
     stored = {}
     for name, a in tensors.items():
-        a = np.asarray(a, np.float32)
+        a = np.asarray(a, np.float32) + np.float32(norm_shift if name.endswith("norm.weight") else 0.0)
         kind = gguf.GGMLQuantizationType[(types or {}).get(name, "F32")]
         stored[name] = gguf.quants.dequantize(quantize(a, kind), kind).reshape(a.shape)
         if arch == "llama" and ".q_proj.weight" in name:

@@ -28,6 +28,9 @@ CASES = {
                                      "max_window_layers": 2}),
     "phi3": ("Phi3Config", {"sliding_window": None, "original_max_position_embeddings": 256}),
     "phi3-window": ("Phi3Config", {"sliding_window": WINDOW, "original_max_position_embeddings": 256}),
+    # longrope below original_max_position_embeddings (short factors; cos, sin times attention_factor)
+    "phi3-longrope": ("Phi3Config", {"max_position_embeddings": 1024, "original_max_position_embeddings": 256,
+                                     "rope_scaling": "longrope"}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
@@ -58,10 +61,21 @@ def randomize(model, seed):
                 p.copy_(r / p.shape[1] ** 0.5)
 
 
+def longrope(half, seed=4):
+    """A longrope rope_scaling of head_dim / 2 = half random factors: short ones near 1, long ones 1..8."""
+    r = np.random.default_rng(seed)
+    return {"rope_type": "longrope", "short_factor": (1 + 0.2 * r.random(half)).tolist(),
+            "long_factor": (1 + 7 * r.random(half)).tolist()}
+
+
 def save_case(name, path, **over):
     """(directory, transformers model): case `name` with random weights, saved by transformers."""
     cls, fields = CASES[name]
-    config = getattr(transformers, cls)(**{**SMALL, **fields, **over})
+    fields = {**SMALL, **fields, **over}
+    if fields.get("rope_scaling") == "longrope":  # factors for the case's head_dim
+        fields["rope_scaling"] = longrope((fields.get("head_dim") or
+                                           fields["hidden_size"] // fields["num_attention_heads"]) // 2)
+    config = getattr(transformers, cls)(**fields)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -164,6 +178,33 @@ def test_gpu_logits_as_close_as_transformers_half(name, dtype, tmp_path):
     assert err(got) <= 1.5 * err(half) and worst(got) <= 1.5 * worst(half) and top1(got) >= top1(half) - 0.02
 
 
+def test_longrope_long_factors_past_the_original_length(tmp_path):
+    """Phi-3 longrope with original_max_position_embeddings 32: a prompt of 43 in one forward rotates
+    with the long factors as transformers' does; one of 30 with the short ones; and 30 then 13 more
+    tokens on the cache (the 13 long, the cached 30 short) equal transformers' forward on its cache."""
+    path, hf = save_case("phi3-longrope", tmp_path / "m", original_max_position_embeddings=32,
+                         max_position_embeddings=128)
+    config, tensors = load_checkpoint(path)
+    assert config.rope_scaling["rope_type"] == "longrope"
+    assert config.attention_scale == pytest.approx(16 ** -0.5 * (1 + np.log(4) / np.log(32)))
+    model = Model.from_tensors(config, tensors, "cpu")
+    ids = prompt_ids()  # [2, 43]
+
+    def check(got, ref):
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 2e-6, f"relative L2 error {err:.2e}"
+
+    with torch.no_grad():
+        for n in (43, 30):
+            ref = hf(torch.as_tensor(ids[:, :n])).logits.numpy()
+            for g, r in zip(cuinfer_logits(model, config, ids[:, :n], 1000), ref):
+                check(g, r)
+        first = hf(torch.as_tensor(ids[:, :30]), use_cache=True)
+        ref = hf(torch.as_tensor(ids[:, 30:]), past_key_values=first.past_key_values).logits.numpy()
+    for g, r in zip(cuinfer_logits(model, config, ids, 30), ref):
+        check(g[30:], r)
+
+
 @pytest.mark.parametrize("name", ["llama3.2-tied", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_decode_bench_peer_gets_our_weights(name, tmp_path):
     """bench decode's transformers peer: our fused weights under the architecture's Hugging Face
@@ -202,6 +243,94 @@ def test_gpu_decode_steps_match_numpy(name, dtype, tmp_path):
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     print(f"{name} {dtype}: decode logits relative L2 error {err:.2e}")
     assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_longrope_crossing_matches_numpy(dtype, tmp_path):
+    """Phi-3 longrope with original_max_position_embeddings 64 on the GPU: a 40-token prefill, then
+    decode steps past 64 (short, then long frequencies per row; write_kv before paged_attention), and a
+    one-chunk forward of all 197 tokens (long), against the NumPy backend run the same way."""
+    from test_model import GPU_LOGIT_REL_L2
+
+    from cuinfer.ops import runtime
+
+    path, _ = save_case("phi3-longrope", tmp_path / "m", hidden_size=256, intermediate_size=512, head_dim=64,
+                        original_max_position_embeddings=64, max_position_embeddings=512)
+    config, tensors = load_checkpoint(path)
+    dt = np.dtype(np.float16) if dtype == "float16" else runtime.bfloat16
+    cpu, gpu = Model.from_tensors(config, tensors, "cpu"), Model.from_tensors(config, tensors, "gpu", dt)
+    ids = prompt_ids(3 * 64 + 5)[0].tolist()
+    for got, want in ((decode_logits(gpu, config, ids, 40), decode_logits(cpu, config, ids, 40)),
+                      (cuinfer_logits(gpu, config, [ids], 1000)[0], cuinfer_logits(cpu, config, [ids], 1000)[0])):
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        print(f"longrope {dtype}: relative L2 error {err:.2e}")
+        assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope"])
+def test_batched_decode_steps_equal_forward(name, tmp_path):
+    """Model.decode over padded rows of three sequences (q/k, v views of each qkv row; longrope: one
+    short row, two past original_max_position_embeddings 16) equals Model.forward's logits."""
+    from test_model import make_cache
+
+    from cuinfer.model.decoder import input_views, pack_inputs
+
+    extra = {"original_max_position_embeddings": 16, "max_position_embeddings": 128} if "longrope" in name else {}
+    path, _ = save_case(name, tmp_path / name, **extra)
+    config, tensors = load_checkpoint(path)
+    model = Model.from_tensors(config, tensors, "cpu")
+    rng = np.random.default_rng(4)
+    ids = [rng.integers(3, SMALL["vocab_size"], n).tolist() for n in (5, 19, 33)]
+    tables = [[1], list(range(2, 7)), list(range(10, 19))]  # 4-token blocks; 23 is the scratch block
+    caches = [make_cache(config, model, num_blocks=24, block_size=4) for _ in range(2)]
+    prefix = Batch.from_chunks([(s[:-3], 0, tb) for tb, s in zip(tables, ids)], 4)
+    for c in caches:
+        model.forward(prefix, c)
+    b, width = 4, 9
+    buf = np.zeros(b * (4 + width), np.int32)
+    for j in range(3, 0, -1):
+        pos = [len(s) - j for s in ids]
+        ref = model.forward(Batch.from_chunks([([s[p]], p, tb) for s, p, tb in zip(ids, pos, tables)], 4), caches[0])
+        pack_inputs(buf, [s[p] for s, p in zip(ids, pos)], pos, tables, 4, 23, b, width)
+        got = model.decode(input_views(buf, b, width), caches[1], max_context_len=max(pos) + 1)[:3]
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3-longrope"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_graph_decode_matches_numpy(name, dtype, tmp_path, cp):
+    """Decode steps replayed from CUDA graphs (write_kv with the q/k norms or longrope's per-row
+    frequencies, then paged_attention) for three sequences of different lengths (longrope: one short,
+    two past original_max_position_embeddings 64), against the NumPy backend's forward of the same
+    tokens; the captures take nothing from the pool beyond their warm-up."""
+    from test_model import GPU_LOGIT_REL_L2, make_cache
+
+    from cuinfer.ops import runtime
+    from cuinfer.serving.runner import DecodeGraph
+
+    extra = {"original_max_position_embeddings": 64, "max_position_embeddings": 512} if "longrope" in name else {}
+    path, _ = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64, **extra)
+    config, tensors = load_checkpoint(path)
+    dt = np.dtype(np.float16) if dtype == "float16" else runtime.bfloat16
+    cpu, gpu = Model.from_tensors(config, tensors, "cpu"), Model.from_tensors(config, tensors, "gpu", dt)
+    rng = np.random.default_rng(4)
+    ids = [rng.integers(3, SMALL["vocab_size"], n).tolist() for n in (9, 70, 130)]
+    tables = [[1], list(range(2, 7)), list(range(10, 19))]  # 16-token blocks; 23 is the scratch block
+    cpu_cache, gpu_cache = make_cache(config, cpu, num_blocks=24), make_cache(config, gpu, num_blocks=24)
+    graphs = DecodeGraph(gpu, gpu_cache, 23)
+    prefix = Batch.from_chunks([(s[:-4], 0, tb) for tb, s in zip(tables, ids)], 16)
+    cpu.forward(prefix, cpu_cache)
+    gpu.forward(prefix.to(cp), gpu_cache)
+    for j in range(4, 0, -1):
+        pos = [len(s) - j for s in ids]
+        ref = cpu.forward(Batch.from_chunks([([s[p]], p, tb) for s, p, tb in zip(ids, pos, tables)], 16), cpu_cache)
+        got = graphs.run([s[p] for s, p in zip(ids, pos)], pos, tables, greedy=False).get()
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        print(f"{name} {dtype}: graph decode logits relative L2 error {err:.2e}")
+        assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[dt]
+    assert graphs.steps and all(s.capture_bytes == 0 for s in graphs.steps.values())
 
 
 def test_arch_records_are_well_formed():

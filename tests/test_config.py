@@ -71,6 +71,10 @@ def test_llama3_rope_scaling_and_transformers5_spelling():
     ({"architectures": None, "model_type": "gemma"}, "unsupported architecture none .model_type 'gemma'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling linear: factor is null"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 63,
+                       "original_max_position_embeddings": 4096}}, "longrope: long_factor is .*need 64 positive"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64}},
+     "longrope: original_max_position_embeddings is null"),
     ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0.5}, "sliding_window is 0.5"),
     ({"architectures": ["MistralForCausalLM"], "layer_types": ["full_attention"]}, "layer_types .* per layer .32."),
@@ -144,3 +148,21 @@ def test_preset_parameter_counts(name, params):
     from cuinfer.io.checkpoint import expected_tensors
 
     assert sum(int(np.prod(s)) for s in expected_tensors(load_preset(name)).values()) == params
+
+
+def test_longrope_read_and_round_trip():
+    """Phi-3.5's longrope as transformers 5 writes it (rope_parameters, the original length at the top
+    level): the factors, the original length and the default attention factor, kept through to_dict."""
+    half = 48
+    d = {**LLAMA, "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "num_attention_heads": 32,
+         "num_key_value_heads": 32, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+                             "long_factor": [2.0] * half}}
+    c = ModelConfig.from_dict(d)
+    m = (1 + np.log(32) / np.log(4096)) ** 0.5
+    assert c.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [2.0] * half,
+                              "original_max_position_embeddings": 4096, "attention_factor": pytest.approx(m)}
+    assert c.attention_scale == pytest.approx(96 ** -0.5 * m * m)
+    assert ModelConfig.from_dict(c.to_dict()) == c
+    given = ModelConfig.from_dict({**d, "rope_parameters": {**d["rope_parameters"], "attention_factor": 1.5}})
+    assert given.rope_scaling["attention_factor"] == 1.5

@@ -67,7 +67,7 @@ def small_gguf(path, **change):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("wrong-arch", "GGUF architecture 'gemma2' is not supported"),
+    ("wrong-arch", "GGUF architecture 'gemma' is not supported"),
     ("wrong-type", "has GGUF type Q4_K"),
     ("truncated", "not a readable GGUF file"),
     ("not-gguf", "not a readable GGUF file"),
@@ -78,7 +78,7 @@ def small_gguf(path, **change):
 def test_bad_input_is_one_message(tmp_path, capsys, case, message):
     src, out, extra = tmp_path / "m.gguf", tmp_path / "out", []
     if case == "wrong-arch":
-        small_gguf(src, arch="gemma2")
+        small_gguf(src, arch="gemma")
     elif case == "wrong-type":
         small_gguf(src, types={"model.layers.1.mlp.gate_proj.weight": "Q4_K"})
     elif case == "truncated":

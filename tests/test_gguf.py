@@ -144,7 +144,8 @@ def arch_config(name, **over):
     return c.replace(**{**fields, **over})
 
 
-GGUF_CASES = {"llama": "tiny", "qwen2": "tiny-qwen2", "qwen3": "qwen3-8b", "phi3": "phi3-mini"}
+GGUF_CASES = {"llama": "tiny", "qwen2": "tiny-qwen2", "qwen3": "qwen3-8b", "phi3": "phi3-mini", "gemma2": "tiny-gemma2",
+              "gemma3": "gemma3-12b-text"}
 
 
 @pytest.mark.parametrize("arch", list(GGUF_CASES))
@@ -155,7 +156,7 @@ def test_gguf_names_are_llama_cpps(arch):
 
     from cuinfer.io.checkpoint import expected_tensors
 
-    config = arch_config(GGUF_CASES[arch], tie_word_embeddings=False)
+    config = arch_config(GGUF_CASES[arch], tie_word_embeddings=arch == "gemma2")  # llama.cpp: no Gemma 2 lm_head
     assert config.arch.gguf_arch == arch
     for name in expected_tensors(config):
         assert cg.hf_name(gguf_name(name, arch, 2), config.arch) == name
@@ -177,7 +178,7 @@ def test_other_architectures_round_trip(tmp_path, arch):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(arch="gemma2"), "GGUF architecture 'gemma2' is not supported"),
+    (dict(arch="gemma"), "GGUF architecture 'gemma' is not supported"),
     (dict(types={"model.layers.0.mlp.up_proj.weight": "Q4_K"}), "blk.0.ffn_up.weight has GGUF type Q4_K"),
     (dict(tokenizer_model="t5"), "GGUF tokenizer model 't5' is not supported"),
     (dict(pre="deepseek-coder"), "GGUF pre-tokenizer 'deepseek-coder' is not supported"),
@@ -248,6 +249,8 @@ def spm_gguf(tmp_path, text, vocab_size=600, **train):
     w.add_token_types(types)
     w.add_bos_token_id(sp.bos_id())
     w.add_eos_token_id(sp.eos_id())
+    if not train.get("add_dummy_prefix", True):
+        w.add_add_space_prefix(False)  # as llama.cpp writes Gemma's
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -255,15 +258,17 @@ def spm_gguf(tmp_path, text, vocab_size=600, **train):
     return sp, tmp_path / "t.gguf"
 
 
-def test_sentencepiece_tokenizer_equals_sentencepiece(tmp_path):
+@pytest.mark.parametrize("space_prefix", [True, False])
+def test_sentencepiece_tokenizer_equals_sentencepiece(tmp_path, space_prefix):
     """A "llama" (SentencePiece BPE) vocabulary rebuilt from GGUF metadata encodes and decodes every
-    string of the corpus as SentencePiece itself does: merges by score, the space prefix, byte fallback."""
+    string of the corpus as SentencePiece itself does: merges by score, the space prefix (Llama 2,
+    Phi-3) or none (Gemma: add_space_prefix false), byte fallback."""
     from tokenizers import Tokenizer as HFTokenizer
 
     from cuinfer.io.tokenizer import TINY_CORPUS, Tokenizer
 
     strings = varied_strings()
-    sp, path = spm_gguf(tmp_path, "\n".join([TINY_CORPUS] * 4 + strings[::3]))
+    sp, path = spm_gguf(tmp_path, "\n".join([TINY_CORPUS] * 4 + strings[::3]), add_dummy_prefix=space_prefix)
     out = tmp_path / "tok"
     out.mkdir()
     cg.tokenizer_files(cg.open_gguf(path), out)
@@ -276,3 +281,96 @@ def test_sentencepiece_tokenizer_equals_sentencepiece(tmp_path):
         assert tok.decode(got) == sp.decode(want), s
         stream = ours.stream(skip_special_tokens=False)  # streamed text: the same, space prefix and all
         assert "".join(stream.push(t) for t in got) + stream.flush() == sp.decode(want), s
+
+
+# ------------------------------------------------- GGUF files of transformers checkpoints
+SLIDING, FULL = "sliding_attention", "full_attention"
+# test_architectures case -> (GGUF architecture, config changes under which llama.cpp's fixed rules
+# hold: Gemma's attention scale head_dim^-1/2 and its windowed layers; a 6-layer Gemma 3 has a full one)
+LLAMA_CPP_CASES = {
+    "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {}),
+    "phi3-window": ("phi3", {}),
+    "phi3-longrope": ("phi3", {"original_max_position_embeddings": 32, "max_position_embeddings": 128}),
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
+    "gemma3": ("gemma3", {"query_pre_attn_scalar": 16, "num_hidden_layers": 6, "layer_types": [SLIDING] * 5 + [FULL]}),
+}
+
+
+def llama_cpp_metadata(arch, config, hf_config):
+    """What llama.cpp's converter (convert_hf_to_gguf.py) writes for the family beyond write_gguf's keys."""
+    def extra(w):
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            w.add_final_logit_softcapping(config.final_logit_softcapping)
+        if arch == "gemma3" and config.rope_scaling:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(config.rope_scaling["factor"])
+        if arch == "phi3":
+            rope = hf_config.rope_parameters
+            w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings") or
+                                            hf_config.max_position_embeddings)
+            if not config.sliding_window:
+                w.add_sliding_window(0)  # the converter's "no window" (Phi-4)
+            if rope.get("rope_type") == "longrope":
+                w.add_rope_scaling_attn_factors(config.rope_scaling["attention_factor"])
+                w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+                w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    return extra
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CPP_CASES))
+def test_llama_cpp_gguf_of_a_transformers_checkpoint(tmp_path, case):
+    """A random-weight checkpoint saved by transformers, written as llama.cpp's converter writes it
+    (names, Gemma's 1 + w norms, softcaps, windows, linear scaling, Phi-3's fused q/k/v and gate/up and
+    longrope factors, Qwen3's q/k norms), imports with the config of the Hugging Face directory, and its
+    NumPy logits at every position equal transformers' float32 ones."""
+    torch = pytest.importorskip("torch")
+    from test_architectures import cuinfer_logits, prompt_ids, save_case
+
+    from cuinfer.model.decoder import Model
+
+    arch, over = LLAMA_CPP_CASES[case]
+    path, hf = save_case(case, tmp_path / "hf", vocab_size=256, **over)
+    config, tensors = load_checkpoint(path)
+    gemma = arch.startswith("gemma")
+    write_gguf(tmp_path / "m.gguf", config, tensors, arch=arch, norm_shift=1.0 if gemma else 0.0,
+               extra=llama_cpp_metadata(arch, config, hf.config))
+    got_config, got = load_checkpoint(cg.convert_gguf(tmp_path / "m.gguf", tmp_path / "out"))
+    want = config.replace(torch_dtype="float32", rms_norm_eps=got_config.rms_norm_eps, bos_token_id=1, eos_token_id=(2,))
+    if case == "phi3-longrope":  # the factors stored in float32 (as transformers computes with them)
+        want = want.replace(rope_scaling={**config.rope_scaling, **{
+            k: np.float32(config.rope_scaling[k]).tolist() for k in ("short_factor", "long_factor", "attention_factor")}})
+    assert got_config == want
+    for name, t in tensors.items():  # Gemma's norms back from 1 + w to within an ulp of 1
+        np.testing.assert_allclose(got[name], t, rtol=0, atol=2 ** -23 if gemma and name.endswith("norm.weight") else 0)
+    ids = prompt_ids()
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(ids)).logits.numpy()
+    model = Model.from_tensors(got_config, got, "cpu")
+    for g, r in zip(cuinfer_logits(model, got_config, ids, 1000), ref):
+        err = np.linalg.norm(g - r) / np.linalg.norm(r)
+        assert err < 2e-6, f"relative L2 error {err:.2e}"
+
+
+@pytest.mark.parametrize("arch, layers, hidden, heads, head_dim, scalar", [
+    ("Gemma2ForCausalLM", 26, 2304, 8, 256, 256), ("Gemma2ForCausalLM", 46, 4608, 32, 128, 144),
+    ("Gemma3ForCausalLM", 34, 2560, 8, 256, 256), ("Gemma3ForCausalLM", 62, 5376, 32, 128, 168)])
+def test_gemma_gguf_rules_of_llama_cpp(arch, layers, hidden, heads, head_dim, scalar):
+    """What llama.cpp does not store: query_pre_attn_scalar (the 27B models': hidden / heads, as their
+    configs say; else head_dim), the windowed layers (Gemma 2 every other from 0, Gemma 3 five of six),
+    Gemma 3's local RoPE base; a stored sliding_window_pattern (bools per layer) wins."""
+    from cuinfer.model.arch import ARCHES
+
+    meta = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0}
+    get = lambda key, default=None: meta.get(key, default)
+    f = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "head_dim": head_dim}
+    got = ARCHES[arch].gguf_read(get, lambda name: None, f)
+    assert got["query_pre_attn_scalar"] == scalar and got["sliding_window"] == 4096
+    assert got["attn_logit_softcapping"] == 50.0 and got["final_logit_softcapping"] is None
+    full = [i for i, t in enumerate(got["layer_types"]) if t == "full_attention"]
+    assert full == (list(range(1, layers, 2)) if "Gemma2" in arch else list(range(5, layers, 6)))
+    assert got.get("rope_local_base_freq", 10000.0) == 10000.0
+    meta["attention.sliding_window_pattern"] = [i % 3 != 2 for i in range(layers)]
+    got = ARCHES[arch].gguf_read(get, lambda name: None, f)
+    assert [i for i, t in enumerate(got["layer_types"]) if t == "full_attention"] == list(range(2, layers, 3))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +68,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None (plain RoPE), {"rope_type": "linear", factor} or {"rope_type": "llama3", factor,
-    # low_freq_factor, high_freq_factor, original_max_position_embeddings}
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings} or {"rope_type": "longrope",
+    # short_factor, long_factor, original_max_position_embeddings, attention_factor} (Phi-3)
     rope_scaling: dict | None = field(default=None, hash=False)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -104,7 +106,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """query_pre_attn_scalar^-1/2 (else head_dim^-1/2), times longrope's attention_factor squared
+        (transformers scales cos and sin, so q and k, by it; cuinfer scales the scores instead)."""
+        m = (self.rope_scaling or {}).get("attention_factor", 1.0)
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5 * m * m
 
     @property
     def dtype(self) -> np.dtype:
@@ -152,7 +157,7 @@ class ModelConfig:
         rope = d.get("rope_parameters") or {}
         rope = rope.get(FULL, rope)  # per layer type (Gemma 3): the full layers' (arch reads the others')
         rope_theta = float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        rope_scaling = _rope_scaling(d.get("rope_scaling") or rope or None)
+        rope_scaling = _rope_scaling(d.get("rope_scaling") or rope or None, d)
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
         numpy_dtype(dtype)
         eos = d.get("eos_token_id")
@@ -221,12 +226,14 @@ def _check_family(d: dict, f: dict):
     f["layer_types"] = None if set(types) <= {FULL} else tuple(types)
 
 
-def _rope_scaling(rs: dict | None) -> dict | None:
+def _rope_scaling(rs: dict | None, d: dict) -> dict | None:
     if not rs:
         return None
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
+    if kind == "longrope":
+        return _longrope(rs, d)
     if kind == "linear":
         factor = rs.get("factor")
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
@@ -234,12 +241,37 @@ def _rope_scaling(rs: dict | None) -> dict | None:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind != "llama3":
         raise CuinferError(f"rope_scaling type {kind!r} is not supported: cuinfer implements "
-                           "plain RoPE and rope_type 'linear' and 'llama3'")
+                           "plain RoPE and rope_type 'linear', 'llama3' and 'longrope'")
     missing = [k for k in LLAMA3_ROPE_KEYS if rs.get(k) is None]
     if missing:
         raise CuinferError(f"rope_scaling llama3: missing {', '.join(missing)}")
     return {"rope_type": "llama3", **{k: float(rs[k]) for k in LLAMA3_ROPE_KEYS[:3]},
             "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
+
+
+def _longrope(rs: dict, d: dict) -> dict:
+    """Phi-3's longrope (transformers' _compute_longrope_parameters): frequency i divided by
+    short_factor[i], or long_factor[i] for a sequence longer than original_max_position_embeddings;
+    cos and sin times attention_factor (default sqrt(1 + ln(factor) / ln(original)), factor
+    max_position_embeddings / original unless given; 1 when factor <= 1)."""
+    orig = rs.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    half = (d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]) // 2
+    for key in ("short_factor", "long_factor"):
+        f = rs.get(key)
+        if not isinstance(f, (list, tuple)) or len(f) != half or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f):
+            raise CuinferError(f"rope_scaling longrope: {key} is {json.dumps(f)}, need {half} positive numbers "
+                               "(head_dim / 2)")
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
+        raise CuinferError(f"rope_scaling longrope: original_max_position_embeddings is {json.dumps(orig)}, "
+                           "need a positive integer")
+    factor = rs.get("factor") or (d.get("max_position_embeddings") or 4096) / orig
+    attention = rs.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in rs["short_factor"]],
+            "long_factor": [float(x) for x in rs["long_factor"]], "original_max_position_embeddings": orig,
+            "attention_factor": float(attention)}
 
 
 def load_config(path) -> ModelConfig:

@@ -4,10 +4,13 @@
 
 Tensors of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1 are dequantized to float32 here (NumPy,
 in float32 as ggml does: Q8_0 d*q, Q4_0 d*(q-8), Q4_1 d*q + m, with d and m stored as fp16).
-The names are the architecture's (Llama, Qwen2, Qwen3, Phi-3: cuinfer.model.arch). For Llama,
-llama.cpp's converter permutes the rows of Q and K so that rotary pairs are adjacent (interleaved
-RoPE); `unpermute_rows` puts them back in the Hugging Face half-split layout. A sliding window
-llama.cpp stores (Phi-3) applies to every layer.
+The names are the architecture's (Llama, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3: cuinfer.model.arch),
+and so is what a family's metadata means beyond the shared keys (Arch.gguf_read: Gemma's softcaps,
+windows and attention scale, Phi-3's longrope factors). For Llama, llama.cpp's converter permutes the
+rows of Q and K so that rotary pairs are adjacent (interleaved RoPE); `unpermute_rows` puts them back
+in the Hugging Face half-split layout. Gemma's norms are stored as 1 + w: the import subtracts the 1
+(Arch.gguf_norm_shift). A sliding window llama.cpp stores applies to every layer (Phi-3; 0: none)
+unless the family says otherwise. Linear RoPE scaling is read; other GGUF scaling is refused.
 `raw_tensors` yields the undequantized blocks (rows already in Hugging Face order) for a
 direct INT8/INT4 import.
 
@@ -139,31 +142,47 @@ def gguf_config(reader) -> ModelConfig:
     a, arch = f"{kind}.", GGUF_ARCHES[kind]
     n_heads = field(reader, a + "attention.head_count")
     hidden = field(reader, a + "embedding_length")
-    if field(reader, a + "rope.scaling.type", None) not in (None, "none") or any(
-            t.name.startswith("rope_") for t in reader.tensors):
-        raise CuinferError("GGUF rope scaling (rope.scaling.type / rope_freqs / rope_factors) is not supported")
+    scaling = field(reader, a + "rope.scaling.type", None)
+    if scaling not in (None, "none", "linear") or any(
+            t.name.startswith("rope_") and t.name not in arch.gguf_config_tensors for t in reader.tensors):
+        raise CuinferError(f"GGUF rope scaling {scaling or 'by tensor'} (rope.scaling.type / rope_freqs / "
+                           "rope_factors) is not supported: cuinfer imports linear scaling and Phi-3's longrope")
     names = {t.name for t in reader.tensors}
-    window = field(reader, a + "attention.sliding_window", None)  # llama.cpp's: every layer's (Phi-3)
-    return ModelConfig(
-        architecture=next(iter(arch.names)),
-        vocab_size=field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
-        hidden_size=hidden,
-        intermediate_size=field(reader, a + "feed_forward_length"),
-        num_hidden_layers=field(reader, a + "block_count"),
-        num_attention_heads=n_heads,
-        num_key_value_heads=field(reader, a + "attention.head_count_kv", n_heads),
-        head_dim=field(reader, a + "attention.key_length", None) or hidden // n_heads,
-        rms_norm_eps=float(field(reader, a + "attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
-        max_position_embeddings=field(reader, a + "context_length"),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        sliding_window=window,
-        layer_types=None if window is None else (SLIDING,) * field(reader, a + "block_count"),
-        torch_dtype="float32",
-        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=tuple(e for e in [field(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
-    )
+    # llama.cpp's sliding window: every layer's (Phi-3; 0: none), unless the family says otherwise
+    window = field(reader, a + "attention.sliding_window", None) or None
+    n_layers = field(reader, a + "block_count")
+    fields = {
+        "architecture": next(iter(arch.names)),
+        # the embedding's rows (llama.cpp drops Gemma 3's rows past its tokenizer), else the metadata's
+        "vocab_size": next((int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), None)
+        or field(reader, a + "vocab_size", None) or len(field(reader, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": field(reader, a + "feed_forward_length"),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": field(reader, a + "attention.head_count_kv", n_heads),
+        "head_dim": field(reader, a + "attention.key_length", None) or hidden // n_heads,
+        "rms_norm_eps": float(field(reader, a + "attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(field(reader, a + "rope.freq_base", 10000.0)),
+        "rope_scaling": None if scaling != "linear" else
+        {"rope_type": "linear", "factor": float(field(reader, a + "rope.scaling.factor"))},
+        "max_position_embeddings": field(reader, a + "context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "sliding_window": window,
+        "layer_types": None if window is None else (SLIDING,) * n_layers,
+        "torch_dtype": "float32",
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": tuple(e for e in [field(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
+    }
+    if arch.gguf_read is not None:
+        def tensor(name):
+            t = next((t for t in reader.tensors if t.name == name), None)
+            return None if t is None else dequantize(reader.data[t.data_offset:t.data_offset + t.n_bytes].reshape(
+                1, -1), t.tensor_type.name, int(np.prod(t.shape)))[0]
+
+        fields.update(arch.gguf_read(lambda key, default=None: field(reader, a + key, default), tensor, fields))
+    return ModelConfig(**fields)
 
 
 def raw_tensors(path):
@@ -176,11 +195,16 @@ def raw_tensors(path):
 def _raw_tensors(reader, config: ModelConfig):
     arch = config.arch
     for t in reader.tensors:
+        if t.name in arch.gguf_config_tensors:  # read into the config
+            continue
         name, kind = hf_name(t.name, arch), t.tensor_type.name
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists the innermost size first
         rows = int(np.prod(shape[:-1]))
         blocks = reader.data[t.data_offset:t.data_offset + t.n_bytes].reshape(rows, -1)
-        if arch.gguf_permuted_qk and ".q_proj." in name:
+        if arch.gguf_norm_shift and name.endswith("norm.weight"):  # stored as shift + w (Gemma's 1 + w)
+            w = dequantize(blocks, kind, shape[-1]) - np.float32(arch.gguf_norm_shift)
+            kind, blocks = "F32", w.view(np.uint8)
+        elif arch.gguf_permuted_qk and ".q_proj." in name:
             blocks = unpermute_rows(blocks, config.num_attention_heads)
         elif arch.gguf_permuted_qk and ".k_proj." in name:
             blocks = unpermute_rows(blocks, config.num_key_value_heads)

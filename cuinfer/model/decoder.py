@@ -9,8 +9,9 @@ tokens at positions context_len - q_len .. context_len - 1. Per layer, on the re
 (the embedding before the first layer):
 
     qkv = rms_norm(s) @ w_qkv.T (+ b)             one projection for q, k, v; the norm in the GEMV
-    q = write_kv(q, k, v, ...)                    RoPE on q and k, k/v into the paged cache
-    a = attention(q, cache, ...)                  causal GQA over the cache (decode: one kernel with write_kv)
+    q = write_kv(q, k, v, ...)                    (q/k norms,) RoPE on q and k, k/v into the paged cache
+    a = attention(q, cache, ...)                  causal GQA over the cache (decode without q/k norms or
+                                                  longrope: one kernel with write_kv)
     s = a @ w_o.T + s                             the residual add in the GEMV's epilogue
     s = gated_mlp(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
 
@@ -18,7 +19,8 @@ What the architecture adds is data (cuinfer.model.arch and the config): q/k/v bi
 over each q and k head before RoPE (Qwen3, Gemma 3); norms on the attention and MLP outputs before
 their residual adds (Gemma: the add then in rms_norm's add_to, not the GEMV); GELU-tanh for SiLU;
 the embedding times sqrt(hidden); a sliding window, a RoPE base and a score cap per layer; the
-attention scale; a cap on the final logits (cap * tanh(x / cap)).
+attention scale; longrope's short or long frequencies per sequence (Phi-3); a cap on the final
+logits (cap * tanh(x / cap)).
 
 then the lm_head of the final norm (fused the same way) on the last token of each sequence (or
 every token). On the GPU the norms and residual adds launch nothing of their own at decode sizes
@@ -187,6 +189,14 @@ class Model:
         freqs = {id(f): self.xp.asarray(np.asarray(f, dtype=np.float32)) for f in (full, local)}
         # per layer: inv_freq (sliding layers may have their own base), window (0: full)
         self.inv_freq = [freqs[id(local if config.window(i) else full)] for i in range(config.num_hidden_layers)]
+        # longrope (Phi-3): (context length past which a sequence's step rotates with the long
+        # factors, those frequencies); the short ones are self.inv_freq
+        scaling = config.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope" and config.rope_local_base_freq is not None:
+            raise runtime.CuinferError("config: longrope with a local RoPE base per layer is not supported")
+        self.longrope = None if scaling.get("rope_type") != "longrope" else (
+            scaling["original_max_position_embeddings"],
+            self.xp.asarray(rope_inv_freq(self.head_dim, config.rope_theta, scaling, long=True)))
         self.windows = [config.window(i) for i in range(config.num_hidden_layers)]
         if self.xp is np:  # the CPU backend multiplies by the dequantized weights: make them once, now
             for w in [weights.lm_head] + [getattr(lw, f) for lw in weights.layers for f in LINEAR_FIELDS]:
@@ -234,15 +244,18 @@ class Model:
         Each row is its own sequence, and RoPE and the cache write are fused into the attention;
         with verify, rows may be consecutive tokens of one sequence (a verify step: each row has its
         own position, context_lens and block-table row): every row's K/V is written first
-        (write_kv), then each row attends over its context, which holds the rows before it."""
+        (write_kv), then each row attends over its context, which holds the rows before it. So do
+        q/k norms and longrope (write_kv norms and rotates)."""
+        freqs = self.step_inv_freq(inputs.context_lens)  # None, or longrope's [rows, head_dim / 2]
+
         def attend(i, q, k, v, k_cache, v_cache):  # out: the caller's pool (DecodeGraph's, Verifier's)
             kw = dict(out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len, workspace=workspace,
                       **self.attention_kwargs(i))
-            if not verify:  # RoPE and the cache write fused
+            if not verify and self.weights.layers[i].q_norm is None and freqs is None:  # all fused
                 return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
                                        new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), **kw)
-            q = write_kv(q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, self.inv_freq[i],
-                         out=self.xp.empty(q.shape, q.dtype))
+            q = self.write_kv(i, q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, freqs,
+                              out=self.xp.empty(q.shape, q.dtype))
             return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)
 
         s = self.hidden(inputs.token_ids, kv_cache, attend)
@@ -259,32 +272,48 @@ class Model:
         return self.weights.norm, self.config.rms_norm_eps
 
     def prefill_attention(self, batch: Batch):
-        """`forward`'s attend: write_kv (RoPE on q and k, k and v into the cache), then
+        """`forward`'s attend: write_kv (q/k norms, RoPE on q and k, k and v into the cache), then
         flash_attention_paged over each sequence's cached prefix and new tokens."""
+        freqs = None
+        if self.longrope is not None:  # each token gets its sequence's context length
+            xp, tokens = self.xp, len(batch.positions)
+            seq = xp.searchsorted(xp.asarray(batch.cu_seqlens_q[1:]), xp.arange(tokens), side="right")
+            freqs = self.step_inv_freq(xp.asarray(batch.context_lens)[seq])
+
         def attend(i, q, k, v, k_cache, v_cache):  # q, k, v: views of the qkv rows
-            q = write_kv(q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, self.inv_freq[i],
-                         out=self.xp.empty(q.shape, q.dtype))
+            q = self.write_kv(i, q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, freqs,
+                              out=self.xp.empty(q.shape, q.dtype))
             return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                          batch.context_lens, max_seqlen_q=batch.max_seqlen_q,
                                          **self.attention_kwargs(i))
         return attend
 
+    def write_kv(self, i, q, k, v, positions, k_cache, v_cache, slots, freqs, out):
+        """Layer i's write_kv: q/k norms where the layer has them (fused), RoPE with `freqs` (a row
+        per token, longrope) or the layer's frequencies."""
+        lw = self.weights.layers[i]
+        return write_kv(q, k, v, positions, k_cache, v_cache, slots, self.inv_freq[i] if freqs is None else freqs,
+                        out=out, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=self.config.rms_norm_eps)
+
+    def step_inv_freq(self, context_lens):
+        """longrope: float32 [rows, head_dim / 2], the long frequencies for the rows whose sequence
+        holds more than original_max_position_embeddings tokens after this step, else the short ones
+        (transformers' rule for one forward: the long ones once the sequence is longer; keys cached
+        before a sequence crosses over keep their short rotation). None without longrope."""
+        if self.longrope is None:
+            return None
+        orig, long = self.longrope
+        return self.xp.where((context_lens > orig)[:, None], long[None, :], self.inv_freq[0][None, :]
+                             ).astype(np.float32)
+
     def hidden(self, token_ids, kv_cache, attend):
         """The residual stream after the last layer [tokens, hidden] (not normed: the lm_head call
         applies final_norm); attend(i, q, k, v, k_cache, v_cache) -> [tokens, n_heads, head_dim], layer
-        i's q and k not yet rotated."""
+        i's q and k not yet normed (q/k norm) nor rotated."""
         s = embedding(token_ids, self.weights.embed, scale=self.embed_scale)  # s: [tokens, hidden]
         for i in range(len(self.weights.layers)):
             s = self.layer(i, s, kv_cache, attend)
         return s
-
-    def head_norm(self, x, w):
-        """RMSNorm over each head of x: [tokens, heads, head_dim] (q/k norm), or x when w is None."""
-        if w is None:
-            return x
-        tokens, heads, d = x.shape
-        return rms_norm(self.xp.ascontiguousarray(x).reshape(tokens * heads, d), w,
-                        self.config.rms_norm_eps).reshape(tokens, heads, d)
 
     def layer(self, i, s, kv_cache, attend, observe=None):
         """Decoder layer i on the residual stream s: returns the next s. observe(name, x), if given,
@@ -297,8 +326,8 @@ class Model:
         if observe:
             observe("qkv", rms_norm(s, *attn_norm))
         qkv = project(s, lw.qkv, lw.qkv_bias, norm=attn_norm)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
-        q = self.head_norm(qkv[:, :nq].reshape(tokens, self.n_heads, d), lw.q_norm)  # q, k, v heads of each row
-        k = self.head_norm(qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d), lw.k_norm)
+        q = qkv[:, :nq].reshape(tokens, self.n_heads, d)  # q, k, v heads of each row (q, k not yet normed)
+        k = qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d)
         v = qkv[:, nq + nkv:].reshape(tokens, self.n_kv_heads, d)
         a = attend(i, q, k, v, *kv_cache.layer(i)).reshape(tokens, nq)
         s = self.residual(a, lw.o, lw.attn_out_norm, s)

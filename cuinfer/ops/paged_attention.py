@@ -241,6 +241,7 @@ def _check_new_kv(q, n_kv, k, v, slot_mapping, inv_freq):
     runtime.check("v", v, dtype=q.dtype, shape=(num_seqs, n_kv, d), contiguous=False)
     for name, a in (("q", q), ("k", k), ("v", v)):
         check_head_rows(name, a)
+        runtime.check(name, a, align=16, contiguous=False)
     runtime.check("slot_mapping", slot_mapping, dtype=np.int32, shape=(num_seqs,))
     runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(d // 2,))
 

@@ -2,7 +2,8 @@
 
 rope(q, k, positions, theta, scaling=None, out=None) -> (q_rot, k_rot)
     q: [tokens, n_heads, head_dim]; k: [tokens, n_kv_heads, head_dim]; positions: int32/int64 [tokens]
-    head_dim: any even number; scaling: the HF `rope_scaling` dict (rope_type "linear" or "llama3") or None
+    head_dim: any even number; scaling: the HF `rope_scaling` dict (rope_type "linear", "llama3" or
+    "longrope": its short factors; `rope_inv_freq(..., long=True)` gives the long ones) or None
 `out` may be a (q_out, k_out) pair, e.g. (q, k) to rotate in place. numpy arrays run the
 reference; cupy arrays launch cuda_src/rope.cu (one CTA per token).
 
@@ -33,27 +34,32 @@ INSTANTIATIONS = [instantiation(dt, v, p) for dt in runtime.FLOAT_DTYPES for v i
 
 
 # ----------------------------------------------------------------------- frequencies
-def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float, scaling=None, long: bool = False) -> np.ndarray:
     """inv_freq: float32 [head_dim // 2], theta^(-2i/head_dim), scaled when `scaling` says so.
 
     Computed in float64 and rounded once to float32 (Hugging Face computes the same formula in
     float32; the two agree to an ulp). `scaling` is the config's `rope_scaling` dict: None or
     rope_type "default" means no scaling, "linear" divides every frequency by `factor` (position
     interpolation), "llama3" applies Meta's frequency-dependent scaling (HF
-    _compute_llama3_parameters); any other type raises ValueError.
+    _compute_llama3_parameters), "longrope" divides frequency i by short_factor[i], or with
+    long=True by long_factor[i] (HF _compute_longrope_parameters; its attention_factor scales
+    scores, not frequencies: ModelConfig.attention_scale); any other type raises ValueError.
     """
-    return _inv_freq(int(head_dim), float(theta), _scaling_key(scaling)).copy()
+    return _inv_freq(int(head_dim), float(theta), _scaling_key(scaling, long)).copy()
 
 
-def _scaling_key(scaling):
+def _scaling_key(scaling, long=False):
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3"):
-        raise ValueError(f"scaling: got rope_type {kind!r}, need 'linear' or 'llama3' (or None / 'default')")
+    if kind not in ("linear", "llama3", "longrope"):
+        raise ValueError(f"scaling: got rope_type {kind!r}, need 'linear', 'llama3' or 'longrope' "
+                         "(or None / 'default')")
     try:
+        if kind == "longrope":  # ("ext", per-frequency divisors)
+            return ("ext", tuple(float(f) for f in scaling["long_factor" if long else "short_factor"]))
         if kind == "linear":
             return (float(scaling["factor"]),)
         return (float(scaling["factor"]), float(scaling["low_freq_factor"]),
@@ -67,7 +73,11 @@ def _inv_freq(head_dim, theta, scaling):
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim: got {head_dim}, need a positive even number")
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is not None and len(scaling) == 1:  # linear
+    if scaling is not None and scaling[0] == "ext":  # longrope: frequency i divided by factor i
+        if len(scaling[1]) != head_dim // 2:
+            raise ValueError(f"scaling: got {len(scaling[1])} longrope factors, need head_dim / 2 = {head_dim // 2}")
+        inv = inv / np.asarray(scaling[1], np.float64)
+    elif scaling is not None and len(scaling) == 1:  # linear
         inv = inv / scaling[0]
     elif scaling is not None:  # llama3
         factor, low, high, old_ctx = scaling
@@ -84,7 +94,8 @@ def _inv_freq(head_dim, theta, scaling):
 
 # ------------------------------------------------------------------------ reference
 def rope_reference(x, positions, inv_freq):
-    """x_rot: float32 [tokens, heads, head_dim], x rotated by positions * inv_freq (rotate-half).
+    """x_rot: float32 [tokens, heads, head_dim], x rotated by positions * inv_freq (rotate-half;
+    inv_freq [head_dim // 2], or [tokens, head_dim // 2] with a row per token).
 
     x_rot[..., :h] = x1 cos - x2 sin, x_rot[..., h:] = x2 cos + x1 sin with x1, x2 the two halves.
     The angle is rounded to float32 (as the kernel and HF compute it); cos and sin of that
@@ -93,7 +104,8 @@ def rope_reference(x, positions, inv_freq):
     """
     x = np.asarray(x, dtype=np.float32)  # x: [tokens, heads, head_dim]
     half = x.shape[-1] // 2
-    angle = np.asarray(positions).astype(np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    inv_freq = np.asarray(inv_freq, np.float32)  # [half], or [tokens, half]: each token its own
+    angle = np.asarray(positions).astype(np.float32)[:, None] * (inv_freq if inv_freq.ndim == 2 else inv_freq[None, :])
     cos = np.cos(angle.astype(np.float64)).astype(np.float32)[:, None, :]  # cos: [tokens, 1, half]
     sin = np.sin(angle.astype(np.float64)).astype(np.float32)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]

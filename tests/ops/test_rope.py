@@ -62,6 +62,21 @@ def test_inv_freq_linear():
     np.testing.assert_allclose(got, rope_inv_freq(256, 1e6) / np.float32(8.0), rtol=1e-7)
 
 
+def test_inv_freq_longrope():
+    """Phi-3's longrope: frequency i divided by short_factor[i] (long_factor[i] with long=True), as
+    transformers' 1 / (factor * theta^(2i/d)) in float32."""
+    rng = np.random.default_rng(0)
+    short, long = (1 + rng.random(48)).tolist(), (1 + 30 * rng.random(48)).tolist()
+    scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+               "original_max_position_embeddings": 4096}
+    base = np.float32(10000.0) ** (np.arange(0, 96, 2, dtype=np.int64).astype(np.float32) / 96)
+    for factors, long_ in ((short, False), (long, True)):
+        hf = np.float32(1.0) / (np.asarray(factors, np.float32) * base)
+        np.testing.assert_allclose(rope_inv_freq(96, 10000.0, scaling, long=long_), hf, rtol=5e-7)
+    with pytest.raises(ValueError, match="got 48 longrope factors, need head_dim / 2 = 32"):
+        rope_inv_freq(64, 1e4, scaling)
+
+
 def test_inv_freq_rejects_other_scaling():
     with pytest.raises(ValueError, match="scaling: got rope_type 'yarn'"):
         rope_inv_freq(128, 1e4, dict(rope_type="yarn", factor=4.0))

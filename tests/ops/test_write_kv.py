@@ -102,3 +102,175 @@ def test_write_kv_kernel(cp, tokens, heads, d, dtype, in_place, packed, max_pos,
     assert np.array_equal(np.isnan(cp.asnumpy(kc).astype(np.float32)), ~keep)  # untouched slots stay NaN
     assert_close(cp.asnumpy(kc)[keep], want_k[keep], dtype)
     assert np.array_equal(cp.asnumpy(vc)[keep], want_v[keep].astype(dtype))
+
+
+# ------------------------------------------------------------- q/k norm, per-token frequencies
+def head_normed(x, w, eps):
+    """x RMS-normed over each head, float64 (independent of rms_norm_reference)."""
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+def test_numpy_path_norms_heads_before_rotating():
+    from cuinfer.ops.write_kv import write_kv_reference
+
+    rng = np.random.default_rng(1)
+    q, k, v, pos, slots = make(rng, 11, 6, 2, 32, np.float32, 3, 8)
+    wq, wk = (1 + 0.3 * rng.standard_normal(32)).astype(np.float32), rng.standard_normal(32).astype(np.float32)
+    inv = inv_freq_for(32)
+    kc, vc = np.zeros((3, 8, 2, 32), np.float32), np.zeros((3, 8, 2, 32), np.float32)
+    out = write_kv(q, k, v, pos, kc, vc, slots, inv, q_norm=wq, k_norm=wk, eps=1e-5)
+    np.testing.assert_allclose(out, rotate_complex(head_normed(q, wq, 1e-5), pos, inv), rtol=1e-5, atol=1e-5)
+    want_k, want_v = expected_caches(head_normed(k, wk, 1e-5), v, pos, slots, inv, kc.shape, 0.0)
+    np.testing.assert_allclose(kc, want_k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(vc, want_v)
+    # without the norm weights nothing is normed
+    kc2 = np.zeros_like(kc)
+    np.testing.assert_allclose(write_kv_reference(q, k, v, pos, kc2, vc, slots, inv), rotate_complex(q, pos, inv),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_numpy_path_per_token_frequencies():
+    rng = np.random.default_rng(2)
+    q, k, v, pos, slots = make(rng, 9, 4, 4, 16, np.float32, 2, 8)
+    invs = np.stack([inv_freq_for(16, 10000.0 * (1 + t)) for t in range(9)])  # [tokens, half]
+    kc, vc = np.zeros((2, 8, 4, 16), np.float32), np.zeros((2, 8, 4, 16), np.float32)
+    out = write_kv(q, k, v, pos, kc, vc, slots, invs)
+    for t in range(9):
+        np.testing.assert_allclose(out[t:t + 1], rotate_complex(q[t:t + 1], pos[t:t + 1], invs[t]), rtol=1e-5, atol=1e-5)
+        if slots[t] >= 0:
+            np.testing.assert_allclose(kc.reshape(-1, 4, 16)[slots[t]], rotate_complex(k[t:t + 1], pos[t:t + 1], invs[t])[0],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_norm_argument_checks():
+    q, k = np.zeros((3, 4, 64), np.float16), np.zeros((3, 2, 64), np.float16)
+    cache = np.zeros((2, 8, 2, 64), np.float16)
+    pos, slots, inv = np.zeros(3, np.int32), np.zeros(3, np.int32), inv_freq_for(64)
+    w = np.ones(64, np.float16)
+    with pytest.raises(ValueError, match="q_norm, k_norm: need both or neither"):
+        write_kv(q, k, k, pos, cache, cache, slots, inv, q_norm=w)
+    with pytest.raises(ValueError, match="k_norm: got shape"):
+        write_kv(q, k, k, pos, cache, cache, slots, inv, q_norm=w, k_norm=w[:32])
+    with pytest.raises(ValueError, match="q_norm: got dtype float32"):
+        write_kv(q, k, k, pos, cache, cache, slots, inv, q_norm=w.astype(np.float32), k_norm=w)
+    with pytest.raises(ValueError, match=r"inv_freq: got shape \(2, 32\)"):
+        write_kv(q, k, k, pos, cache, cache, slots, np.zeros((2, 32), np.float32))
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.sampled_from([1, 2, 17, 111]), heads=st.sampled_from([(8, 8), (12, 4), (7, 1), (32, 8), (16, 2)]),
+       d=st.sampled_from([64, 128, 256]), dtype=st.sampled_from([np.float16, runtime.bfloat16, np.float32]),
+       in_place=st.booleans(), per_token=st.booleans(), scale=st.sampled_from([1.0, 30.0]),
+       seed=st.integers(0, 2**31))
+def test_write_kv_norm_kernel(cp, tokens, heads, d, dtype, in_place, per_token, scale, seed):
+    """q/k norm + RoPE + cache write (Qwen3, Gemma 3), optionally per-token frequencies (longrope),
+    against the NumPy reference on the same inputs; outputs and caches poisoned with NaN first."""
+    from cuinfer.ops.write_kv import write_kv_reference
+
+    rng = np.random.default_rng(seed)
+    block_size, n_blocks = 16, -(-tokens // 16) + 2
+    q, k, v, pos, slots = make(rng, tokens, heads[0], heads[1], d, dtype, n_blocks, block_size, 131072)
+    q, k = ((scale * x.astype(np.float32)).astype(dtype) for x in (q, k))
+    wq = (1 + 0.5 * rng.standard_normal(d)).astype(np.float32).astype(dtype)
+    wk = rng.standard_normal(d).astype(np.float32).astype(dtype)
+    inv = np.stack([inv_freq_for(d, 10000.0 * (1 + (t % 3))) for t in range(tokens)]) if per_token \
+        else inv_freq_for(d, 1000000.0)
+    shape = (n_blocks, block_size, heads[1], d)
+    kc, vc = (cp.asarray(np.full(shape, np.nan, dtype)) for _ in range(2))
+    ref_kc, ref_vc = np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype)
+    want_q = write_kv_reference(q, k, v, pos, ref_kc, ref_vc, slots, inv, wq, wk, 1e-6)
+    q_d = cp.asarray(q)
+    out = q_d if in_place else poison(cp, q.shape, dtype)
+    res = write_kv(q_d, cp.asarray(k), cp.asarray(v), cp.asarray(pos), kc, vc, cp.asarray(slots), cp.asarray(inv),
+                   out=out, q_norm=cp.asarray(wq), k_norm=cp.asarray(wk), eps=1e-6)
+    assert res is out
+    assert_close(out, want_q, dtype)
+    got_k = cp.asnumpy(kc).astype(np.float32)
+    keep = ~np.isnan(ref_kc.astype(np.float32))
+    assert np.array_equal(np.isnan(got_k), ~keep)  # untouched slots stay NaN
+    assert_close(got_k[keep], ref_kc.astype(np.float32)[keep], dtype)
+    assert np.array_equal(cp.asnumpy(vc)[keep], ref_vc[keep])
+
+
+@pytest.mark.gpu
+def test_write_kv_norm_allocates_nothing_with_out(cp):
+    """Under CUDA-graph capture with `out` given the normed launch allocates nothing (a replay writes
+    what an eager launch writes)."""
+    rng = np.random.default_rng(5)
+    dtype = np.float16
+    q, k, v, pos, slots = make(rng, 4, 8, 2, 128, dtype, 2, 16)
+    slots = np.arange(4, dtype=np.int32)
+    w = (1 + 0.1 * rng.standard_normal(128)).astype(dtype)
+    args = [cp.asarray(a) for a in (q, k, v, pos)]
+    caches = [cp.zeros((2, 16, 2, 128), dtype) for _ in range(4)]
+    rest = [cp.asarray(slots), cp.asarray(inv_freq_for(128))]
+    w_d = cp.asarray(w)
+    eager = cp.empty(q.shape, dtype)
+    write_kv(*args, caches[0], caches[1], *rest, out=eager, q_norm=w_d, k_norm=w_d)
+    out = cp.empty(q.shape, dtype)
+    write_kv(*args, caches[2], caches[3], *rest, out=out, q_norm=w_d, k_norm=w_d)  # compiled before capture
+    out.fill(np.nan)
+    caches[2].fill(0)
+    cp.cuda.Device().synchronize()  # the capture stream does not wait for the legacy one
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        write_kv(*args, caches[2], caches[3], *rest, out=out, q_norm=w_d, k_norm=w_d)
+        graph = stream.end_capture()
+    assert pool.total_bytes() == 0
+    graph.launch(stream)
+    stream.synchronize()
+    assert cp.array_equal(out, eager) and cp.array_equal(caches[2], caches[0])
+
+
+def test_views_of_one_qkv_row():
+    """q, k, v as views of the qkv projection's rows (the decoder's): the result of packed copies."""
+    rng = np.random.default_rng(6)
+    tokens, nh, nkv, d = 5, 4, 2, 16
+    qkv = rng.standard_normal((tokens, (nh + 2 * nkv) * d)).astype(np.float32)
+    q, k, v = (qkv[:, a:b].reshape(tokens, -1, d) for a, b in ((0, nh * d), (nh * d, (nh + nkv) * d),
+                                                                ((nh + nkv) * d, None)))
+    pos, slots, inv = np.arange(tokens, dtype=np.int32), np.arange(tokens, dtype=np.int32), inv_freq_for(d)
+    caches = [np.zeros((1, 8, nkv, d), np.float32) for _ in range(4)]
+    got = write_kv(q, k, v, pos, caches[0], caches[1], slots, inv)
+    want = write_kv(*(np.ascontiguousarray(a) for a in (q, k, v)), pos, caches[2], caches[3], slots, inv)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(caches[0], caches[2])
+    np.testing.assert_array_equal(caches[1], caches[3])
+    odd = np.zeros((tokens, qkv.shape[1] + 1), np.float32)[:, :-1]  # rows 4 bytes past a multiple of 16
+    with pytest.raises(ValueError, match=r"q: got strides \(516, 64, 4\)"):
+        write_kv(odd[:, :nh * d].reshape(tokens, nh, d), k, v, pos, caches[0], caches[1], slots, inv)
+    with pytest.raises(ValueError, match="v: got strides"):
+        write_kv(q, k, v[:, ::-1], pos, caches[0], caches[1], slots, inv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
+def test_write_kv_kernel_on_qkv_views(cp, norm, dtype):
+    """The kernel reads q, k, v as strided views of qkv rows (no copies), as the reference does."""
+    from cuinfer.ops.write_kv import write_kv_reference
+
+    rng = np.random.default_rng(7)
+    tokens, nh, nkv, d = 37, 12, 4, 128
+    qkv = rng.standard_normal((tokens, (nh + 2 * nkv) * d)).astype(np.float32).astype(dtype)
+    cut = lambda x: (x[:, :nh * d].reshape(tokens, nh, d), x[:, nh * d:(nh + nkv) * d].reshape(tokens, nkv, d),
+                     x[:, (nh + nkv) * d:].reshape(tokens, nkv, d))
+    pos = rng.integers(0, 5000, tokens).astype(np.int32)
+    slots = rng.permutation(3 * 16)[:tokens].astype(np.int32)
+    w = [(1 + 0.2 * rng.standard_normal(d)).astype(dtype) for _ in range(2)] if norm else [None, None]
+    inv = inv_freq_for(d)
+    shape = (3, 16, nkv, d)
+    ref_k, ref_v = np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype)
+    want = write_kv_reference(*cut(qkv), pos, ref_k, ref_v, slots, inv, *w)
+    kc, vc = cp.full(shape, np.nan, dtype), cp.full(shape, np.nan, dtype)
+    out = poison(cp, (tokens, nh, d), dtype)
+    write_kv(*cut(cp.asarray(qkv)), cp.asarray(pos), kc, vc, cp.asarray(slots), cp.asarray(inv), out=out,
+             q_norm=None if w[0] is None else cp.asarray(w[0]), k_norm=None if w[1] is None else cp.asarray(w[1]))
+    assert_close(out, want, dtype)
+    keep = ~np.isnan(ref_k.astype(np.float32))
+    assert_close(cp.asnumpy(kc).astype(np.float32)[keep], ref_k.astype(np.float32)[keep], dtype)
+    assert np.array_equal(cp.asnumpy(vc)[keep], ref_v[keep])

@@ -65,6 +65,11 @@ class Arch:
     gguf_arch: str | None = None  # general.architecture of the GGUF files llama.cpp writes
     gguf_names: dict = field(default_factory=dict)  # GGUF name -> Hugging Face name, {i}: layer (gguf_table)
     gguf_permuted_qk: bool = False  # llama.cpp interleaved the rotary pairs of Q and K rows (Llama)
+    gguf_norm_shift: float = 0.0  # llama.cpp stored every norm weight plus this (Gemma: 1, its 1 + w)
+    # (get, tensor, fields) -> the ModelConfig fields the family's GGUF metadata sets beyond the shared
+    # ones in `fields` (get(key, default): "<arch>.<key>"; tensor(GGUF name): float32 array or None)
+    gguf_read: Callable | None = None
+    gguf_config_tensors: tuple = ()  # GGUF tensors that hold config (Phi-3's longrope factors), not weights
 
     def modules(self, config) -> list:
         """The Hugging Face modules of a layer's linear weights (the quantizable ones), in order."""
