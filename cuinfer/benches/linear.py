@@ -1,8 +1,8 @@
 """Linear layers: decode GEMV with fp16, INT8 and INT4 g128 weights against cuBLAS and torch fp16.
 
 Llama-3-8B shapes (in_features K, out_features N) at M = 1, 4, 16 rows of x (decode GEMVs) and 32,
-64, 128, 256 (the serving batches: quantized weights in 16-row GEMV chunks up to 64, then like fp16
-past 16 rows a dequantized copy through cuBLAS). Bytes = the
+64, 128, 256 (the serving batches: quantized weights through the GEMM of ops.linear_mma, fp16
+through cuBLAS). Bytes = the
 weight's bytes (qweight + scales + zeros) plus x and y. Every variant, ours and the
 peers', is timed over 20 back-to-back calls queued behind a long copy (queued_ms) that cycle
 through enough weight copies (>= 120 MB) that each call streams its weight from HBM, not
