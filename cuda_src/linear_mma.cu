@@ -79,55 +79,93 @@ __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-// cp.async of stage t's weights (and int4 pairs) into the ring slot at shared address st, row by
-// row: a block tile's row rr is weight row half N + min(first + rr, N - 1) (any N, the up half of
-// an int4 [gate; up] starting inside a storage tile too). In the slot every tile is stored as its
-// quads in global tile order: 16 rows of 64 bytes each.
-template <int WBITS, int GS, int NT, int RT, int WARPS, int STAGES, int EPI>
-__device__ __forceinline__ void load_weights(unsigned st, const void* __restrict__ w,
-                                             const __half* __restrict__ scales, const Block& b, int t, int N,
-                                             int K) {
+// The cp.async copies of one stage, their sources kept as 32-bit byte offsets computed once (a
+// stage adds t times a constant): this thread's chunks i = threadIdx.x + j 32 WARPS. Weights go row
+// by row: a block tile's row rr is weight row half N + min(first + rr, N - 1) (any N; the up half of
+// an int4 [gate; up] may start inside a storage tile). In a slot each block tile is 16 rows of 64
+// bytes per quad (int8: two quads), its int4 (scale, zero) pairs 64 bytes per group, then the x
+// rows (kXRow bytes apart, zeros past K). The first weights are issued before pdl_wait.
+template <typename T, int WBITS, int GS, int NT, int RT, int WARPS, int STAGES, int EPI> struct Loader {
   using G = Geo<WBITS, GS, NT, RT, WARPS, STAGES>;
-  const char* wb = static_cast<const char*>(w);
-  if constexpr (WBITS == 4) {
-    const int n_quads = (K + 127) / 128, n_groups = K / GS;
-    for (int i = threadIdx.x; i < G::kTiles * 64; i += 32 * WARPS) {
-      const int ti = i >> 6, rr = (i >> 2) & 15, c = i & 3;
-      int half;
-      const int first = tile_row<RT, WARPS, EPI>(ti, b.row0, half);
-      const int row = half * N + min(first + rr, N - 1);
-      cp_async16(st + ti * 1024 + rr * 64 + c * 16, wb + (tiled_row(row, n_quads) + 16 * (size_t)t) * 64 + c * 16);
-    }
-    for (int i = threadIdx.x; i < G::kTiles * G::kGroups * 16; i += 32 * WARPS) {
-      const int ti = i / (G::kGroups * 16), gi = (i / 16) % G::kGroups, rr = i & 15, g = t * G::kGroups + gi;
-      int half;
-      const int first = tile_row<RT, WARPS, EPI>(ti, b.row0, half);
-      const int row = half * N + min(first + rr, N - 1);
-      if (g < n_groups) cp_async4(st + G::kW + (ti * G::kGroups + gi) * 64 + rr * 4, scales + 2 * (tiled_row(row, n_groups) + 16 * (size_t)g));
-    }
-  } else {
-    // a tile's stage: 2 quads of 16 rows x 64 bytes, each row's 128 k as 8 chunks (u = ch / 4, c = ch % 4)
-    for (int i = threadIdx.x; i < G::kTiles * 128; i += 32 * WARPS) {
-      const int ti = i >> 7, rr = (i >> 3) & 15, ch = i & 7, k = t * 128 + 16 * ch;
-      int half;
-      const int first = tile_row<RT, WARPS, EPI>(ti, b.row0, half);
-      const int row = half * N + min(first + rr, N - 1);
-      cp_async16(st + ti * 2048 + (ch >> 2) * 1024 + rr * 64 + (ch & 3) * 16,
-                 wb + (size_t)row * K + (k < K ? k : 0), k < K);
-    }
-  }
-}
+  static constexpr int THREADS = 32 * WARPS;
+  static constexpr int kWC = G::kTiles * (WBITS == 4 ? 64 : 128) / THREADS;  // weight chunks a thread
+  static constexpr int kSC = WBITS == 4 ? G::kTiles * G::kGroups * 16 / THREADS : 0;  // 4-byte pair copies
+  static constexpr int kXC = 8 * NT * 16 / THREADS;                           // x chunks a thread
+  static_assert(kWC * THREADS == G::kTiles * (WBITS == 4 ? 64 : 128) && kXC * THREADS == 8 * NT * 16 &&
+                    (WBITS == 8 || kSC * THREADS == G::kTiles * G::kGroups * 16),
+                "whole chunks per thread");
+  const char* w;
+  const char* s;
+  const char* x;
+  unsigned w_off[kWC], s_off[kSC > 0 ? kSC : 1], x_off[kXC];
+  int K, n_groups;
 
-// cp.async of stage t's 8 NT x rows (zeros past K) into the slot's x part.
-template <typename T, int WBITS, int GS, int NT, int RT, int WARPS, int STAGES>
-__device__ __forceinline__ void load_x(unsigned st, const T* __restrict__ x, const Block& b, int t, int M, int K) {
-  using G = Geo<WBITS, GS, NT, RT, WARPS, STAGES>;
-  for (int i = threadIdx.x; i < 8 * NT * 16; i += 32 * WARPS) {
-    const int row = i >> 4, k = t * 128 + 8 * (i & 15);
-    const int m = min(b.m0 + row, M - 1);
-    cp_async16(st + G::kW + G::kS + row * G::kXRow + (i & 15) * 16, x + (size_t)m * K + (k < K ? k : 0), k < K);
+  __device__ __forceinline__ static int weight_row(int ti, int rr, int row0, int N) {
+    int half;
+    const int first = tile_row<RT, WARPS, EPI>(ti, row0, half);
+    return half * N + min(first + rr, N - 1);
   }
-}
+
+  __device__ __forceinline__ Loader(const T* x_, const void* w_, const __half* scales, const Block& b, int M, int N,
+                                    int K_)
+      : w(static_cast<const char*>(w_)), s(reinterpret_cast<const char*>(scales)),
+        x(reinterpret_cast<const char*>(x_)), K(K_), n_groups(WBITS == 4 ? K_ / GS : 0) {
+#pragma unroll
+    for (int j = 0; j < kWC; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if constexpr (WBITS == 4) {  // i: tile i / 64, row (i / 4) % 16, 16-byte chunk i % 4
+        const int row = weight_row(i >> 6, (i >> 2) & 15, b.row0, N);
+        w_off[j] = static_cast<unsigned>(tiled_row(row, (K + 127) / 128) * 64 + (i & 3) * 16);
+      } else {  // i: tile i / 128, row (i / 8) % 16, chunk i % 8 of the row's 128 k
+        const int row = weight_row(i >> 7, (i >> 3) & 15, b.row0, N);
+        w_off[j] = static_cast<unsigned>((size_t)row * K + 16 * (i & 7));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kSC; ++j) {  // i: tile, group gi of the stage, row i % 16
+      const int i = threadIdx.x + j * THREADS, gi = (i / 16) % G::kGroups;
+      const int row = weight_row(i / (G::kGroups * 16), i & 15, b.row0, N);
+      s_off[j] = static_cast<unsigned>((tiled_row(row, n_groups) + 16 * gi) * 4);
+    }
+#pragma unroll
+    for (int j = 0; j < kXC; ++j) {  // i: x row i / 16, 16-byte chunk i % 16
+      const int i = threadIdx.x + j * THREADS, m = min(b.m0 + (i >> 4), M - 1);
+      x_off[j] = static_cast<unsigned>(((size_t)m * K + 8 * (i & 15)) * sizeof(T));
+    }
+  }
+
+  // Stage t's weights (and int4 pairs) into the slot at shared address st.
+  __device__ __forceinline__ void weights(unsigned st, int t) const {
+#pragma unroll
+    for (int j = 0; j < kWC; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if constexpr (WBITS == 4) {
+        cp_async16(st + i * 16, w + w_off[j] + (size_t)t * 1024);
+      } else {
+        const bool ok = t * 128 + 16 * (i & 7) < K;
+        cp_async16(st + (i >> 7) * 2048 + ((i >> 2) & 1) * 1024 + ((i >> 3) & 15) * 64 + (i & 3) * 16,
+                   w + (ok ? w_off[j] + (size_t)t * 128 : 0), ok);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kSC; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if (t * G::kGroups + (i / 16) % G::kGroups < n_groups)
+        cp_async4(st + G::kW + i * 4, s + s_off[j] + (size_t)t * G::kGroups * 64);
+    }
+  }
+
+  // Stage t's x rows into the slot at shared address st.
+  __device__ __forceinline__ void rows(unsigned st, int t) const {
+#pragma unroll
+    for (int j = 0; j < kXC; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      const bool ok = t * 128 + 8 * (i & 15) < K;
+      cp_async16(st + G::kW + G::kS + (i >> 4) * G::kXRow + (i & 15) * 16,
+                 x + (ok ? x_off[j] + (size_t)t * 128 * sizeof(T) : 0), ok);
+    }
+  }
+};
 
 // The lane's 16 bytes of x row 8 n + g4 at element e of the stage.
 template <int XROW> __device__ __forceinline__ uint4 x16(const unsigned char* xs, int n, int g4, int e) {
@@ -343,16 +381,16 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
   const unsigned base = smem_u32(smem);
   const int warp = threadIdx.x >> 5;
 
+  const Loader<T, WBITS, GS, NT, RT, WARPS, STAGES, EPI> load(x, w, scales, b, M, N, K);
   // The first stages' weights are issued before pdl_wait (no kernel of a graph writes weights).
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
-    if (b.t_begin + s < b.t_end)
-      load_weights<WBITS, GS, NT, RT, WARPS, STAGES, EPI>(base + s * G::kStage, w, scales, b, b.t_begin + s, N, K);
+    if (b.t_begin + s < b.t_end) load.weights(base + s * G::kStage, b.t_begin + s);
   pdl_wait();
   pdl_trigger();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (b.t_begin + s < b.t_end) load_x<T, WBITS, GS, NT, RT, WARPS, STAGES>(base + s * G::kStage, x, b, b.t_begin + s, M, K);
+    if (b.t_begin + s < b.t_end) load.rows(base + s * G::kStage, b.t_begin + s);
     cp_async_commit();
   }
 
@@ -369,8 +407,8 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
     const int tn = t + STAGES - 1;
     if (tn < b.t_end) {
       const unsigned slot = base + ((tn - b.t_begin) % STAGES) * G::kStage;
-      load_weights<WBITS, GS, NT, RT, WARPS, STAGES, EPI>(slot, w, scales, b, tn, N, K);
-      load_x<T, WBITS, GS, NT, RT, WARPS, STAGES>(slot, x, b, tn, M, K);
+      load.weights(slot, tn);
+      load.rows(slot, tn);
     }
     cp_async_commit();
     const unsigned char* st = smem + ((t - b.t_begin) % STAGES) * G::kStage;

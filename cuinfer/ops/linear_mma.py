@@ -40,17 +40,17 @@ class MmaTile(NamedTuple):
     minb: int  # blocks per SM the launch bounds promise (register cap 65536 / (32 WARPS MINB))
 
 
-def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True) -> MmaTile:
+def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True,
+             integer_zeros=True) -> MmaTile:
     """The tile for M rows of x, N outputs and K inputs. RT = 2 (each x fragment feeds two weight
-    tiles: shared-memory bandwidth), 4 warps; int4 NT = 4 (ptxas: NT = 8 with its per-group sums
-    spills even at 255 registers; NT = 4 spills at the 168 registers of 3 blocks an SM), 4 stages
-    and 2 blocks an SM (~82 KB each); int8 NT = 4 up to 32 rows with 3 stages and 3 blocks an SM
-    (106 registers), else NT = 8, 2 blocks an SM. 2 warps when even a split of 8 leaves most SMs
+    tiles: shared-memory bandwidth), 4 warps, 3 stages; NT = 4 with 3 blocks an SM (<= 168 registers,
+    <= 62 KB each; int4 NT = 8 with its per-group sums spills even at 255 registers; fractional
+    zeros, whose zero sums take NT 4 more, at 2 blocks an SM: they spill at 168); int8 NT = 8
+    above 32 rows, 2 blocks an SM (~100 KB). 2 warps when even a split of 8 leaves most SMs
     idle (N = 1024); grids below one block per SM split K over a cluster of up to 8, each block
     keeping >= 4 stages."""
     nt = 8 if bits == 8 and m > 32 else 4
-    minb = 3 if bits == 8 and nt == 4 else 2
-    stages = 4 if bits == 4 else 3
+    minb = 3 if nt == 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
     gated = epilogue in GATED
 
@@ -61,7 +61,7 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     split = 1
     while clusters and split < 8 and blocks(warps) * split < sms and -(-stages_k // (2 * split)) >= 4:
         split *= 2
-    return MmaTile(nt, 2, warps, stages, split, minb)
+    return MmaTile(nt, 2, warps, 3, split, minb)
 
 
 def smem_bytes(bits: int, group_size: int, tile: MmaTile) -> int:
@@ -87,7 +87,8 @@ def _formats():
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, iz, mma_tile(b, m, n, k, epi), epi) for dt in KERNEL_DTYPES for b, g, iz in _formats()
+    {instantiation(dt, b, g, iz, mma_tile(b, m, n, k, epi, integer_zeros=iz), epi) for dt in KERNEL_DTYPES
+     for b, g, iz in _formats()
      for m in (17, 64, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336) for epi in EPILOGUES
      if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)})  # GELU differs from SiLU in its activation only
 
@@ -158,10 +159,14 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
         raise ValueError(f"x: got K = {k} columns, need a multiple of {need} for {bits}-bit weights")
     runtime.check("x", x, align=16)
     runtime.check("out", out, align=2)
+    for name, a in (("x", x), ("w.qweight", w.qweight)):
+        if a.nbytes >= 1 << 32:  # the kernel keeps byte offsets in 32 bits
+            raise ValueError(f"{name}: got {a.nbytes} bytes, need < 4 GiB")
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
-    tile = mma_tile(bits, m, n, k, activation or "store", info["sm_count"], int(info["arch"][3:]) >= 90)
+    tile = mma_tile(bits, m, n, k, activation or "store", info["sm_count"], int(info["arch"][3:]) >= 90,
+                    bits == 4 and w.integer_zeros)
     return _launch(x, w, bias, residual, out, tile, activation or "store")
 
 
