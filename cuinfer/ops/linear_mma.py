@@ -89,7 +89,8 @@ def _formats():
 INSTANTIATIONS = sorted(
     {instantiation(dt, b, g, iz, mma_tile(b, m, n, k, epi, integer_zeros=iz), epi) for dt in KERNEL_DTYPES
      for b, g, iz in _formats()
-     for m in (17, 64, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336) for epi in EPILOGUES
+     for m in (17, 32, 64, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+     for epi in EPILOGUES
      if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)})  # GELU differs from SiLU in its activation only
 
 
