@@ -188,7 +188,8 @@ __device__ __forceinline__ void int4_stage(float (&acc)[RT][NT][4], const unsign
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) raw[r][h] = *reinterpret_cast<const uint4*>(wst + r * 1024 + (g4 + 8 * h) * 64 + 16 * c);
+    for (int h = 0; h < 2; ++h)
+      raw[r][h] = *reinterpret_cast<const uint4*>(wst + r * 1024 + (g4 + 8 * h) * 64 + 16 * c);
 #pragma unroll
   for (int gi = 0; gi < GQ; ++gi) {
     if (t * GQ + gi >= n_groups) break;  // the last quad of K % 128 != 0: its padding is never computed
@@ -296,7 +297,8 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
 // order (deterministic) through distributed shared memory. Thread order: 16 consecutive threads
 // take 16 consecutive output rows of one x row (32-byte stores).
 template <typename T, int WBITS, int NT, int RT, int WARPS, int SPLIT, int EPI>
-__device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], float* red, const __half* __restrict__ scales,
+__device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], float* red,
+                                             const __half* __restrict__ scales,
                                              const T* __restrict__ bias, const T* __restrict__ residual,
                                              T* __restrict__ out, const Block& b, int M, int N) {
   constexpr int V = RT * NT * 4, EW = mma_gated(EPI) ? WARPS / 2 : WARPS, TOTAL = EW * V * 32;
@@ -344,7 +346,8 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
       if (bias != nullptr) up += to_float(bias[row + N]);
       y = (EPI == MMA_EPI_SILU_AND_MUL ? silu(y) : gelu_tanh(y)) * up;
     }
-    if (EPI == MMA_EPI_STORE && residual != nullptr) y = to_float(from_float<T>(y)) + to_float(residual[(size_t)m * N + row]);
+    if (EPI == MMA_EPI_STORE && residual != nullptr)
+      y = to_float(from_float<T>(y)) + to_float(residual[(size_t)m * N + row]);  // round(round(y) + residual)
     out[(size_t)m * N + row] = from_float<T>(y);
   }
   if constexpr (SPLIT > 1) {

@@ -114,7 +114,7 @@ def _check_weight(w, k):
         runtime.check("w.scales", w.scales, dtype=np.float16, shape=(n,))
         return n
     if not isinstance(w, Int4Weight):
-        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN: ValueError)
+        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
     n = w.shape[0]
     if tuple(w.shape) != (n, k):
         raise ValueError(f"w: got shape {tuple(w.shape)}, need [*, {k}] (x has {k} columns)")
@@ -135,7 +135,7 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
     runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
     m, k = x.shape
     if not isinstance(w, (Int8Weight, Int4Weight)):
-        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN: ValueError)
+        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
     arrays = (w.qweight, w.scales if isinstance(w, Int8Weight) else w.scales_zeros)
     if any(runtime.is_device_array(a) != dev for a in arrays):
         raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x (w.to_device())")
