@@ -7,9 +7,10 @@
 //
 // One block: WARPS warps, each RT 16-row weight tiles (A of mma.sync m16n8k16) times the block's
 // 8 NT rows of x (NT n8 tiles of B), fp32 accumulators. K runs in stages of 128 k through a
-// STAGES-deep cp.async ring in shared memory holding, per stage, the block's weight tiles (1 KB a
-// tile and quad, in global order), its int4 (scale, zero) pairs and the 8 NT x rows (padded rows:
-// the 16-byte fragment loads below are free of bank conflicts). Every warp reads the whole x
+// STAGES-deep cp.async ring in shared memory holding, per stage, the block's weight rows (64 bytes
+// a row and quad, each 16-row tile as 1 KB in the tiles16 order, copied row by row so that any N and
+// a [gate; up] split inside a storage tile need nothing special), its int4 (scale, zero) pairs and
+// the 8 NT x rows (padded rows: the 16-byte fragment loads below are free of bank conflicts). Every warp reads the whole x
 // tile, so each x load feeds RT weight tiles and each dequantized weight fragment NT x tiles.
 // The fragments follow linear.cu's relabelling of the contraction index: lane c of a quad gives
 // its four k slots {2c, 2c+1, 2c+8, 2c+9} of a k16 step to four consecutive k of its own 16-byte

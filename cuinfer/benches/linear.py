@@ -19,9 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import bench
-from ..ops import linear_mma as mma
 from ..ops import runtime
 from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
+from ..ops.linear_mma import _launch as mma_launch
+from ..ops.linear_mma import instantiation as mma_instantiation
+from ..ops.linear_mma import mma_tile, smem_bytes
 from ..ops.quant import Int4Weight, Int8Weight
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
@@ -165,12 +167,12 @@ def mma_sweep_tiles(bits, m, n, k):
     """mma_tile's pick and its neighbours: every split, the other warp count, 8 warps (256 weight rows a
     block: half the x reads from L2 per weight byte; 1 block an SM), 4 stages, and for int8 the other
     NT and RT = 4 with NT = 4 (186 registers; int4 RT = 4 spills)."""
-    base = mma.mma_tile(bits, m, n, k)
+    base = mma_tile(bits, m, n, k)
     tiles = {base, base._replace(warps=6 - base.warps), base._replace(warps=8, minb=1), base._replace(stages=4, minb=2)}
     tiles |= {base._replace(split=s) for s in (1, 2, 4, 8)}
     if bits == 8:
         tiles |= {base._replace(nt=12 - base.nt, minb=2), base._replace(nt=4, rt=4, minb=2)}
-    return sorted(t for t in tiles if t.minb * (mma.smem_bytes(bits, 128, t) + 1024) <= 228 * 1024)
+    return sorted(t for t in tiles if t.minb * (smem_bytes(bits, 128, t) + 1024) <= 228 * 1024)
 
 
 def _compile_mma(expr):
@@ -184,7 +186,7 @@ def _mma_sweep(cp, rows_m, formats):
 
     formats = [f for f in formats if f != "fp16"]
     cases = [(k, n, m, f) for k, n in SHAPES for m in rows_m for f in formats]
-    exprs = {mma.instantiation(np.float16, *SWEEP_BITS[f], True, t) for k, n, m, f in cases
+    exprs = {mma_instantiation(np.float16, *SWEEP_BITS[f], True, t) for k, n, m, f in cases
              for t in mma_sweep_tiles(SWEEP_BITS[f][0], m, n, k)}
     with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
         list(ex.map(_compile_mma, sorted(exprs)))
@@ -195,9 +197,9 @@ def _mma_sweep(cp, rows_m, formats):
         copies = _copies(lambda: _random_weight(cp, fmt, n, k))  # noqa: B023 (called at once)
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
         out = cp.empty((m, n), cp.float16)
-        pick = mma.mma_tile(bits, m, n, k)
+        pick = mma_tile(bits, m, n, k)
         for t in mma_sweep_tiles(bits, m, n, k):
-            ms = queued_ms(cp, busy, _cycle([lambda w=w, t=t: mma._launch(x, w, None, None, out, t) for w in copies]))
+            ms = queued_ms(cp, busy, _cycle([lambda w=w, t=t: mma_launch(x, w, None, None, out, t) for w in copies]))
             rows.append(dict(name=f"{fmt} nt{t.nt} w{t.warps} st{t.stages} split{t.split} minb{t.minb}"
                              f"{' (mma_tile)' if t == pick else ''}", shape=f"M={m} K={k} N={n}", dtype="float16",
                              ms=ms, bytes=copies[0].nbytes + x.nbytes + out.nbytes))
