@@ -165,13 +165,13 @@ def _sweep(cp, preset, formats):
 
 def mma_sweep_tiles(bits, m, n, k):
     """mma_tile's pick and its neighbours: every split, the other warp count, 8 warps (256 weight rows a
-    block: half the x reads from L2 per weight byte; 1 block an SM), 4 stages, and for int8 the other
-    NT and RT = 4 with NT = 4 (186 registers; int4 RT = 4 spills)."""
+    block: half the x reads from L2 per weight byte; 1 block an SM), 4 stages, the other NT, and for
+    int8 RT = 4 with NT = 4 (186 registers; int4 RT = 4 spills)."""
     base = mma_tile(bits, m, n, k)
     tiles = {base, base._replace(warps=6 - base.warps), base._replace(warps=8, minb=1), base._replace(stages=4, minb=2)}
-    tiles |= {base._replace(split=s) for s in (1, 2, 4, 8)}
+    tiles |= {base._replace(split=s) for s in (1, 2, 4, 8)} | {base._replace(nt=12 - base.nt, minb=2)}
     if bits == 8:
-        tiles |= {base._replace(nt=12 - base.nt, minb=2), base._replace(nt=4, rt=4, minb=2)}
+        tiles.add(base._replace(nt=4, rt=4, minb=2))
     return sorted(t for t in tiles if t.minb * (smem_bytes(bits, 128, t) + 1024) <= 228 * 1024)
 
 

@@ -42,13 +42,15 @@ class MmaTile(NamedTuple):
 
 def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True,
              integer_zeros=True) -> MmaTile:
-    """The tile for M rows of x, N outputs and K inputs. RT = 2 (each x fragment feeds two weight
-    tiles: shared-memory bandwidth), 4 warps, 3 stages; NT = 4 with 3 blocks an SM (<= 168 registers,
-    <= 62 KB each; int4 NT = 8 with its per-group sums spills even at 255 registers; fractional
-    zeros, whose zero sums take NT 4 more, at 2 blocks an SM: they spill at 168); int8 NT = 8
-    above 32 rows, 2 blocks an SM (~100 KB). 2 warps when even a split of 8 leaves most SMs
-    idle (N = 1024); grids below one block per SM split K over a cluster of up to 8, each block
-    keeping >= 4 stages."""
+    """The tile for M rows of x, N outputs and K inputs (ptxas -v, sm_90). RT = 2 (each x fragment
+    feeds two weight tiles: shared-memory bandwidth), 4 warps, 3 stages. NT = 4 with 3 blocks an SM
+    (<= 168 registers, <= 75 KB each; int4 fractional zeros, whose zero sums take NT 4 more
+    registers, at 2: they spill at 168); int8 above 32 rows NT = 8 with 2 blocks an SM (~150
+    registers, ~100 KB): each dequantized weight fragment feeds twice the mma, and the weights are
+    read (from L2) once per 64 rows of x instead of 32. int4 stays at NT = 4: with its per-group sums
+    NT = 8 needs 230-255 registers and spills in half the configurations (bf16, fractional zeros,
+    2 warps). 2 warps when even a split of 8 leaves most SMs idle (N = 1024); grids below one block
+    per SM split K over a cluster of up to 8, each block keeping >= 4 stages."""
     nt = 8 if bits == 8 and m > 32 else 4
     minb = 3 if nt == 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
