@@ -66,24 +66,9 @@ __host__ __device__ constexpr bool gated(int epi) { return epi == EPI_SILU_AND_M
 // Split-K across the blocks of a thread-block cluster (sm_90): SPLIT blocks along y share a row
 // tile, each reduces its K / SPLIT, and block 0 of the cluster adds the others' sums through
 // distributed shared memory. Below sm_90 there are no clusters and tile_config keeps SPLIT = 1.
+// (cluster_sync, cluster_rank, load_cluster: mma.cuh)
 #if __CUDA_ARCH__ >= 900
 #define LINEAR_CLUSTER(n) __cluster_dims__(1, n, 1)
-__device__ __forceinline__ void cluster_sync() {  // all blocks of the cluster; orders shared memory
-  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// *p in the shared memory of the cluster's block `rank` (distributed shared memory).
-__device__ __forceinline__ float load_cluster(const float* p, unsigned rank) {
-  unsigned remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
 #else
 #define LINEAR_CLUSTER(n)
 #endif

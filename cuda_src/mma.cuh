@@ -98,6 +98,26 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap* map, 
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// Thread-block clusters (sm_90): a barrier over all blocks of the cluster (it orders shared memory),
+// the block's rank, and *p in the shared memory of the cluster's block `rank` (distributed shared
+// memory). Defined for __CUDA_ARCH__ >= 900 only.
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ float load_cluster(const float* p, unsigned rank) {
+  unsigned remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
 // Named barrier `id` (1..15) over `threads` threads: sync waits for all of them, arrive only counts.
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

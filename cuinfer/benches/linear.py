@@ -1,8 +1,8 @@
 """Linear layers: decode GEMV with fp16, INT8 and INT4 g128 weights against cuBLAS and torch fp16.
 
 Llama-3-8B shapes (in_features K, out_features N) at M = 1, 4, 16 rows of x (decode GEMVs) and 32,
-64, 128, 256 (the serving batches: quantized weights in 16-row GEMV chunks up to 64, then like fp16
-past 16 rows a dequantized copy through cuBLAS). Bytes = the
+64, 128, 256 (the serving batches: quantized weights through the GEMM of ops.linear_mma, fp16
+through cuBLAS). Bytes = the
 weight's bytes (qweight + scales + zeros) plus x and y. Every variant, ours and the
 peers', is timed over 20 back-to-back calls queued behind a long copy (queued_ms) that cycle
 through enough weight copies (>= 120 MB) that each call streams its weight from HBM, not
@@ -11,6 +11,8 @@ The peer of every row is cupy.matmul (cuBLAS) on an fp16 weight of the same shap
 `torch fp16` row (torch.nn.functional.linear) per shape is measured in the same run.
 `--sweep PRESET` instead times every M = 1 tile of the preset's four decode GEMVs with their fused
 epilogues (norm, SwiGLU, residual), as a decode graph replays them (docs/linear.md).
+`--mma-sweep` instead times the quantized GEMM (ops.linear_mma) at each --m with mma_tile's tile and
+its neighbours (split, warps, stages, NT) on the five shapes.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import numpy as np
 from .. import bench
 from ..ops import runtime
 from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
+from ..ops.linear_mma import _launch as mma_launch
+from ..ops.linear_mma import instantiation as mma_instantiation
+from ..ops.linear_mma import mma_tile, smem_bytes
 from ..ops.quant import Int4Weight, Int8Weight
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
@@ -32,6 +37,8 @@ def add_arguments(parser):
     parser.add_argument("--sweep", metavar="PRESET",
                         help="instead: time every M = 1 tile of the decode GEMVs of a models/*.json preset")
     parser.add_argument("--formats", default="int4,int8", help="--sweep's weight formats: fp16, int8, int4")
+    parser.add_argument("--mma-sweep", action="store_true",
+                        help="instead: time the quantized GEMM's tiles around mma_tile's pick at each --m")
 
 
 SWEEP_BITS = {"fp16": (16, 0), "int8": (8, 0), "int4": (4, 128)}
@@ -156,8 +163,55 @@ def _sweep(cp, preset, formats):
     return rows
 
 
+def mma_sweep_tiles(bits, m, n, k):
+    """mma_tile's pick and its neighbours: every split, the other warp count, 8 warps (256 weight rows a
+    block: half the x reads from L2 per weight byte; 1 block an SM), 4 stages, the other NT, and for
+    int8 RT = 4 with NT = 4 (186 registers; int4 RT = 4 spills)."""
+    base = mma_tile(bits, m, n, k)
+    tiles = {base, base._replace(warps=6 - base.warps), base._replace(warps=8, minb=1), base._replace(stages=4, minb=2)}
+    tiles |= {base._replace(split=s) for s in (1, 2, 4, 8)} | {base._replace(nt=12 - base.nt, minb=2)}
+    if bits == 8:
+        tiles.add(base._replace(nt=4, rt=4, minb=2))
+    return sorted(t for t in tiles if t.minb * (smem_bytes(bits, 128, t) + 1024) <= 228 * 1024)
+
+
+def _compile_mma(expr):
+    runtime.kernel("linear_mma", expr)
+
+
+def _mma_sweep(cp, rows_m, formats):
+    """ms per GEMM launch (ops.linear_mma._launch, queued as run() times linear) for each tile."""
+    import concurrent.futures
+    import multiprocessing
+
+    formats = [f for f in formats if f != "fp16"]
+    cases = [(k, n, m, f) for k, n in SHAPES for m in rows_m for f in formats]
+    exprs = {mma_instantiation(np.float16, *SWEEP_BITS[f], True, t) for k, n, m, f in cases
+             for t in mma_sweep_tiles(SWEEP_BITS[f][0], m, n, k)}
+    with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
+        list(ex.map(_compile_mma, sorted(exprs)))
+    busy = (cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32))
+    rows = []
+    for k, n, m, fmt in cases:
+        bits = SWEEP_BITS[fmt][0]
+        copies = _copies(lambda: _random_weight(cp, fmt, n, k))  # noqa: B023 (called at once)
+        x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+        out = cp.empty((m, n), cp.float16)
+        pick = mma_tile(bits, m, n, k)
+        for t in mma_sweep_tiles(bits, m, n, k):
+            ms = queued_ms(cp, busy, _cycle([lambda w=w, t=t: mma_launch(x, w, None, None, out, t) for w in copies]))
+            rows.append(dict(name=f"{fmt} nt{t.nt} w{t.warps} st{t.stages} split{t.split} minb{t.minb}"
+                             f"{' (mma_tile)' if t == pick else ''}", shape=f"M={m} K={k} N={n}", dtype="float16",
+                             ms=ms, bytes=copies[0].nbytes + x.nbytes + out.nbytes))
+        del copies
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def run(args):
     cp = runtime.require_cupy()
+    if args.mma_sweep:
+        return _mma_sweep(cp, args.m, [f.strip() for f in args.formats.split(",")])
     if args.sweep:
         formats = [f.strip() for f in args.formats.split(",")]
         if any(f not in SWEEP_BITS for f in formats):

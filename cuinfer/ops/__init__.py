@@ -20,6 +20,7 @@ from .embedding import embedding
 from .flash_attention import flash_attention, flash_attention_paged
 from .layer_norm import layer_norm
 from .linear import argmax_workspace_size, linear, linear_argmax
+from .linear_mma import linear_mma
 from .paged_attention import paged_attention
 from .rms_norm import rms_norm
 from .rope import rope
@@ -35,5 +36,5 @@ def family_module(family: str):
 
 
 __all__ = ["argmax_workspace_size", "embedding", "flash_attention", "flash_attention_paged", "gelu_and_mul",
-           "layer_norm", "linear", "linear_argmax", "paged_attention", "rms_norm", "rope", "silu_and_mul",
+           "layer_norm", "linear", "linear_argmax", "linear_mma", "paged_attention", "rms_norm", "rope", "silu_and_mul",
            "softmax", "write_kv"]

@@ -14,22 +14,24 @@ linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
     argmax over N of the logits x @ W.T rounded to x's dtype (ties: the lowest index), for
     greedy decoding; norm as in linear. workspace: int32 [argmax_workspace_size(N)] of the GEMV's
     partial maxima; None allocates one. Above GEMV_MAX_M rows the logits are made as linear makes
-    them (cuBLAS) and reduced per row; the workspace is not used.
+    them (the GEMM or cuBLAS, into a new array) and reduced per row; the workspace is not used.
 
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
-cupy arrays: the decode GEMV of cuda_src/linear.cu (tensor cores, weights dequantized in
-registers, every weight byte read once, epilogue fused) for M <= 16, and for quantized weights up
-to M = 64 in chunks of 16 rows (each chunk reads the weight again: still fewer bytes than the
-dequantized fp16 copy). With norm, every GEMV block first normalizes the rows of x into shared
-memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes; otherwise, and
-on the prefill path, ops.rms_norm runs first. Without norm the rows are copied there all the same
-when they fit, so the main loop's x reads never miss L1. Beyond that the weight is dequantized to a
-scratch [N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in an
-fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; a gated
+cupy arrays (path(bits, m) names the one taken): the decode GEMV of cuda_src/linear.cu (tensor
+cores, weights dequantized in registers, every weight byte read once, epilogue fused) for M <= 16;
+for quantized weights at 17 <= M <= MMA_MAX_M the GEMM of ops.linear_mma (the same in-register
+dequantization, the x rows tiled in shared memory, bias / residual / gated epilogues fused, y
+rounded once). With norm, every GEMV block first normalizes the rows of x into shared memory (no
+launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes; otherwise, and on the
+GEMM and prefill paths, ops.rms_norm runs first. Without norm the rows are copied there all the
+same when they fit, so the main loop's x reads never miss L1. Beyond those (fp16 / bf16 weights
+above 16 rows, quantized ones above MMA_MAX_M: prefill) the weight is dequantized to a scratch
+[N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in an fp32
+scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; a gated
 epilogue then runs unfused (ops.silu_and_mul / gelu_and_mul on an [M, 2I] intermediate) and the
-residual is added after. Every path can be captured in a CUDA graph: the GEMV, the reduction and the
-norm allocate nothing when `out` (and for argmax `workspace`) is given; the cuBLAS path's scratch
-arrays come from whatever pool the capture allocates from.
+residual is added after. Every path can be captured in a CUDA graph: the GEMV, the GEMM, the
+reduction and the norm allocate nothing when `out` (and for argmax `workspace`) is given; the
+cuBLAS path's scratch arrays come from whatever pool the capture allocates from.
 """
 from __future__ import annotations
 
@@ -40,12 +42,13 @@ import numpy as np
 from . import runtime
 from .activation import act_and_mul_reference, gelu_and_mul, silu_and_mul
 from .cublas import gemm
+from .linear_mma import MMA_MAX_M, linear_mma
 from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
-GEMV_MAX_M = {16: 16, 8: 64, 4: 64}  # by weight bits: above, the prefill path
+GEMV_MAX_M = {16: 16, 8: 16, 4: 16}  # by weight bits: above, the GEMM (quantized, <= MMA_MAX_M) or cuBLAS
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2, "gelu_and_mul": 3}  # EPI_* of linear.cu
 GATED = {"silu_and_mul": ("silu", silu_and_mul), "gelu_and_mul": ("gelu_tanh", gelu_and_mul)}  # act, unfused op
 QUAD_K = {16: 32, 8: 64, 4: 128}  # k per quad step of one lane quad
@@ -64,6 +67,13 @@ class Tile(NamedTuple):
 
 def weight_bits(w) -> int:
     return 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 16
+
+
+def path(bits: int, m: int) -> str:
+    """The device path linear() takes for M rows of x and weights of `bits`: "gemv", "mma" or "cublas"."""
+    if m <= GEMV_MAX_M[bits]:
+        return "gemv"
+    return "mma" if bits < 16 and m <= MMA_MAX_M else "cublas"
 
 
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
@@ -236,6 +246,8 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None)
     runtime.check("out", out, align=16)
     if norm is not None and (m > GEMV_MAX_M[bits] or not norm_fits(m, k, x.dtype)):
         x, norm = rms_norm(x, *norm), None
+    if path(bits, m) == "mma":
+        return linear_mma(x, w, bias, out, activation, residual)
     if m > GEMV_MAX_M[bits]:
         if activation:
             return GATED[activation][1](_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)
@@ -280,7 +292,7 @@ def linear_argmax(x, w, out=None, workspace=None, norm=None):
         logits = linear_reference(xn, w).astype(x.dtype).astype(np.float32)  # rounded as linear() stores them
         out[...] = np.argmax(logits, axis=1)
         return out
-    if m > GEMV_MAX_M[bits]:  # the logits through cuBLAS, then one block per row
+    if m > GEMV_MAX_M[bits]:  # the logits as linear() makes them, then one block per row
         logits = linear(x, w, norm=norm)
         runtime.launch(runtime.kernel("linear", reduce_instantiation(x.dtype)), (m,), (1024,),
                        (logits, NULL, out, np.int32(n)))

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 from cuinfer.ops import quant, runtime
 from cuinfer.ops.activation import act_and_mul_reference
 from cuinfer.ops.linear import (
-    GEMV_MAX_M,
     Tile,
     _gemv,
     argmax_workspace_size,
@@ -15,12 +14,18 @@ from cuinfer.ops.linear import (
     linear_argmax,
     linear_reference,
     norm_fits,
+    path,
     tile_config,
 )
 from cuinfer.ops.rms_norm import rms_norm_reference
 from tests.conftest import assert_close, poison
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
+
+
+def cublas_path(fmt, m):
+    """Whether linear() takes the dequantize + cuBLAS path (whose reference rounds W to T) at M = m."""
+    return path(16 if fmt == "float" else 8 if fmt == "int8" else 4, m) == "cublas"
 
 
 def make_weight(rng, n, k, fmt, group_size=128):
@@ -205,8 +210,8 @@ def k_strategy(fmt, gs):
 
 
 def run_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
-    """One linear() call against the reference of the path it takes: the GEMV up to GEMV_MAX_M rows
-    (chunks of 16 for quantized weights), the dequantize + cuBLAS prefill path above."""
+    """One linear() call against the reference of the path it takes: the GEMV up to GEMV_MAX_M rows,
+    the quantized GEMM (ops.linear_mma) up to MMA_MAX_M, the dequantize + cuBLAS prefill path above."""
     x = (rng.standard_normal((m, k)) * magnitude).astype(dtype)
     w = make_weight(rng, n, k, fmt, gs or 128)
     if fmt == "float":
@@ -216,7 +221,7 @@ def run_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
     out = poison(cp, (m, n), dtype)
     got = linear(cp.asarray(x), w_dev, None if bias is None else cp.asarray(bias), out=out)
     assert got is out
-    assert_close(out, reference_rounded(x, w, bias, m > GEMV_MAX_M[{"float": 16, "int8": 8}.get(fmt, 4)]))
+    assert_close(out, reference_rounded(x, w, bias, cublas_path(fmt, m)))
 
 
 @pytest.mark.gpu
@@ -302,7 +307,7 @@ def test_gemv_every_tile_config(fmt, gs, config):
 
 def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
     """silu_and_mul and argmax on the device against the unfused NumPy references: fp32 sums and
-    one rounding where the epilogue is fused (M <= 16, quantized <= 64); beyond, the path is
+    one rounding where the epilogue is fused (M <= 16, quantized <= MMA_MAX_M); beyond, the path is
     linear + ops.silu_and_mul, so the reference rounds gate and up to T first, as it does."""
     x = (rng.standard_normal((m, k)) * magnitude).astype(dtype)
     w = make_weight(rng, 2 * n, k, fmt, gs or 128)
@@ -310,7 +315,7 @@ def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
     w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
     bias = rng.standard_normal(2 * n).astype(dtype) if use_bias else None
     bias_dev = None if bias is None else cp.asarray(bias)
-    prefill = m > GEMV_MAX_M[16 if fmt == "float" else 4]
+    prefill = cublas_path(fmt, m)
     if prefill:
         # unfused there: the product, rounded to T by linear (checked against the reference by the
         # prefill tests), then ops.silu_and_mul rounding once. A reference product rounded to T
@@ -386,7 +391,7 @@ def test_norm_and_residual_match_reference(fmt, gs, dtype):
         bias = rng.standard_normal(n).astype(dtype) if use_bias else None
         bias_dev = None if bias is None else cp.asarray(bias)
         norm = (cp.asarray(g), 1e-5)
-        prefill = m > GEMV_MAX_M[{"float": 16, "int8": 8}.get(fmt, 4)]
+        prefill = cublas_path(fmt, m)
         xn = rms_norm_reference(s, g, 1e-5)
 
         y = linear(cp.asarray(s), w_dev, bias_dev, out=poison(cp, (m, n), dtype), norm=norm)

@@ -1,0 +1,189 @@
+"""Quantized linear layers at M = 17..256 rows of x: the tensor-core GEMM of cuda_src/linear_mma.cu.
+
+linear_mma(x, w, bias=None, out=None, activation=None, residual=None) -> [M, N] in x's dtype
+    x: [M, K] fp16 / bf16; w: cuinfer.ops.quant.Int8Weight or Int4Weight [N, K]; bias: [N].
+    activation="silu_and_mul" / "gelu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I])
+    and the result is act(x @ gate.T) * (x @ up.T), [M, I], both sums in fp32, rounded once.
+    residual: [M, N] (store only, not aliasing out): round(round(y) + residual).
+ops.linear dispatches here for quantized weights at MMA_MIN_M <= M <= MMA_MAX_M (docs/linear.md).
+
+The weight is dequantized in registers (exact values of T fed to mma.sync, int4 group scales and
+int8 row scales applied in fp32), so y is x @ dequantize(W).T in fp32 rounded once, as the decode
+GEMV computes it. Each block stages 16 RT WARPS weight rows and 8 NT x rows per 128 k through a
+cp.async ring; small grids split K over a thread-block cluster (sm_90), reduced in a fixed order
+through distributed shared memory. Allocates nothing when `out` is given (CUDA-graph safe).
+numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import runtime
+from .activation import act_and_mul_reference
+from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
+
+KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
+MMA_MIN_M, MMA_MAX_M = 17, 256  # rows of x ops.linear sends here (below: the GEMV; above: cuBLAS)
+EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
+GATED = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}
+STAGE_K = 128  # k per pipeline stage
+
+
+class MmaTile(NamedTuple):
+    nt: int  # n8 tiles of x rows per block (8 NT rows of x)
+    rt: int  # m16 weight tiles per warp
+    warps: int  # warps per block, each its own RT weight tiles (gated: half gate, half up)
+    stages: int  # depth of the cp.async ring
+    split: int  # blocks of a cluster splitting K (sm_90)
+    minb: int  # blocks per SM the launch bounds promise (register cap 65536 / (32 WARPS MINB))
+
+
+def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True,
+             integer_zeros=True) -> MmaTile:
+    """The tile for M rows of x, N outputs and K inputs (ptxas -v, sm_90). RT = 2 (each x fragment
+    feeds two weight tiles: shared-memory bandwidth), 4 warps, 3 stages. NT = 4 with 3 blocks an SM
+    (<= 168 registers, <= 75 KB each; int4 fractional zeros, whose zero sums take NT 4 more
+    registers, at 2: they spill at 168); int8 above 32 rows NT = 8 with 2 blocks an SM (~150
+    registers, ~100 KB): each dequantized weight fragment feeds twice the mma, and the weights are
+    read (from L2) once per 64 rows of x instead of 32. int4 stays at NT = 4: with its per-group sums
+    NT = 8 needs 230-255 registers and spills in half the configurations (bf16, fractional zeros,
+    2 warps). 2 warps when even a split of 8 leaves most SMs idle (N = 1024); grids below one block
+    per SM split K over a cluster of up to 8, each block keeping >= 4 stages."""
+    nt = 8 if bits == 8 and m > 32 else 4
+    minb = 3 if nt == 4 and (bits == 8 or integer_zeros) else 2
+    stages_k = -(-k // STAGE_K)
+    gated = epilogue in GATED
+
+    def blocks(warps):
+        return -(-n // (16 * 2 * (warps // 2 if gated else warps))) * -(-m // (8 * nt))
+
+    warps = 2 if blocks(4) * 8 < sms else 4
+    split = 1
+    while clusters and split < 8 and blocks(warps) * split < sms and -(-stages_k // (2 * split)) >= 4:
+        split *= 2
+    return MmaTile(nt, 2, warps, 3, split, minb)
+
+
+def smem_bytes(bits: int, group_size: int, tile: MmaTile) -> int:
+    """Dynamic shared memory of the kernel (Geo::kSmem of linear_mma.cu)."""
+    tiles = tile.rt * tile.warps
+    stage = tiles * (1 if bits == 4 else 2) * 1024 + (tiles * (128 // group_size) * 64 if bits == 4 else 0)
+    stage += 8 * tile.nt * (256 + (64 if bits == 4 else 16))
+    return max(tile.stages * stage, tile.warps * tile.rt * tile.nt * 4 * 32 * 4)
+
+
+def instantiation(dtype, bits: int, group_size: int, integer_zeros: bool, tile: MmaTile, epilogue="store") -> str:
+    iz = "true" if bits == 4 and integer_zeros else "false"
+    gs = group_size if bits == 4 else 0
+    return (f"linear_mma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {iz}, {tile.nt}, {tile.rt}, {tile.warps}, "
+            f"{tile.stages}, {tile.split}, {EPILOGUES[epilogue]}, {tile.minb}>")
+
+
+def _formats():
+    yield 8, 0, False
+    for g in GROUP_SIZES:
+        yield 4, g, True
+        yield 4, g, False
+
+
+INSTANTIATIONS = sorted(
+    {instantiation(dt, b, g, iz, mma_tile(b, m, n, k, epi, integer_zeros=iz), epi) for dt in KERNEL_DTYPES
+     for b, g, iz in _formats()
+     for m in (17, 32, 64, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+     for epi in EPILOGUES
+     if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)})  # GELU differs from SiLU in its activation only
+
+
+def linear_mma_reference(x, w, bias=None, activation=None, residual=None):
+    """x @ dequantize(W).T + bias in float32, the gated epilogue, rounded once to x's dtype, plus the residual
+    rounded again."""
+    y = np.asarray(x, np.float32) @ w.dequantize().T
+    if bias is not None:
+        y = y + np.asarray(bias, np.float32)
+    y = (act_and_mul_reference(y, GATED[activation]) if activation else y).astype(x.dtype)
+    if residual is not None:
+        y = (y.astype(np.float32) + np.asarray(residual, np.float32)).astype(x.dtype)
+    return y
+
+
+def _check_weight(w, k):
+    """Validate a quantized weight against in_features k (device arrays); returns its rows."""
+    if isinstance(w, Int8Weight):
+        n = w.shape[0]
+        runtime.check("w.qweight", w.qweight, dtype=np.int8, shape=(n, k), align=16)
+        runtime.check("w.scales", w.scales, dtype=np.float16, shape=(n,))
+        return n
+    if not isinstance(w, Int4Weight):
+        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
+    n = w.shape[0]
+    if tuple(w.shape) != (n, k):
+        raise ValueError(f"w: got shape {tuple(w.shape)}, need [*, {k}] (x has {k} columns)")
+    if w.group_size not in GROUP_SIZES or k % w.group_size:
+        raise ValueError(f"w.group_size: got {w.group_size}, need one of {GROUP_SIZES} dividing K = {k}")
+    t = -(-n // TILE_ROWS)
+    runtime.check("w.qweight", w.qweight, dtype=np.uint32, shape=(t, -(-k // 128), TILE_ROWS, 16), align=16)
+    runtime.check("w.scales_zeros", w.scales_zeros, dtype=np.float16, shape=(t, k // w.group_size, TILE_ROWS, 2),
+                  align=4)
+    return n
+
+
+def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
+    """x @ W.T (+ bias) for a quantized W, or act(gate) * up, plus a residual: see the module docstring."""
+    if activation is not None and activation not in GATED:
+        raise ValueError(f"activation: got {activation!r}, need None, 'silu_and_mul' or 'gelu_and_mul'")
+    dev = runtime.on_device(x, bias, out, residual)
+    runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
+    m, k = x.shape
+    if not isinstance(w, (Int8Weight, Int4Weight)):
+        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
+    arrays = (w.qweight, w.scales if isinstance(w, Int8Weight) else w.scales_zeros)
+    if any(runtime.is_device_array(a) != dev for a in arrays):
+        raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x (w.to_device())")
+    n_w = _check_weight(w, k)
+    if activation and n_w % 2:
+        raise ValueError(f"w: got {n_w} rows, need an even number ([gate; up]) for activation={activation!r}")
+    n = n_w // 2 if activation else n_w
+    if bias is not None:
+        runtime.check("bias", bias, dtype=x.dtype, shape=(n_w,))
+    if residual is not None:
+        if activation:
+            raise ValueError("residual: only without activation (the store epilogue)")
+        if residual is out:
+            raise ValueError("residual: must not be out")
+        runtime.check("residual", residual, dtype=x.dtype, shape=(m, n))
+    out = runtime.check_out(out, (m, n), x.dtype, x)
+    if not dev:
+        out[...] = linear_mma_reference(x, w, bias, activation, residual)
+        return out
+    bits = 4 if isinstance(w, Int4Weight) else 8
+    if k % (need := 32 if bits == 4 else 16):
+        raise ValueError(f"x: got K = {k} columns, need a multiple of {need} for {bits}-bit weights")
+    runtime.check("x", x, align=16)
+    runtime.check("out", out, align=2)
+    for name, a in (("x", x), ("w.qweight", w.qweight)):
+        if a.nbytes >= 1 << 32:  # the kernel keeps byte offsets in 32 bits
+            raise ValueError(f"{name}: got {a.nbytes} bytes, need < 4 GiB")
+    if out is x or (residual is not None and residual is x):
+        raise ValueError("out: must not be x")
+    info = runtime.device_info()
+    tile = mma_tile(bits, m, n, k, activation or "store", info["sm_count"], int(info["arch"][3:]) >= 90,
+                    bits == 4 and w.integer_zeros)
+    return _launch(x, w, bias, residual, out, tile, activation or "store")
+
+
+def _launch(x, w, bias, residual, out, tile, epilogue="store"):
+    """Launch linear_mma_kernel with `tile` on checked arguments (tile.split > 1: sm_90 only)."""
+    (m, k), bits = x.shape, 4 if isinstance(w, Int4Weight) else 8
+    n = out.shape[1]
+    gs = w.group_size if bits == 4 else 0
+    kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue))
+    null = np.uint64(0)
+    scales = w.scales_zeros if bits == 4 else w.scales
+    args = (x, w.qweight, scales, null if bias is None else bias, null if residual is None else residual, out,
+            np.int32(m), np.int32(n), np.int32(k))
+    rows = 16 * tile.rt * (tile.warps // 2 if epilogue in GATED else tile.warps)
+    grid = (-(-n // rows) * -(-m // (8 * tile.nt)), tile.split)
+    runtime.launch(kern, grid, (32 * tile.warps,), args, smem_bytes(bits, gs, tile))
+    return out

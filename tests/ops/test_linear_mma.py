@@ -1,0 +1,282 @@
+"""linear_mma: the quantized GEMM (M = 17..256) against the float64 reference, its epilogues, tiles,
+argument checks, linear()'s dispatch to it and its replay in a CUDA graph."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuinfer.ops import quant, runtime
+from cuinfer.ops.activation import act_and_mul_reference
+from cuinfer.ops.linear import linear, linear_argmax, linear_reference, path
+from cuinfer.ops.linear_mma import (
+    INSTANTIATIONS,
+    MMA_MAX_M,
+    MMA_MIN_M,
+    MmaTile,
+    _launch,
+    instantiation,
+    linear_mma,
+    mma_tile,
+    smem_bytes,
+)
+from tests.conftest import assert_close, poison
+from tests.ops.test_linear import make_weight, reference_rounded
+
+DTYPES = [np.dtype(np.float16), runtime.bfloat16]
+FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int4-mse", 32), ("int4-mse", 128)]
+ROWS = [17, 31, 33, 64, 65, 111, 128, 200, 256]
+SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256), (4096, 6144), (4096, 28672)]
+
+
+# ------------------------------------------------------------------------ CPU
+def test_reference_is_linear_reference_with_its_epilogues():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20, 64)).astype(np.float16)
+    bias = rng.standard_normal(10).astype(np.float16)
+    r = rng.standard_normal((20, 10)).astype(np.float16)
+    for fmt in ("int8", "int4", "int4-mse"):
+        w = make_weight(rng, 10, 64, fmt, 32)
+        y = linear_reference(x, w, bias)
+        np.testing.assert_array_equal(linear_mma(x, w, bias), y.astype(np.float16))
+        want = (y.astype(np.float16).astype(np.float32) + r.astype(np.float32)).astype(np.float16)
+        np.testing.assert_array_equal(linear_mma(x, w, bias, residual=r), want)
+        for act, name in (("silu_and_mul", "silu"), ("gelu_and_mul", "gelu_tanh")):
+            np.testing.assert_array_equal(linear_mma(x, w, bias, activation=act),
+                                          act_and_mul_reference(y, name).astype(np.float16))
+            np.testing.assert_array_equal(linear(x, w, bias, activation=act), linear_mma(x, w, bias, activation=act))
+
+
+def test_argument_checks():
+    x = np.zeros((20, 64), np.float16)
+    w = quant.quantize(np.zeros((8, 64), np.float32), "int4", 32)
+    with pytest.raises(ValueError, match="x: got dtype float32"):
+        linear_mma(x.astype(np.float32), w)
+    with pytest.raises(ValueError, match="w: got ndarray, need an Int8Weight or Int4Weight"):
+        linear_mma(x, np.zeros((8, 64), np.float16))
+    with pytest.raises(ValueError, match=r"w: got shape \(8, 64\), need \[\*, 96\]"):
+        linear_mma(np.zeros((20, 96), np.float16), w)
+    with pytest.raises(ValueError, match="bias: got shape"):
+        linear_mma(x, w, bias=np.zeros(7, np.float16))
+    with pytest.raises(ValueError, match=r"out: got shape \(20, 8\)"):
+        linear_mma(x, w, out=np.zeros((20, 8), np.float16), activation="silu_and_mul")
+    with pytest.raises(ValueError, match="activation: got 'relu'"):
+        linear_mma(x, w, activation="relu")
+    with pytest.raises(ValueError, match="residual: only without activation"):
+        linear_mma(x, w, activation="silu_and_mul", residual=np.zeros((20, 4), np.float16))
+    r = np.zeros((20, 8), np.float16)
+    with pytest.raises(ValueError, match="residual: must not be out"):
+        linear_mma(x, w, residual=r, out=r)
+    with pytest.raises(ValueError, match="w.scales_zeros: got shape"):
+        linear_mma(x, quant.Int4Weight(w.qweight, w.scales_zeros[:, :1].copy(), 32, (8, 64)))
+    q8 = quant.quantize(np.zeros((7, 64), np.float32), "int8")
+    with pytest.raises(ValueError, match="need an even number"):
+        linear_mma(x, q8, activation="gelu_and_mul")
+    with pytest.raises(ValueError, match="w.scales: got dtype"):
+        linear_mma(x, quant.Int8Weight(q8.qweight, q8.scales.astype(np.float32), q8.shape))
+
+
+def test_paths():
+    for bits in (8, 4):
+        assert [path(bits, m) for m in (1, 16, MMA_MIN_M, MMA_MAX_M, MMA_MAX_M + 1)] == \
+            ["gemv", "gemv", "mma", "mma", "cublas"]
+    assert path(16, 17) == "cublas" and path(16, 16) == "gemv"
+
+
+def test_tiles_fit_the_sm_and_the_instantiations():
+    """Every tile fits the H100's shared memory at its promised occupancy; the Llama-3-8B shapes pick
+    tiles whose kernels the compile check builds (without clusters: no split)."""
+    for bits, gs in ((8, 0), (4, 32), (4, 64), (4, 128)):
+        for m in range(MMA_MIN_M, MMA_MAX_M + 1, 7):
+            for k, n in SHAPES + [(64, 17), (576, 1536)]:
+                for epi in ("store", "silu_and_mul"):
+                    t = mma_tile(bits, m, n, k, epi)
+                    assert t.split in (1, 2, 4, 8) and t.warps in (2, 4) and t.nt in (4, 8)
+                    assert t.minb * (smem_bytes(bits, gs or 128, t) + 1024) <= 228 * 1024
+                    assert mma_tile(bits, m, n, k, epi, clusters=False).split == 1
+    for k, n in SHAPES:
+        for m in (17, 64, 256):
+            t = mma_tile(4, m, n, k)
+            assert instantiation(np.float16, 4, 128, True, t) in INSTANTIATIONS, (m, n, k, t)
+
+
+# ------------------------------------------------------------------------ GPU
+def k_choices(fmt, gs):
+    if fmt.startswith("int4"):  # multiples of the group, including K % 128 != 0 and one stage
+        ks = [gs, 3 * gs, 5 * gs, 33 * gs, 4096 + gs]
+        return [k for k in ks if k <= (1056 if fmt.endswith("mse") else 4352)]  # the MSE fit is slow on the CPU
+    return [16, 17 * 16, 111 * 16, 4096 + 16]
+
+
+def n_choices(fmt, gated=False):
+    return [1, 17, 111, 300] if fmt.endswith("mse") else [1, 17, 111, 1024, 989] if gated else [1, 17, 111, 989, 2096]
+
+
+TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
+         MmaTile(8, 2, 2, 3, 4, 2)]
+
+
+def gpu_instantiations():
+    """Every instantiation the GPU tests below may launch (for a parallel compile before them)."""
+    out = set()
+    for (fmt, gs), dt in itertools.product(FORMATS, DTYPES):
+        bits, iz = (8, False) if fmt == "int8" else (4, not fmt.endswith("mse"))
+        for m, epi in itertools.product(ROWS, ("store", "silu_and_mul", "gelu_and_mul")):
+            for n, k in itertools.product(n_choices(fmt, epi != "store"), k_choices(fmt, gs)):
+                t = mma_tile(bits, m, n, k, epi, integer_zeros=iz)
+                out.add(instantiation(dt, bits, gs, iz, t, epi))
+        if dt == DTYPES[0]:
+            out |= {instantiation(dt, bits, gs, iz, t, e) for t in TILES for e in ("store", "silu_and_mul")}
+    return sorted(out)
+
+
+def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
+    """One launch against the float64 reference (y from the exact dequantized weight, rounded once)."""
+    x = (rng.standard_normal((m, k)) * magnitude).astype(dtype)
+    gated = epilogue != "store"
+    w = make_weight(rng, 2 * n if gated else n, k, fmt, gs or 128)
+    bias = rng.standard_normal(2 * n if gated else n).astype(dtype) if use_bias else None
+    r = rng.standard_normal((m, n)).astype(dtype) if residual else None
+    w_dev, x_dev = w.to_device(), cp.asarray(x)
+    bias_dev, r_dev = (None if a is None else cp.asarray(a) for a in (bias, r))
+    out = poison(cp, (m, n), dtype)
+    if tile is None:
+        got = linear_mma(x_dev, w_dev, bias_dev, out=out, activation=None if not gated else epilogue, residual=r_dev)
+        assert got is out
+    else:
+        _launch(x_dev, w_dev, bias_dev, r_dev, out, tile, epilogue)
+    y = reference_rounded(x, w, bias, False)
+    if gated:
+        assert_close(out, act_and_mul_reference(y, {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}[epilogue]))
+        return
+    if not residual:
+        assert_close(out, y)
+        return
+    plain = poison(cp, (m, n), dtype)  # round(round(y) + r): bit for bit against the kernel's own product
+    if tile is None:
+        linear_mma(x_dev, w_dev, bias_dev, out=plain)
+    else:
+        _launch(x_dev, w_dev, bias_dev, None, plain, tile)
+    assert_close(plain, y)
+    want = (cp.asnumpy(plain).astype(np.float32) + r.astype(np.float32)).astype(dtype)
+    np.testing.assert_array_equal(cp.asnumpy(out), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mma_matches_reference(fmt, gs, dtype):
+    import cupy as cp
+
+    @settings(max_examples=10, deadline=None)
+    @given(m=st.sampled_from(ROWS), n=st.sampled_from(n_choices(fmt)), k=st.sampled_from(k_choices(fmt, gs)),
+           use_bias=st.booleans(), magnitude=st.sampled_from([1.0, 60.0]), residual=st.booleans(),
+           seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, use_bias, magnitude, residual, seed):
+        mma_case(cp, np.random.default_rng(seed), dtype, m, n, k, fmt, gs, use_bias, magnitude, residual=residual)
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_epilogues_match_reference(fmt, gs, dtype):
+    """[gate; up] stacked, N not a multiple of 16 too (an int4 up half starting inside a storage tile)."""
+    import cupy as cp
+
+    @settings(max_examples=6, deadline=None)
+    @given(m=st.sampled_from(ROWS), n=st.sampled_from(n_choices(fmt, True)), k=st.sampled_from(k_choices(fmt, gs)),
+           use_bias=st.booleans(), magnitude=st.sampled_from([1.0, 30.0]),
+           epilogue=st.sampled_from(["silu_and_mul", "gelu_and_mul"]), seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, use_bias, magnitude, epilogue, seed):
+        mma_case(cp, np.random.default_rng(seed), dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue)
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", FORMATS)
+@pytest.mark.parametrize("tile", TILES, ids=str)
+def test_every_tile(fmt, gs, tile):
+    """Tiles beyond mma_tile's picks (splits leaving blocks without a stage, 2 warps) agree with the
+    reference, for each epilogue; x rows past a tile and weight rows past N never stored."""
+    import cupy as cp
+
+    if tile.split > 1 and runtime.device_info()["arch"] < "sm_90":
+        pytest.skip("clusters need sm_90")
+    rng = np.random.default_rng(sum(tile))
+    for epi in ("store", "silu_and_mul"):  # GELU differs from SiLU in its activation only
+        for m in (17, 65):
+            mma_case(cp, rng, np.dtype(np.float16), m, 75, 5 * 128 if fmt.startswith("int4") else 4 * 128 + 16,
+                     fmt, gs, True, 1.0, epi, residual=epi == "store", tile=tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-mse"])
+def test_linear_dispatches_rows_17_to_256(fmt):
+    """linear() and linear_argmax() of Int8Weight / Int4Weight at M = 17..256 equal the reference."""
+    import cupy as cp
+
+    rng = np.random.default_rng(21)
+    k, n = 512, 300
+    w = make_weight(rng, n, k, fmt, 64)
+    w_dev = w.to_device()
+    for m in ROWS:
+        assert path(8 if fmt == "int8" else 4, m) == "mma"
+        x = rng.standard_normal((m, k)).astype(np.float16)
+        out = poison(cp, (m, n), np.float16)
+        assert linear(cp.asarray(x), w_dev, out=out) is out
+        assert_close(out, reference_rounded(x, w, None, False))
+        top = cp.asnumpy(linear_argmax(cp.asarray(x), w_dev))
+        np.testing.assert_array_equal(top, cp.asnumpy(out).astype(np.float32).argmax(axis=1))
+
+
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph():
+    """The GEMM (a split-K cluster tile and a plain one) with its epilogues, captured once and replayed
+    on new inputs, gives the eager results: nothing allocated, no host sync inside."""
+    import cupy as cp
+
+    rng = np.random.default_rng(12)
+    k, n, m = 4096, 1024, 40
+    w = quant.quantize(rng.standard_normal((2 * n, k)).astype(np.float32), "int4", 128).to_device()
+    w8 = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), "int8").to_device()
+    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    y, act, y8 = cp.empty((m, 2 * n), cp.float16), cp.empty((m, n), cp.float16), cp.empty((m, n), cp.float16)
+    y_res = cp.empty_like(y)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def step():
+        linear(x, w, out=y)
+        linear(x, w, out=act, activation="silu_and_mul")
+        linear(x, w8, out=y8)
+        linear(x, w, out=y_res, residual=y)
+
+    with stream:
+        step()
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        for _ in range(2):
+            x[...] = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+            graph.launch(stream)
+            got = [a.copy() for a in (y, act, y8, y_res)]
+            step()
+            for a, b in zip(got, (y, act, y8, y_res)):
+                np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+
+
+@pytest.mark.gpu
+def test_device_argument_checks():
+    import cupy as cp
+
+    w = quant.quantize(np.zeros((8, 72), np.float32), "int8").to_device()
+    with pytest.raises(ValueError, match="need a multiple of 16"):
+        linear_mma(cp.zeros((20, 72), cp.float16), w)
+    with pytest.raises(ValueError, match="must be numpy for numpy x and cupy for cupy x"):
+        linear_mma(cp.zeros((20, 64), cp.float16), quant.quantize(np.zeros((8, 64), np.float32), "int8"))
+    w64 = quant.quantize(np.zeros((8, 64), np.float32), "int8").to_device()
+    with pytest.raises(ValueError, match="x: data pointer must be 16-byte aligned"):
+        linear_mma(cp.zeros(20 * 64 + 1, cp.float16)[1:].reshape(20, 64), w64)
