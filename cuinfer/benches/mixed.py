@@ -1,8 +1,8 @@
 """Mixed steps: prefill chunks and decodes in one forward, against the same work as separate steps.
 
 A preset with random weights on the GPU (default llama3-8b fp16). Each row is one step shape: P
-prompt chunks of L new tokens each (at context C, so the chunk attends over C - L cached tokens
-too) and D decoding sequences at context C, all in one Model.forward (paged FlashAttention over
+prompt chunks of L new tokens each (ending at context C, so a chunk attends over C - L cached
+tokens too; shapes with L > C are left out) and D decoding sequences at context C, all in one Model.forward (paged FlashAttention over
 every sequence, linear layers over all P * L + D rows: what the engine runs when chunked prefill
 meets running decodes). ms: the GPU time of that step (CUDA events, median); peer_ms: the same
 work as two steps, the P chunks alone plus the D decodes alone (a DecodeGraph replay, the engine's
@@ -21,7 +21,7 @@ from ..serving.runner import DecodeGraph
 from .decode import random_weights
 
 BLOCK = 16
-SHAPES = ((1, 512, 64), (1, 2048, 64), (4, 512, 128), (1, 512, 256), (2, 1024, 32))  # (P, L, D)
+SHAPES = ((1, 512, 64), (4, 512, 128), (1, 512, 256), (2, 1024, 32), (1, 2048, 64))  # (P, L, D)
 
 
 def add_arguments(parser):
@@ -42,7 +42,7 @@ def shape_rows(cp, model, config, shapes, ctx: int) -> list:
     decoder = DecodeGraph(model, cache, most * blocks)
     rng = np.random.default_rng(0)
     rows = []
-    for p, n, d in shapes:
+    for p, n, d in (s for s in shapes if s[1] <= ctx):
         chunks = [(rng.integers(0, config.vocab_size, n).tolist(), ctx - n, tables[i]) for i in range(p)]
         decodes = [([int(rng.integers(0, config.vocab_size))], ctx - 1, tables[p + i]) for i in range(d)]
         mixed = Batch.from_chunks(chunks + decodes, BLOCK).to(cp)
