@@ -96,7 +96,7 @@ def test_tiles_fit_the_sm_and_the_instantiations():
                     assert t.minb * (smem_bytes(bits, gs or 128, t) + 1024) <= 228 * 1024
                     assert mma_tile(bits, m, n, k, epi, clusters=False).split == 1
     for k, n in SHAPES:
-        for m in (17, 64, 256):
+        for m in (17, 64, MMA_MAX_M):
             t = mma_tile(4, m, n, k)
             assert instantiation(np.float16, 4, 128, True, t) in INSTANTIATIONS, (m, n, k, t)
 
