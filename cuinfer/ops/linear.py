@@ -42,7 +42,7 @@ import numpy as np
 from . import runtime
 from .activation import act_and_mul_reference, gelu_and_mul, silu_and_mul
 from .cublas import gemm
-from .linear_mma import MMA_MAX_M, linear_mma
+from .linear_mma import MMA_MAX_M, check_epilogue, linear_mma
 from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
@@ -221,23 +221,10 @@ def _check_inputs(x, w, dev):
 def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None):
     """x @ W.T (+ bias), or its act-and-mul of the two halves, of x or its RMSNorm, plus a
     residual; see the module docstring."""
-    if activation is not None and activation not in GATED:
-        raise ValueError(f"activation: got {activation!r}, need None, 'silu_and_mul' or 'gelu_and_mul'")
     dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm))
     m, k, n_w, bits = _check_inputs(x, w, dev)
-    if activation and n_w % 2:
-        raise ValueError(f"w: got {n_w} rows, need an even number ([gate; up]) for activation={activation!r}")
-    n = n_w // 2 if activation else n_w
-    if bias is not None:
-        runtime.check("bias", bias, dtype=x.dtype, shape=(n_w,))
+    n, out = check_epilogue(x, n_w, bias, out, activation, residual)
     _check_norm(norm, x)
-    if residual is not None:
-        if activation:
-            raise ValueError("residual: only without activation (the store epilogue)")
-        if residual is out:
-            raise ValueError("residual: must not be out (the prefill path writes the product to out first)")
-        runtime.check("residual", residual, dtype=x.dtype, shape=(m, n))
-    out = runtime.check_out(out, (m, n), x.dtype, x)
     if not dev:
         y = linear_reference(x if norm is None else rms_norm_reference(x, *norm), w, bias)
         y = (act_and_mul_reference(y, GATED[activation][0]) if activation else y).astype(x.dtype)  # rounded once

@@ -131,19 +131,13 @@ def _check_weight(w, k):
     return n
 
 
-def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
-    """x @ W.T (+ bias) for a quantized W, or act(gate) * up, plus a residual: see the module docstring."""
+def check_epilogue(x, n_w: int, bias, out, activation, residual):
+    """(N, out) after the checks of the epilogue arguments that ops.linear and linear_mma share:
+    x [M, K], n_w weight rows, bias [n_w], activation (then n_w = 2 N, [gate; up]), residual
+    [M, N] (store only, not aliasing out), out [M, N] (None: a new array)."""
+    m = x.shape[0]
     if activation is not None and activation not in GATED:
         raise ValueError(f"activation: got {activation!r}, need None, 'silu_and_mul' or 'gelu_and_mul'")
-    dev = runtime.on_device(x, bias, out, residual)
-    runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
-    m, k = x.shape
-    if not isinstance(w, (Int8Weight, Int4Weight)):
-        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
-    arrays = (w.qweight, w.scales if isinstance(w, Int8Weight) else w.scales_zeros)
-    if any(runtime.is_device_array(a) != dev for a in arrays):
-        raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x (w.to_device())")
-    n_w = _check_weight(w, k)
     if activation and n_w % 2:
         raise ValueError(f"w: got {n_w} rows, need an even number ([gate; up]) for activation={activation!r}")
     n = n_w // 2 if activation else n_w
@@ -153,9 +147,22 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
         if activation:
             raise ValueError("residual: only without activation (the store epilogue)")
         if residual is out:
-            raise ValueError("residual: must not be out")
+            raise ValueError("residual: must not be out (the result is written before the residual is read)")
         runtime.check("residual", residual, dtype=x.dtype, shape=(m, n))
-    out = runtime.check_out(out, (m, n), x.dtype, x)
+    return n, runtime.check_out(out, (m, n), x.dtype, x)
+
+
+def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
+    """x @ W.T (+ bias) for a quantized W, or act(gate) * up, plus a residual: see the module docstring."""
+    dev = runtime.on_device(x, bias, out, residual)
+    runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
+    m, k = x.shape
+    if not isinstance(w, (Int8Weight, Int4Weight)):
+        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
+    arrays = (w.qweight, w.scales if isinstance(w, Int8Weight) else w.scales_zeros)
+    if any(runtime.is_device_array(a) != dev for a in arrays):
+        raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x (w.to_device())")
+    n, out = check_epilogue(x, _check_weight(w, k), bias, out, activation, residual)
     if not dev:
         out[...] = linear_mma_reference(x, w, bias, activation, residual)
         return out
