@@ -266,6 +266,14 @@ def test_a_step_verifies_only_when_it_pays_for_the_batch():
     assert gate.wants(plan[:1])  # alone it pays (2 > cost - 1)
     gate.record(seqs[0], 4, 1, 2.0)  # gained 2 tokens in a step that cost 2: a miss
     assert not gate.due(seqs[0])
+    # a sequence's average decides: one step that keeps no draft after one that kept four is no miss
+    seq = seqs[1]
+    seq.output_ids += [0] * 8  # past its backoff
+    gate.record(seq, 4, 4, 2.0)  # average gain 5
+    gate.record(seq, 4, 0, 2.0)  # 0.5 x 1 + 0.5 x 5 = 3 > 2
+    assert gate.due(seq)
+    gate.record(seq, 4, 0, 2.0)  # 2 <= 2: a miss
+    assert not gate.due(seq)
 
 
 def test_bad_options_are_one_clear_error(cpu_model):

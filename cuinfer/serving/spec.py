@@ -18,20 +18,22 @@ target's, so a step yields 1..k+1 tokens per sequence (docs/speculative.md):
 Rows with penalties or logprobs never speculate (their distribution depends on every token before);
 a sequence without drafts in a verify step is sampled from its one row as a plain step samples it.
 
-Backoff: a verify step is a miss for a sequence when it gained no more tokens than the step cost
-in plain decode steps of the same batch (measured: the engine times both kinds of step, and runs a
-plain step to time it before the first verify step of a batch bucket and after every PROBE_EVERY),
-or at least when none of its drafts was accepted (or it had none to propose). After m misses in a row
-the sequence decodes plainly for the next min(2**m, MAX_BACKOFF) tokens, through the pipelined
-CUDA-graph decode path, so text the drafts do not predict, or drafts that cost more than they
-gain, do not slow decoding. A verify step that pays resets it.
+Backoff: each sequence keeps a moving average of the tokens its verify steps gained (accepted + 1).
+A verify step is a miss for it when that average, this step included, is no more than the step
+cost in plain decode steps of the same batch (measured: the engine times both kinds of step, and
+runs a plain step to time it before the first verify step of a batch bucket and after every
+PROBE_EVERY), or when it had nothing to propose: one short run of accepted drafts among long ones
+is no miss. After m misses in a row the sequence decodes plainly for the next min(2**m,
+MAX_BACKOFF) tokens, through the pipelined CUDA-graph decode path, and starts its average afresh,
+so text the drafts do not predict, or drafts that cost more than they gain, do not slow decoding.
+A verify step that pays resets the count.
 
 A step verifies only when it should pay for the whole batch: the tokens the due sequences are
-expected to gain beyond their one (a moving average of each sequence's gains in the verify steps
-that paid since its last miss; k / 2 + 1 before the first) exceed what the step costs the others,
-(cost - 1) x batch, with cost the cheapest of the bucket's recent verify steps in plain steps (a
-step that met a new shape, and so captured a graph, is not timed: Engine._spec_step). One due sequence among many does not turn every
-step of the batch into a synchronous verify step.
+expected to gain beyond their one (their averages; k / 2 + 1 before the first) exceed what the
+step costs the others, (cost - 1) x batch, with cost the cheapest of the bucket's recent verify
+steps in plain steps (a step that met a new shape, and so captured a graph, is not timed:
+Engine._spec_step). One due sequence among many does not turn every step of the batch into a
+synchronous verify step.
 """
 from __future__ import annotations
 
@@ -215,12 +217,13 @@ class Speculator:
         return t.costs[-1]
 
     def record(self, seq, proposed: int, accepted: int, cost: float = 1.0) -> None:
-        """A due sequence's verify result: a miss (it gained accepted + 1 tokens in a step that cost
-        as much as `cost` plain steps, or nothing was accepted) backs off."""
+        """A due sequence's verify result: it proposed `proposed` drafts and kept `accepted` in a
+        step that cost `cost` plain steps. A miss (nothing proposed, or its average gain, this step
+        included, no more than the cost) backs off."""
         b = self._backoff.setdefault(seq, _Backoff())
-        if proposed and accepted and accepted + 1 > cost:
-            b.misses, b.resume_at = 0, 0
-            b.gain = accepted + 1 if not b.gain else SMOOTHING * (accepted + 1) + (1 - SMOOTHING) * b.gain
+        gain = accepted + 1 if not b.gain else SMOOTHING * (accepted + 1) + (1 - SMOOTHING) * b.gain
+        if proposed and gain > cost:
+            b.misses, b.resume_at, b.gain = 0, 0, gain
         else:  # when it is due again its gain is unknown again
             b.misses, b.gain = b.misses + 1, 0.0
             b.resume_at = len(seq.output_ids) + min(2 ** b.misses, MAX_BACKOFF)
