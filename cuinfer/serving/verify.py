@@ -3,7 +3,7 @@
     verifier = Verifier(model, kv_cache)
     logits = verifier.run(chunks)   # chunks: [(k_i + 1 tokens, position of the first, block table)]
     # float32 [sum(k_i + 1), vocab] on the model's device: the logits of every row, chunks in order
-    tokens = verifier.run(chunks, greedy=True)   # int32 [sum(k_i + 1)]: each row's argmax
+    tokens = verifier.run(chunks, greedy=True)   # numpy int32 [sum(k_i + 1)]: each row's argmax
 
 A verify step is the decode step over more rows (Model.decode with verify=True): each sequence's
 last token and its drafts are rows of their own, each with its position, context length and a copy
@@ -81,8 +81,9 @@ class Verifier:
         self.steps = {}
 
     def run(self, chunks, greedy: bool = False):
-        """Logits of every row of the chunks, or with greedy their int32 argmax (module docstring);
-        the same padded step on the CPU, run by Model.decode's NumPy path."""
+        """Logits of every row of the chunks (on the model's device), or with greedy their int32
+        argmax on the host, read in one copy (module docstring); the same padded step on the CPU,
+        run by Model.decode's NumPy path."""
         b, q, width = step_shape(chunks, self.kv_cache.block_size)
         step = self.steps.get((b, q, width, greedy)) or self._new_step(b, q, width, greedy)
         self._load(step, chunks, b, q, width)
@@ -95,6 +96,8 @@ class Verifier:
             step.graph.launch()
             out = step.out
         rows = np.concatenate([i * q + np.arange(len(t)) for i, (t, _, _) in enumerate(chunks)])
+        if greedy:
+            return (out if self.model.xp is np else out.get())[rows]
         return out[self.model.xp.asarray(rows)]
 
     def _load(self, step: _Step, chunks, b: int, q: int, width: int) -> None:
