@@ -42,8 +42,8 @@ import numpy as np
 from . import runtime
 from .activation import act_and_mul_reference, gelu_and_mul, silu_and_mul
 from .cublas import gemm
-from .linear_mma import MMA_MAX_M, check_epilogue, linear_mma
-from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
+from .linear_mma import MMA_MAX_M, check_epilogue, check_quant_weight, linear_mma
+from .quant import GROUP_SIZES, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
@@ -176,27 +176,12 @@ def linear_reference(x, w, bias=None):
 
 def _check_weight(w, k, dev):
     """Validate the weight object against in_features k; returns N."""
-    if isinstance(w, Int8Weight):
-        n = w.shape[0]
-        runtime.check("w.qweight", w.qweight, dtype=np.int8, shape=(n, k))
-        runtime.check("w.scales", w.scales, dtype=np.float16, shape=(n,))
-        arrays = (w.qweight, w.scales)
-    elif isinstance(w, Int4Weight):
-        n = w.shape[0]
-        if tuple(w.shape) != (n, k):
-            raise ValueError(f"w: got shape {tuple(w.shape)}, need [*, {k}] (x has {k} columns)")
-        if w.group_size not in GROUP_SIZES or k % w.group_size:
-            raise ValueError(f"w.group_size: got {w.group_size}, need one of {GROUP_SIZES} dividing K = {k}")
-        t = -(-n // TILE_ROWS)
-        runtime.check("w.qweight", w.qweight, dtype=np.uint32, shape=(t, -(-k // 128), TILE_ROWS, 16))
-        runtime.check("w.scales_zeros", w.scales_zeros, dtype=np.float16, shape=(t, k // w.group_size, TILE_ROWS, 2))
-        arrays = (w.qweight, w.scales_zeros)
-    else:
-        runtime.check("w", w, ndim=2)
-        n = w.shape[0]
-        runtime.check("w", w, shape=(n, k))
-        arrays = (w,)
-    if any(runtime.is_device_array(a) != dev for a in arrays):
+    if isinstance(w, (Int8Weight, Int4Weight)):
+        return check_quant_weight(w, k, dev)
+    runtime.check("w", w, ndim=2)
+    n = w.shape[0]
+    runtime.check("w", w, shape=(n, k))
+    if runtime.is_device_array(w) != dev:
         raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x "
                          "(quantized weights: w.to_device())")
     return n

@@ -110,24 +110,29 @@ def linear_mma_reference(x, w, bias=None, activation=None, residual=None):
     return y
 
 
-def _check_weight(w, k):
-    """Validate a quantized weight against in_features k (device arrays); returns its rows."""
+def check_quant_weight(w, k: int, dev: bool) -> int:
+    """Validate an Int8Weight / Int4Weight against in_features k, its arrays on the device iff dev
+    (ops.linear's check of quantized weights too); returns its rows N."""
     if isinstance(w, Int8Weight):
         n = w.shape[0]
-        runtime.check("w.qweight", w.qweight, dtype=np.int8, shape=(n, k), align=16)
+        runtime.check("w.qweight", w.qweight, dtype=np.int8, shape=(n, k))
         runtime.check("w.scales", w.scales, dtype=np.float16, shape=(n,))
-        return n
-    if not isinstance(w, Int4Weight):
+        arrays = (w.qweight, w.scales)
+    elif isinstance(w, Int4Weight):
+        n = w.shape[0]
+        if tuple(w.shape) != (n, k):
+            raise ValueError(f"w: got shape {tuple(w.shape)}, need [*, {k}] (x has {k} columns)")
+        if w.group_size not in GROUP_SIZES or k % w.group_size:
+            raise ValueError(f"w.group_size: got {w.group_size}, need one of {GROUP_SIZES} dividing K = {k}")
+        t = -(-n // TILE_ROWS)
+        runtime.check("w.qweight", w.qweight, dtype=np.uint32, shape=(t, -(-k // 128), TILE_ROWS, 16))
+        runtime.check("w.scales_zeros", w.scales_zeros, dtype=np.float16, shape=(t, k // w.group_size, TILE_ROWS, 2))
+        arrays = (w.qweight, w.scales_zeros)
+    else:
         raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
-    n = w.shape[0]
-    if tuple(w.shape) != (n, k):
-        raise ValueError(f"w: got shape {tuple(w.shape)}, need [*, {k}] (x has {k} columns)")
-    if w.group_size not in GROUP_SIZES or k % w.group_size:
-        raise ValueError(f"w.group_size: got {w.group_size}, need one of {GROUP_SIZES} dividing K = {k}")
-    t = -(-n // TILE_ROWS)
-    runtime.check("w.qweight", w.qweight, dtype=np.uint32, shape=(t, -(-k // 128), TILE_ROWS, 16), align=16)
-    runtime.check("w.scales_zeros", w.scales_zeros, dtype=np.float16, shape=(t, k // w.group_size, TILE_ROWS, 2),
-                  align=4)
+    if any(runtime.is_device_array(a) != dev for a in arrays):
+        raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x "
+                         "(quantized weights: w.to_device())")
     return n
 
 
@@ -157,16 +162,14 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
     dev = runtime.on_device(x, bias, out, residual)
     runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
     m, k = x.shape
-    if not isinstance(w, (Int8Weight, Int4Weight)):
-        raise ValueError(f"w: got {type(w).__name__}, need an Int8Weight or Int4Weight")  # noqa: TRY004 (DESIGN.md)
-    arrays = (w.qweight, w.scales if isinstance(w, Int8Weight) else w.scales_zeros)
-    if any(runtime.is_device_array(a) != dev for a in arrays):
-        raise ValueError("w: weight arrays must be numpy for numpy x and cupy for cupy x (w.to_device())")
-    n, out = check_epilogue(x, _check_weight(w, k), bias, out, activation, residual)
+    n, out = check_epilogue(x, check_quant_weight(w, k, dev), bias, out, activation, residual)
     if not dev:
         out[...] = linear_mma_reference(x, w, bias, activation, residual)
         return out
     bits = 4 if isinstance(w, Int4Weight) else 8
+    runtime.check("w.qweight", w.qweight, align=16)
+    if bits == 4:
+        runtime.check("w.scales_zeros", w.scales_zeros, align=4)
     if k % (need := 32 if bits == 4 else 16):
         raise ValueError(f"x: got K = {k} columns, need a multiple of {need} for {bits}-bit weights")
     runtime.check("x", x, align=16)
