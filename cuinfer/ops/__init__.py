@@ -23,6 +23,7 @@ from .linear import argmax_workspace_size, linear, linear_argmax
 from .paged_attention import paged_attention
 from .rms_norm import rms_norm
 from .rope import rope
+from .sampling import sampling
 from .softmax import softmax
 from .write_kv import write_kv
 
@@ -35,5 +36,5 @@ def family_module(family: str):
 
 
 __all__ = ["argmax_workspace_size", "embedding", "flash_attention", "flash_attention_paged", "gelu_and_mul",
-           "layer_norm", "linear", "linear_argmax", "paged_attention", "rms_norm", "rope", "silu_and_mul",
+           "layer_norm", "linear", "linear_argmax", "paged_attention", "rms_norm", "rope", "sampling", "silu_and_mul",
            "softmax", "write_kv"]
