@@ -33,7 +33,7 @@ from ..ops import runtime
 from .block_manager import BlockManager
 from .detokenizer import RequestText
 from .runner import DecodeGraph
-from .sampling import SamplingParams, draw_uniform, graph_sampleable, sample, sampling_columns, token_logprobs
+from .sampling import SamplingParams, draw_uniforms, graph_sampleable, sample, sampling_columns, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
 from .spec import NO_DRAFT, make_speculator, verify
 from .verify import Verifier
@@ -333,10 +333,10 @@ class Engine:
         columns = sampling_columns([s.params for s in seqs], self._uniforms(seqs))
         return self.decoder.run(*args, False, device_tokens=device_tokens, sampling=columns)
 
-    def _uniforms(self, seqs) -> list:
-        """Each sequence's uniform for its next token: draw_uniform(seed, output length), 0 if greedy."""
-        return [0.0 if s.params.greedy else draw_uniform(self._requests[s.seq_id].seed, len(s.output_ids))
-                for s in seqs]
+    def _uniforms(self, seqs) -> np.ndarray:
+        """Each sequence's uniform for its next token: draw_uniforms(seed, output length), 0 if greedy."""
+        u = draw_uniforms([self._requests[s.seq_id].seed for s in seqs], [len(s.output_ids) for s in seqs])
+        return np.where([s.params.greedy for s in seqs], 0.0, u)
 
     def _begin(self, launched: _Launched) -> None:
         """Bookkeep a launched step as done with its tokens unknown (rows of finished sequences are
