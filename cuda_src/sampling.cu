@@ -97,6 +97,28 @@ __device__ __forceinline__ unsigned long long block_reduce_u64(unsigned long lon
   return v;
 }
 
+// Where a select reads its tokens: the row (token j is id j; from shared memory when CACHE) or the
+// compacted list of the tokens that may weigh anything (any order: the keys carry the ids).
+template <typename T, bool CACHE> struct RowSrc {
+  const T* row;
+  const float* cache;
+  int n;
+  __device__ __forceinline__ float x(int j) const {
+    if constexpr (CACHE) return cache[j];
+    else return to_float(row[j]);
+  }
+  __device__ __forceinline__ int id(int j) const { return j; }
+};
+struct ListSrc {
+  const float* xs;
+  const int* ids;
+  int n;
+  __device__ __forceinline__ float x(int j) const { return xs[j]; }
+  __device__ __forceinline__ int id(int j) const { return ids[j]; }
+};
+
+constexpr int LIST_CAP = 2048;  // tokens the compacted list holds (16 KiB of shared memory)
+
 // Mode of a select pass: which tokens weigh what.
 enum Mode { COUNT = 0, TOP_P = 1, KEPT = 2 };
 
@@ -111,8 +133,8 @@ __device__ __forceinline__ unsigned token_weight(float x, unsigned long long key
 
 // One histogram pass of the select: the weighted histogram of digit (key >> shift) & 255 over the
 // tokens whose key matches `prefix` above bit shift + 8.
-template <int MODE, typename Load>
-__device__ void histogram(Load load, int n, int shift, unsigned long long prefix, const RowParams& rp, Shared& sh) {
+template <int MODE, typename Src>
+__device__ void histogram(const Src& src, int shift, unsigned long long prefix, const RowParams& rp, Shared& sh) {
   for (int b = threadIdx.x; b < 256; b += blockDim.x) {
     sh.w[b] = 0;
     sh.c[b] = 0;
@@ -120,13 +142,13 @@ __device__ void histogram(Load load, int n, int shift, unsigned long long prefix
   __syncthreads();
   const unsigned long long hi_mask = shift >= 56 ? 0ull : (~0ull << (shift + 8));
   const int lane = threadIdx.x & 31;
-  for (int base = 0; base < n; base += blockDim.x) {  // whole warps iterate together
-    const int i = base + threadIdx.x;
+  for (int base = 0; base < src.n; base += blockDim.x) {  // whole warps iterate together
+    const int j = base + threadIdx.x;
     unsigned digit = 256u, w = 0u;
     unsigned long long key = 0;
-    if (i < n) {
-      const float x = load(i);
-      key = rank_key(x, i);
+    if (j < src.n) {
+      const float x = src.x(j);
+      key = rank_key(x, src.id(j));
       if ((key & hi_mask) == prefix) {
         digit = static_cast<unsigned>(key >> shift) & 255u;
         w = token_weight<MODE>(x, key, rp);
@@ -149,12 +171,12 @@ constexpr unsigned long long NONE = ~0ull;  // select_key's answer for a row of 
 // The key of the first token, in descending key order, whose inclusive sum of token_weight<MODE>
 // exceeds target_of(W), W the row's total weight (from the first pass's histogram: no separate
 // pass); target_of(W) < W. NONE when W = 0.
-template <int MODE, typename Load, typename TargetOf>
-__device__ unsigned long long select_key(Load load, int n, TargetOf target_of, const RowParams& rp, Shared& sh) {
+template <int MODE, typename Src, typename TargetOf>
+__device__ unsigned long long select_key(const Src& src, TargetOf target_of, const RowParams& rp, Shared& sh) {
   unsigned long long prefix = 0, above = 0;  // above: the weight of the tokens with keys above the prefix's bin
   unsigned long long target = 0;  // warp 0 only
   for (int shift = 56; shift >= 0; shift -= 8) {
-    histogram<MODE>(load, n, shift, prefix, rp, sh);
+    histogram<MODE>(src, shift, prefix, rp, sh);
     if (threadIdx.x < 32) {  // lane l scans bins 255 - 8l down to 248 - 8l
       const int lane = threadIdx.x;
       unsigned long long total = 0;
@@ -200,10 +222,32 @@ __device__ unsigned long long select_key(Load load, int n, TargetOf target_of, c
   return prefix;
 }
 
+// top-p, min-p and the pick over the tokens of src (rp.keep_from: the top-k bound); the token's key,
+// or NONE for a row of weight 0.
+template <typename Src>
+__device__ unsigned long long nucleus_pick(const Src& src, RowParams rp, float top_p, float min_p, float u, Shared& sh) {
+  if (top_p < 1.0f) {  // X = top_p * S_k; the first token whose inclusive sum reaches X, i.e. exceeds ceil(X) - 1
+    const double p = static_cast<double>(top_p);
+    const unsigned long long key = select_key<TOP_P>(src, [=](unsigned long long s_k) {
+      return static_cast<unsigned long long>(ceil(__dmul_rn(p, static_cast<double>(s_k)))) - 1;
+    }, rp, sh);
+    if (key != NONE) rp.keep_from = key;
+  }
+  rp.min_p = min_p;
+  const double uu = static_cast<double>(u);
+  return select_key<KEPT>(src, [=](unsigned long long s) {
+    const unsigned long long t = static_cast<unsigned long long>(floor(__dmul_rn(uu, static_cast<double>(s))));
+    return t < s ? t : s - 1;
+  }, rp, sh);
+}
+
 template <typename T, int THREADS, bool CACHE>
 __device__ __forceinline__ void sample_row(const T* __restrict__ row, float* cache, int n, float tau, int top_k,
                                            float top_p, float min_p, float u, int* out) {
   __shared__ Shared sh;
+  __shared__ float list_x[LIST_CAP];
+  __shared__ int list_id[LIST_CAP];
+  __shared__ unsigned list_n;
   // pass 1: the maximum key (argmax), and the row into shared memory when it fits
   unsigned long long best = 0;
   for (int i = threadIdx.x; i < n; i += THREADS) {
@@ -217,10 +261,7 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ row, float* cac
     if (threadIdx.x == 0) *out = static_cast<int>(0xffffffffu - static_cast<unsigned>(best));
     return;
   }
-  auto load = [&](int i) {
-    if constexpr (CACHE) return cache[i];
-    else return to_float(row[i]);
-  };
+  const RowSrc<T, CACHE> all{row, cache, n};
   RowParams rp;
   const unsigned ob = static_cast<unsigned>(best >> 32);
   rp.max = __uint_as_float((ob & 0x80000000u) ? (ob & 0x7fffffffu) : ~ob);  // order_bits inverted
@@ -230,21 +271,33 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ row, float* cac
   rp.keep_from = 0;
   if (top_k > 0 && top_k < n) {
     const unsigned long long k1 = static_cast<unsigned long long>(top_k - 1);
-    rp.keep_from = select_key<COUNT>(load, n, [=](unsigned long long) { return k1; }, rp, sh);
+    rp.keep_from = select_key<COUNT>(all, [=](unsigned long long) { return k1; }, rp, sh);
   }
-  if (top_p < 1.0f) {  // X = top_p * S_k; the first token whose inclusive sum reaches X, i.e. exceeds ceil(X) - 1
-    const double p = static_cast<double>(top_p);
-    const unsigned long long key = select_key<TOP_P>(load, n, [=](unsigned long long s_k) {
-      return static_cast<unsigned long long>(ceil(__dmul_rn(p, static_cast<double>(s_k)))) - 1;
-    }, rp, sh);
-    if (key != NONE) rp.keep_from = key;
+  // Only tokens within top-k and with x - max >= d_cut can weigh anything from here on: when they
+  // are few, the remaining selects run over a list of them in shared memory (the same keys, so the
+  // same answer) instead of the whole row.
+  if (threadIdx.x == 0) list_n = 0;
+  unsigned long long may = 0;
+  for (int i = threadIdx.x; i < n; i += THREADS) {
+    const float x = all.x(i);
+    may += rank_key(x, i) >= rp.keep_from && __fsub_rn(x, rp.max) >= rp.d_cut;
   }
-  rp.min_p = min_p;
-  const double uu = static_cast<double>(u);
-  const unsigned long long key = select_key<KEPT>(load, n, [=](unsigned long long s) {
-    const unsigned long long t = static_cast<unsigned long long>(floor(__dmul_rn(uu, static_cast<double>(s))));
-    return t < s ? t : s - 1;
-  }, rp, sh);
+  unsigned long long key;
+  if (block_reduce_u64<false>(may, sh) <= LIST_CAP) {  // barriers inside: list_n = 0 is visible
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+      const float x = all.x(i);
+      if (rank_key(x, i) >= rp.keep_from && __fsub_rn(x, rp.max) >= rp.d_cut) {
+        const unsigned j = atomicAdd(&list_n, 1u);
+        list_x[j] = x;
+        list_id[j] = i;
+      }
+    }
+    __syncthreads();
+    const ListSrc list{list_x, list_id, static_cast<int>(list_n)};
+    key = nucleus_pick(list, rp, top_p, min_p, u, sh);
+  } else {
+    key = nucleus_pick(all, rp, top_p, min_p, u, sh);
+  }
   if (threadIdx.x == 0) *out = static_cast<int>(0xffffffffu - static_cast<unsigned>(key == NONE ? best : key));
 }
 
@@ -254,7 +307,7 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ row, float* cac
 // logits: [rows, n] row-major; temperature, top_p, min_p, uniforms: float [rows]; top_k: int [rows];
 // out: int [rows] (may be the decode step's token slots: written after every read of the logits)
 template <typename T, int THREADS, bool CACHE>
-__global__ void __launch_bounds__(THREADS) sampling_kernel(const T* __restrict__ logits, int n,
+__global__ void __launch_bounds__(THREADS, 1) sampling_kernel(const T* __restrict__ logits, int n,
                                                            const float* __restrict__ temperature,
                                                            const int* __restrict__ top_k,
                                                            const float* __restrict__ top_p,

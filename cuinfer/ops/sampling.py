@@ -7,7 +7,8 @@ Rows with temperature 0 take the argmax (the lowest id among equal maxima). The 
 from the filtered distribution in Hugging Face's warper order, tokens ranked by descending logit
 (ties: ascending id), at the row's uniform in [0, 1). numpy arrays run the reference; cupy arrays
 launch cuda_src/sampling.cu (one CTA per row, no sort, nothing allocated with `out` given: a CUDA
-graph captures it). Kernel and reference pick the same token, bit for bit, because the math is
+graph captures it; after top-k, the tokens that can still weigh anything are compacted into shared
+memory when at most 2048). Kernel and reference pick the same token, bit for bit, because the math is
 defined so that every rounding is the same on both (the .cu file's header):
 
     key_i = (order_bits(x_i) << 32) | (2^32 - 1 - i)         descending key = the rank order
@@ -117,9 +118,13 @@ def sampling_reference(logits, temperature, top_k, top_p, min_p, uniforms):
                     dtype=np.int32)
 
 
+STATIC_SMEM = 24 * 1024  # the kernel's static shared memory (histograms, the compacted list), rounded up
+
+
 def cache_row(n: int) -> bool:
-    """Whether a row of n floats fits in the shared memory a CTA may take (read once from global)."""
-    return 4 * n + 8 * 1024 <= runtime.device_info()["smem_per_block_optin"]
+    """Whether a row of n floats fits in the shared memory a CTA may take beside the kernel's own
+    (then the row is read once from global memory)."""
+    return 4 * n + STATIC_SMEM <= runtime.device_info()["smem_per_block_optin"]
 
 
 def sampling(logits, temperature, top_k, top_p, min_p, uniforms, out=None):

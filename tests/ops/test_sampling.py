@@ -98,31 +98,38 @@ def radix_select(keys, weights, target):
     return prefix
 
 
-def test_the_kernels_radix_select_finds_the_references_token():
-    """The kernel's passes (top-k by count, top-p and the pick by weight), run on NumPy with ties and
-    masked logits: the same token as the sorted reference."""
+@pytest.mark.parametrize("compact", [False, True])
+def test_the_kernels_radix_select_finds_the_references_token(compact):
+    """The kernel's passes (top-k by count, top-p and the pick by weight) run on NumPy with ties and
+    masked logits, over the whole row or (compact) over only the tokens within top-k whose
+    x - max >= -33 * temperature (the kernel's list in shared memory): the reference's token."""
     rng = np.random.default_rng(5)
     for _ in range(60):
         n = int(rng.choice([1, 2, 17, 300]))
-        x = random_logits(rng, 1, n, float(rng.choice([0.1, 4.0])), rng.random() < 0.4, rng.random() < 0.2,
-                          np.float32)[0]
+        row = random_logits(rng, 1, n, float(rng.choice([0.1, 4.0])), rng.random() < 0.4, rng.random() < 0.2,
+                            np.float32)[0]
         t, k, p, m, u = [c[0] for c in columns(1, rng)]
-        keys = rank_keys(x)
+        keys, x = rank_keys(row), row
         best = int(keys.max())
         tok = 0xFFFFFFFF - (best & 0xFFFFFFFF)
         if t != 0:
-            pr = probs(x, x[tok], t)
-            w = (pr * W_SCALE).astype(np.uint64)
             keep_from = radix_select(keys, np.ones(n, np.uint64), k - 1) if 0 < k < n else 0
+            if compact:
+                with np.errstate(invalid="ignore"):
+                    may = (keys >= np.uint64(keep_from)) & ((x - row[tok]) >= np.float32(-33.0) * t)
+                keys, x = keys[may], x[may]
+            pr = probs(x, row[tok], t)
+            w = (pr * W_SCALE).astype(np.uint64)
             if p < 1:
                 wk = np.where(keys >= np.uint64(keep_from), w, np.uint64(0))
-                keep_from = radix_select(keys, wk, int(np.ceil(np.float64(p) * np.float64(int(wk.sum())))) - 1)
+                if wk.sum():
+                    keep_from = radix_select(keys, wk, int(np.ceil(np.float64(p) * np.float64(int(wk.sum())))) - 1)
             v = np.where((keys >= np.uint64(keep_from)) & (pr >= m), w, np.uint64(0))
             s = int(v.sum())
             if s:
                 key = radix_select(keys, v, min(int(np.floor(np.float64(u) * s)), s - 1))
                 tok = 0xFFFFFFFF - (key & 0xFFFFFFFF)
-        assert tok == sample_row_reference(x, t, k, p, m, u)
+        assert tok == sample_row_reference(row, t, k, p, m, u)
 
 
 def test_argument_checks():
