@@ -170,14 +170,17 @@ def test_sampling_kernel_equals_reference(cp, rows, n, dtype, scale, ties, maske
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1000, 128256])
-def test_sampling_kernel_many_uniforms_one_row(cp, n):
-    """One row's logits repeated 512 times with uniforms across [0, 1), the nucleus and top-k at
-    work: every token equals the reference's (the whole inverse CDF, not one point of it)."""
+@pytest.mark.parametrize("top_k", [50, 0])
+def test_sampling_kernel_many_uniforms_one_row(cp, n, top_k):
+    """One row's logits repeated 512 times (128 for the long row) with uniforms across [0, 1), the nucleus and top-k at
+    work (top_k 50: the kernel's compacted list; 0 at temperature 2: the whole row): every token
+    equals the reference's (the whole inverse CDF, not one point of it)."""
     rng = np.random.default_rng(n)
-    rows = 512
+    rows = 512 if n < 10_000 else 128
     x = np.repeat((3 * rng.standard_normal((1, n))).astype(np.float32), rows, axis=0)
     f32 = lambda v: np.full(rows, v, np.float32)
-    cols = (f32(0.8), np.full(rows, 50, np.int32), f32(0.9), f32(0.01), ((np.arange(rows) + 0.5) / rows).astype(np.float32))
+    cols = (f32(0.8 if top_k else 2.0), np.full(rows, top_k, np.int32), f32(0.9), f32(0.01 if top_k else 0.0),
+            ((np.arange(rows) + 0.5) / rows).astype(np.float32))
     want = sampling(x, *cols)
     got = sampling(cp.asarray(x), *(cp.asarray(c) for c in cols)).get()
     np.testing.assert_array_equal(got, want)
