@@ -8,6 +8,7 @@ from test_model import random_tensors, tiny_config
 from cuinfer.model.decoder import Model, input_views, pack_inputs
 from cuinfer.model.kv_cache import CacheShape, KVCache
 from cuinfer.ops import runtime
+from cuinfer.ops.sampling import sampling as sampling_op
 from cuinfer.serving.engine import Engine, PromptTooLongError
 from cuinfer.serving.runner import MIN_CONTEXT_BUCKET, bucket
 from cuinfer.serving.sampling import SamplingParams
@@ -154,16 +155,17 @@ class DeviceTokens:
 
 class NumpyDecoder:
     """DecodeGraph's interface (run, read_async) on the numpy backend, so that the engine's
-    pipelined decode runs on the CPU: run() computes the step at once, but its greedy tokens reach
-    the host only through read_async(...).wait(); token ids given without device_tokens must be
+    pipelined decode runs on the CPU: run() computes the step at once, but its tokens (greedy, or
+    sampled by ops.sampling's reference) reach the host only through read_async(...).wait(); token ids given without device_tokens must be
     real ones. log: ("run", step, rows, pipelined) and ("wait", step) in call order."""
 
     def __init__(self, model, kv_cache, scratch):
         self.model, self.kv_cache, self.scratch = model, kv_cache, scratch
         self.log = []
-        self.rows = 0  # rows of greedy steps computed
+        self.rows = 0  # rows of greedy and sampled token steps computed
+        self.sampled_rows = 0  # of those, rows of sampled steps
 
-    def run(self, token_ids, positions, block_tables, greedy, device_tokens=None):
+    def run(self, token_ids, positions, block_tables, greedy, device_tokens=None, sampling=None):
         bs, n = self.kv_cache.block_size, len(token_ids)
         b, width = bucket(n), bucket(max(positions) + 1, MIN_CONTEXT_BUCKET) // bs
         buf = np.zeros(b * (4 + width), dtype=np.int32)
@@ -175,7 +177,10 @@ class NumpyDecoder:
             assert len(device_tokens) == n
             inputs.token_ids[:n] = device_tokens._values
         out = self.model.decode(inputs, self.kv_cache, width * bs, greedy=greedy)[:n]
-        if not greedy:
+        if sampling is not None:  # DecodeGraph's "sample" step: ops.sampling on the logits
+            out = sampling_op(out, *sampling)
+            self.sampled_rows += n
+        elif not greedy:
             return out
         step = sum(1 for e in self.log if e[0] == "run")
         self.log.append(("run", step, n, device_tokens is not None))
@@ -329,8 +334,8 @@ def test_pipelined_decode_with_a_queue_and_preemption(cpu_model):
 
 
 def test_pipelined_decode_with_sampling_and_penalties(cpu_model):
-    """Sampled and repetition-penalised sequences never pipeline (their steps read logits), greedy
-    ones do once they run alone: the same tokens as without pipelining."""
+    """Repetition-penalised sequences never pipeline (their steps read logits); greedy and plainly
+    sampled ones do once they run without them: the same tokens as without pipelining."""
     ids = [[5, 6, 7], [8, 9, 10, 11], [12] * 20]
     requests = [(ids[0], SamplingParams(max_new_tokens=8, temperature=0.9, seed=3)),
                 (ids[1], SamplingParams(max_new_tokens=12, repetition_penalty=1.3)),
@@ -338,6 +343,37 @@ def test_pipelined_decode_with_sampling_and_penalties(cpu_model):
     eng, got, want = pipelined_and_not(cpu_model, requests, kv_tokens=2048)
     assert got == want
     assert eng.stats.pipelined_steps > 0
+
+
+def test_decoder_sampled_steps_are_seeded_and_batch_independent(cpu_model):
+    """Decode steps whose rows are greedy or plainly sampled end in ops.sampling on the decoder
+    (DecodeGraph's "sample" step; here NumpyDecoder): a seeded request gets the same tokens alone
+    and beside greedy, sampled and penalised requests (those steps go through the logits and the
+    eager sampler), pipelined or not, and the decoder drew them."""
+    rng = np.random.default_rng(21)
+    vocab = cpu_model.config.vocab_size
+    prompt = [5, 6, 7]
+    p = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, seed=1234, ignore_eos=True)
+    others = [(rng.integers(0, vocab, int(n)).tolist(), q) for n, q in zip(
+        (4, 30, 9, 17), (SamplingParams(max_new_tokens=15), SamplingParams(max_new_tokens=6, temperature=0.7, seed=5),
+                         SamplingParams(max_new_tokens=9, temperature=2.0, top_k=5, seed=8),
+                         SamplingParams(max_new_tokens=5, temperature=0.9, repetition_penalty=1.2, seed=7)))]
+    runs = []
+    for async_decode in (False, True):
+        eng = make_engine(cpu_model, 4096, decoder=NumpyDecoder, async_decode=async_decode)
+        alone = eng.generate([prompt], p)[0].token_ids
+        alone_rows = eng.decoder.sampled_rows
+        batched = eng.generate([q for q, _ in others[:2]] + [prompt] + [q for q, _ in others[2:]],
+                               [sp for _, sp in others[:2]] + [p] + [sp for _, sp in others[2:]])
+        assert batched[2].token_ids == alone and len(alone) == 12
+        assert alone_rows >= 11 and eng.decoder.sampled_rows > alone_rows + 11
+        runs.append([o.token_ids for o in batched])
+        if async_decode:
+            assert eng.stats.pipelined_steps > 0
+    assert runs[0] == runs[1]
+    again = make_engine(cpu_model, 4096, decoder=NumpyDecoder).generate([prompt], SamplingParams(
+        max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, seed=1235, ignore_eos=True))
+    assert again[0].token_ids != alone  # another seed, other tokens
 
 
 def test_pipelined_stream_equals_synchronous(cpu_model):

@@ -339,3 +339,67 @@ def test_gpu_pdl_attribute_only_on_captured_launches(cp, monkeypatch):
     out.fill(cp.nan)
     graph.launch()
     cp.testing.assert_array_equal(out, eager)
+
+
+# ------------------------------------------------------------- sampled steps (GPU)
+
+SAMPLED = [SamplingParams(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+           SamplingParams(max_new_tokens=70, temperature=1.0, top_k=50, min_p=0.05, seed=6, ignore_eos=True),
+           SamplingParams(max_new_tokens=25, ignore_eos=True),
+           SamplingParams(max_new_tokens=55, temperature=2.5, top_k=5, top_p=0.5, seed=7, ignore_eos=True),
+           SamplingParams(max_new_tokens=30, temperature=1e-3, seed=8, ignore_eos=True),
+           SamplingParams(max_new_tokens=60, temperature=0.7, seed=9, ignore_eos=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("penalised", [False, True])
+def test_gpu_sampled_steps_captured_equal_eager(penalised):
+    """Seeded sampled requests (every filter; a greedy row beside them; with `penalised` a row with a
+    repetition penalty for a while, whose steps take the logits and the eager sampler): replayed
+    "sample" graphs give exactly the eager steps' tokens (use_graphs=False runs the same kernels on
+    the same buffers), pipelined or not; those steps were captured and the capture took no memory."""
+    cfg, t = gpu_case("llama3-gqa")
+    model = Model.from_tensors(cfg, t, "gpu", np.float16)
+    ids = prompts(cfg, [3, 17, 200, 31, 5, 90], seed=11)
+    params = list(SAMPLED)
+    if penalised:
+        params[2] = SamplingParams(max_new_tokens=25, temperature=0.9, repetition_penalty=1.3, seed=3, ignore_eos=True)
+    runs = {}
+    for use_graphs in (True, False):
+        for async_decode in (True, False):
+            eng = gpu_engine(model, use_graphs, async_decode=async_decode)
+            runs[use_graphs, async_decode] = run_params(eng, ids, params)
+            kinds = {k for _, _, k in eng.decoder.steps}
+            assert "sample" in kinds and ("logits" in kinds) == penalised
+            if use_graphs:
+                assert all(s.graph is not None and s.capture_bytes == 0 for s in eng.decoder.steps.values())
+            if async_decode:
+                assert eng.stats.pipelined_steps > 10
+    assert len(set(map(str, runs.values()))) == 1, runs
+    assert [len(o) for o, _ in runs[True, True]] == [p.max_new_tokens for p in params]
+
+
+@pytest.mark.gpu
+def test_gpu_sample_step_equals_the_reference_on_its_logits(cp):
+    """A "sample" graph's tokens equal ops.sampling's NumPy reference on the logits the "logits"
+    graph of the same inputs gives (padding rows in the bucket, seeded uniforms of several steps)."""
+    from cuinfer.ops.sampling import sampling_reference
+    from cuinfer.serving.runner import DecodeGraph
+    from cuinfer.serving.sampling import draw_uniform, sampling_columns
+
+    cfg, t = gpu_case("llama3-gqa")
+    gpu = Model.from_tensors(cfg, t, "gpu", np.float16)
+    ids = prompts(cfg, [7, 450, 33], seed=2)
+    tables = [[1], [2 + i for i in range(29)], [40, 41, 42]]
+    cache = make_cache(cfg, gpu)
+    graphs = DecodeGraph(gpu, cache, 60)
+    gpu.forward(Batch.from_chunks([(s[:-4], 0, tb) for tb, s in zip(tables, ids)], 16).to(cp), cache)
+    params = SAMPLED[:3]
+    for j in range(4, 0, -1):
+        pos = [len(s) - j for s in ids]
+        tokens = [s[p] for s, p in zip(ids, pos)]
+        logits = graphs.run(tokens, pos, tables, greedy=False).get()
+        cols = sampling_columns(params, [0.0 if p.greedy else draw_uniform(p.seed, 4 - j) for p in params])
+        got = graphs.run(tokens, pos, tables, greedy=False, sampling=cols).get()
+        np.testing.assert_array_equal(got, sampling_reference(logits, *cols))
+    assert {k for _, _, k in graphs.steps} == {"logits", "sample"}

@@ -76,6 +76,17 @@ def test_seeded_uniforms_are_reproducible_and_differ_by_step():
     assert 0 <= draw_uniform(123, 7) < 1
 
 
+def test_draw_uniforms_is_draw_uniform_per_row_and_uniform():
+    from cuinfer.serving.sampling import draw_uniforms
+
+    seeds, steps = [0, 1, 2 ** 63 - 1, 5, 5], [0, 0, 9, 1, 2]
+    assert draw_uniforms(seeds, steps).tolist() == [draw_uniform(s, t) for s, t in zip(seeds, steps)]
+    u = draw_uniforms(np.arange(100_000) % 500, np.arange(100_000) // 500)  # consecutive seeds and steps
+    counts = np.bincount((u * 20).astype(int), minlength=20)
+    assert ((counts - 5000) ** 2 / 5000).sum() < 43.8  # chi-square, 19 degrees of freedom, p = 0.001
+    assert len(np.unique(u)) == len(u)
+
+
 @pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"min_p": 1},
                                 {"top_k": -1}, {"max_new_tokens": 0}, {"repetition_penalty": 0}])
 def test_bad_params(kw):

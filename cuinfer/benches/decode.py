@@ -110,7 +110,7 @@ def decode_run(engine, prompts, new_tokens):
 
 def largest_greedy_step(engine, batch):
     """The DecodeGraph step of this batch's bucket with the largest context bucket, greedy."""
-    steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == batch_bucket(batch) and g]
+    steps = [(w, s) for (b, w, g), s in engine.decoder.steps.items() if b == batch_bucket(batch) and g == "greedy"]
     return max(steps, key=lambda ws: ws[0])[1]
 
 

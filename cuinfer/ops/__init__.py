@@ -24,6 +24,7 @@ from .linear_mma import linear_mma
 from .paged_attention import paged_attention
 from .rms_norm import rms_norm
 from .rope import rope
+from .sampling import sampling
 from .softmax import softmax
 from .write_kv import write_kv
 
@@ -36,5 +37,5 @@ def family_module(family: str):
 
 
 __all__ = ["argmax_workspace_size", "embedding", "flash_attention", "flash_attention_paged", "gelu_and_mul",
-           "layer_norm", "linear", "linear_argmax", "linear_mma", "paged_attention", "rms_norm", "rope", "silu_and_mul",
-           "softmax", "write_kv"]
+           "layer_norm", "linear", "linear_argmax", "linear_mma", "paged_attention", "rms_norm", "rope", "sampling",
+           "silu_and_mul", "softmax", "write_kv"]

@@ -11,8 +11,10 @@ Each step the Scheduler picks sequences and token counts (decodes plus prefill c
 step becomes one flat Batch, the Model returns the logits of each sequence's last token, and
 the sequences whose chunk reached their end get a sampled token. On the GPU a step of one
 token per sequence (decode) runs through DecodeGraph instead: a CUDA graph replay that ends in
-the argmax when every sequence decodes greedily, so only the tokens come back to the host.
-Pipelined decode (async_decode) launches the next greedy decode step before this one's tokens
+the argmax when every sequence decodes greedily, or in the sampling kernel when every sampled
+sequence needs no penalty and no logprobs (its seeded uniform is copied in with the step's inputs),
+so only the tokens come back to the host; steps with other rows end in the logits, sampled here.
+Pipelined decode (async_decode) launches the next such decode step before this one's tokens
 are read; docs/serving.md gives its invariants. A row whose sequence finished (end token, stop
 string, abort) while its step was in flight is discarded, never appended or emitted.
 """
@@ -31,7 +33,7 @@ from ..ops import runtime
 from .block_manager import BlockManager
 from .detokenizer import RequestText
 from .runner import DecodeGraph
-from .sampling import SamplingParams, draw_uniform, sample, token_logprobs
+from .sampling import SamplingParams, draw_uniforms, graph_sampleable, sample, sampling_columns, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
 from .spec import NO_DRAFT, accept_greedy, make_speculator, verify
 from .verify import Verifier
@@ -123,7 +125,8 @@ class _Request:
 
 @dataclass(eq=False)
 class _Launched:
-    """A greedy decode step launched on the device whose tokens the host has not read yet."""
+    """A decode step (greedy or graph-sampled) launched on the device whose tokens the host has not
+    read yet."""
     seqs: list  # its rows, in order; a row whose sequence finished meanwhile is discarded
     tokens: object  # device int32 [rows]: the input tokens of the step pipelined after it
     pending: object  # PendingTokens: wait() -> the tokens as ints
@@ -285,11 +288,12 @@ class Engine:
         return events
 
     def _launches(self, plan) -> bool:
-        """Whether the step goes through _launch: on the decoder, every sequence greedy and decoding
-        (one token past its prompt that yields its next token; a prompt's last token is prefill)."""
+        """Whether the step goes through _launch: on the decoder, every sequence decoding (one token
+        past its prompt that yields its next token; a prompt's last token is prefill) and its token
+        made in the graph (greedy, or sampled without penalties and logprobs)."""
         return (self.async_decode and self.decoder is not None
                 and all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
-                and not any(s.params.needs_logits for s, _ in plan))
+                and all(graph_sampleable(s.params) for s, _ in plan))
 
     def _may_pipeline(self, seqs) -> bool:
         """Whether the step after `seqs`' in-flight step may be launched before its tokens are read
@@ -308,17 +312,31 @@ class Engine:
         return self.scheduler.reserve_decodes(seqs)
 
     def _launch(self, seqs, device_tokens) -> _Launched:
-        """Launch a greedy decode step of `seqs` at their num_computed positions; the input tokens are
-        device_tokens (the previous step's output, rows in the same order) or, when None, the
-        sequences' own tokens (then none may be PENDING). Nothing is read back or waited for."""
+        """Launch a decode step of `seqs` (greedy or graph-sampled) at their num_computed positions;
+        the input tokens are device_tokens (the previous step's output, rows in the same order) or,
+        when None, the sequences' own tokens (then none may be PENDING). Nothing is read back or
+        waited for. A pending token counts in its sequence's output length (the uniform's step)."""
         if device_tokens is None:
             token_ids = [s.token_at(s.num_computed) for s in seqs]
             assert PENDING not in token_ids, "a pending token was read on the host"
         else:
             token_ids = [0] * len(seqs)  # replaced on the device
-        out = self.decoder.run(token_ids, [s.num_computed for s in seqs], [s.block_table for s in seqs], True,
-                               device_tokens=device_tokens)
+        out = self._decode_tokens(seqs, token_ids, device_tokens)
         return _Launched(list(seqs), out, self.decoder.read_async(out))
+
+    def _decode_tokens(self, seqs, token_ids, device_tokens=None):
+        """A decode step on the decoder whose rows all make their token in the graph: the device
+        int32 tokens. Greedy when every row is, else sampled with each row's seeded uniform."""
+        args = (token_ids, [s.num_computed for s in seqs], [s.block_table for s in seqs])
+        if all(s.params.greedy for s in seqs):
+            return self.decoder.run(*args, True, device_tokens=device_tokens)
+        columns = sampling_columns([s.params for s in seqs], self._uniforms(seqs))
+        return self.decoder.run(*args, False, device_tokens=device_tokens, sampling=columns)
+
+    def _uniforms(self, seqs) -> np.ndarray:
+        """Each sequence's uniform for its next token: draw_uniforms(seed, output length), 0 if greedy."""
+        u = draw_uniforms([self._requests[s.seq_id].seed for s in seqs], [len(s.output_ids) for s in seqs])
+        return np.where([s.params.greedy for s in seqs], 0.0, u)
 
     def _begin(self, launched: _Launched) -> None:
         """Bookkeep a launched step as done with its tokens unknown (rows of finished sequences are
@@ -374,12 +392,10 @@ class Engine:
     def _sample(self, seqs, logits):
         """(tokens, logprobs entries) of seqs from their rows of float32 logits [len(seqs), vocab]:
         penalties, sampling and uniforms as every plain step draws them."""
-        reqs = [self._requests[s.seq_id] for s in seqs]
         params = [s.params for s in seqs]
         histories = [s.token_ids if p.repetition_penalty != 1 else () for s, p in zip(seqs, params)]
         outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else () for s, p in zip(seqs, params)]
-        uniforms = [0.0 if p.greedy else draw_uniform(r.seed, len(s.output_ids)) for r, s, p in zip(reqs, seqs, params)]
-        return sample(logits, params, histories, uniforms, outputs, with_logprobs=True)
+        return sample(logits, params, histories, self._uniforms(seqs), outputs, with_logprobs=True)
 
     def _verifies(self, plan) -> bool:
         """Whether the step `plan` is a verify step (cuinfer/serving/spec.py): speculation is on and
@@ -472,14 +488,16 @@ class Engine:
         return last
 
     def _run_model(self, plan):
-        """(host argmax tokens, None) when the decoder took the step greedily, else (None, float32
-        logits [num_seqs, vocab] on the model's device)."""
+        """(host tokens, None) when the decoder made the step's tokens (argmax or sampling in the
+        graph), else (None, float32 logits [num_seqs, vocab] on the model's device)."""
         want = [i for i, (s, n) in enumerate(plan) if self._wants_prompt_logprobs(s, n)]
         if self.decoder is not None and all(n == 1 for _, n in plan) and not want:
-            greedy = not any(s.params.needs_logits for s, _ in plan)
-            out = self.decoder.run([s.token_at(s.num_computed) for s, _ in plan],
-                                   [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan], greedy)
-            return (out.get(), None) if greedy else (None, out)
+            seqs = [s for s, _ in plan]
+            token_ids = [s.token_at(s.num_computed) for s in seqs]
+            if all(graph_sampleable(s.params) for s in seqs):
+                return self._decode_tokens(seqs, token_ids).get(), None
+            return None, self.decoder.run(token_ids, [s.num_computed for s in seqs], [s.block_table for s in seqs],
+                                          False)
         chunks = [(s.token_slice(s.num_computed, s.num_computed + n), s.num_computed, s.block_table)
                   for s, n in plan]
         batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)

@@ -1,8 +1,10 @@
-"""Decode steps replayed from CUDA graphs: one graph per (batch bucket, context bucket, greedy).
+"""Decode steps replayed from CUDA graphs: one graph per (batch bucket, context bucket, kind).
 
     graphs = DecodeGraph(model, kv_cache, scratch)   # scratch: a KV block no sequence holds
     out = graphs.run(token_ids, positions, block_tables, greedy=True)
     # greedy: int32 tokens [n] on the device; else float32 logits [n, vocab] on the device
+    out = graphs.run(token_ids, positions, block_tables, greedy=False, sampling=columns)
+    # columns: sampling.sampling_columns(params, uniforms), host [n] each: int32 sampled tokens [n]
     nxt = graphs.run(token_ids, positions2, block_tables, greedy=True, device_tokens=out)
     pending = graphs.read_async(out)        # device -> pinned host copy + event, no wait
     tokens = pending.wait()                 # waits on that event only: list of ints
@@ -17,7 +19,13 @@ inputs live in one static int32 device buffer
     [token_ids b | positions b | slot_mapping b | context_lens b | block_tables b x width]
 
 filled each step by one asynchronous copy from pinned host memory; its output (int32 argmax
-tokens, or float32 logits) is a static array the graph writes. Rows past the batch (padding up
+tokens, int32 sampled tokens, or float32 logits) is a static array the graph writes. The three kinds
+of step: "greedy" ends in the argmax fused into the lm_head; "sample" computes the logits and ends
+in ops.sampling (temperature, top-k, top-p, min-p and the inverse CDF at each row's uniform, one
+kernel; greedy rows have temperature 0), its per-row parameters in five more int32-sized columns
+after the block tables, `[temperature b | top_k b | top_p b | min_p b | uniforms b]` (float32 but
+top_k), copied with the rest; "logits" returns the logits (rows with penalties or logprobs: the
+engine samples them eagerly). Rows past the batch (padding up
 to the bucket) decode token 0 at position 0 into the scratch block (the engine keeps it out of
 the block manager) and attend to that
 block only: they never write a live block.
@@ -56,8 +64,10 @@ import numpy as np
 
 from ..model.decoder import input_views, pack_inputs
 from ..ops import runtime
+from ..ops.sampling import sampling as sample_tokens
 
 MIN_CONTEXT_BUCKET = 256  # tokens
+SAMPLING_COLUMNS = 5  # temperature, top_k, top_p, min_p, uniforms
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # then multiples of 64
 
 
@@ -94,11 +104,12 @@ def capture(fn, stream, pool):
 
 @dataclass(eq=False)
 class _Step:
-    """The static buffers (and, once captured, the graph) of one (batch, width, greedy) bucket."""
+    """The static buffers (and, once captured, the graph) of one (batch, width, kind) bucket."""
     host: np.ndarray  # pinned int32 staging buffer
     device: object  # cupy int32 buffer, same layout
     inputs: object  # DecodeInputs: views of `device`
     workspace: object  # float32 paged_attention split partials, or None (no split)
+    sampling: tuple = ()  # "sample" steps: ops.sampling's parameter columns, views of `device`
     out: object = None  # static output, written by the graph
     graph: object = None
     copied: object = None  # event after the last copy out of `host` (None before the first)
@@ -115,19 +126,25 @@ class DecodeGraph:
         self.steps = {}
         self.readback = TokenReadback(self.cp)
 
-    def run(self, token_ids, positions, block_tables, greedy: bool, device_tokens=None):
+    def run(self, token_ids, positions, block_tables, greedy: bool, device_tokens=None, sampling=None):
         """One decode step for n sequences (token at `positions`, whose K/V go to the blocks in
-        `block_tables`); returns the device int32 argmax tokens [n] (greedy: a view of the bucket's
-        token slots, valid until its next step) or float32 logits [n, vocab].
+        `block_tables`); returns the device int32 argmax tokens [n] (greedy), the int32 tokens
+        ops.sampling draws with the per-row parameters `sampling` (not greedy: the host columns of
+        sampling.sampling_columns), both views of the bucket's token slots, valid until its next
+        step, or else float32 logits [n, vocab].
         device_tokens: a device int32 array [n], rows in the same order, whose values replace
         token_ids' on the device (token_ids' values are then ignored)."""
         n = len(token_ids)
         bs = self.kv_cache.block_size
         b, width = batch_bucket(n), bucket(max(positions) + 1, MIN_CONTEXT_BUCKET) // bs
-        step = self.steps.get((b, width, greedy)) or self._new_step(b, width, greedy)
+        kind = "greedy" if greedy else "logits" if sampling is None else "sample"
+        step = self.steps.get((b, width, kind)) or self._new_step(b, width, kind)
         if step.copied is not None:
             step.copied.synchronize()  # the last copy out of step.host has run: it may be rewritten
-        pack_inputs(step.host, token_ids, positions, block_tables, bs, self.scratch, b, width)
+        inputs_size = b * (4 + width)
+        pack_inputs(step.host[:inputs_size], token_ids, positions, block_tables, bs, self.scratch, b, width)
+        if kind == "sample":
+            pack_sampling(step.host[inputs_size:], sampling, n)
         if device_tokens is not None and len(device_tokens) != n:
             raise ValueError(f"device_tokens: {len(device_tokens)} tokens for {n} rows")
         in_place = device_tokens is not None and device_tokens.data.ptr == step.inputs.token_ids.data.ptr
@@ -141,9 +158,9 @@ class DecodeGraph:
         if device_tokens is not None and not in_place:  # after the inputs' copy, before the step
             copy_async(self.cp, step.inputs.token_ids, device_tokens, n, rt.memcpyDeviceToDevice, stream)
         if not self.use_graphs:
-            return self._decode(step, greedy)[:n]
+            return self._decode(step, kind)[:n]
         if step.graph is None:
-            self._capture(step, greedy)
+            self._capture(step, kind)
         step.graph.launch()
         return step.out[:n]
 
@@ -155,28 +172,53 @@ class DecodeGraph:
         """Start copying a step's int32 tokens (run's greedy output) to the host; see TokenReadback."""
         return self.readback.start(tokens)
 
-    def _new_step(self, b: int, width: int, greedy: bool) -> _Step:
+    def _new_step(self, b: int, width: int, kind: str) -> _Step:
         cp, m = self.cp, self.model
-        size = b * (4 + width)
+        inputs_size = b * (4 + width)
+        size = inputs_size + (SAMPLING_COLUMNS * b if kind == "sample" else 0)
         host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
+        host[:] = 0
         device = cp.zeros(size, dtype=np.int32)
         elems = m.decode_workspace_elems(b, width * self.kv_cache.block_size)
-        step = _Step(host, device, input_views(device, b, width),
-                     cp.zeros(elems, dtype=np.float32) if elems else None)
-        self.steps[(b, width, greedy)] = step
+        step = _Step(host, device, input_views(device[:inputs_size], b, width),
+                     cp.zeros(elems, dtype=np.float32) if elems else None,
+                     sampling_views(device[inputs_size:], b) if kind == "sample" else ())
+        self.steps[(b, width, kind)] = step
         return step
 
-    def _decode(self, step: _Step, greedy: bool):
+    def _decode(self, step: _Step, kind: str):
         max_context_len = step.inputs.block_tables.shape[1] * self.kv_cache.block_size
-        return self.model.decode(step.inputs, self.kv_cache, max_context_len, step.workspace, greedy,
-                                 tokens_out=step.inputs.token_ids if greedy else None)
+        greedy = kind == "greedy"
+        out = self.model.decode(step.inputs, self.kv_cache, max_context_len, step.workspace, greedy,
+                                tokens_out=step.inputs.token_ids if greedy else None)
+        if kind == "sample":  # into the token slots, as the argmax: the embedding has read them
+            return sample_tokens(out, *step.sampling, out=step.inputs.token_ids)
+        return out
 
-    def _capture(self, step: _Step, greedy: bool):
-        tokens = step.inputs.token_ids.copy()  # the warm-up run overwrites them with its argmax
+    def _capture(self, step: _Step, kind: str):
+        tokens = step.inputs.token_ids.copy()  # the warm-up run overwrites them with its tokens
         self.cp.cuda.Device().synchronize()  # the input copy and every earlier step are done
-        step.graph, step.out, step.capture_bytes = capture(lambda: self._decode(step, greedy),
+        step.graph, step.out, step.capture_bytes = capture(lambda: self._decode(step, kind),
                                                            self.stream, self.pool)
         step.inputs.token_ids[...] = tokens
+
+
+def sampling_views(buf, b: int) -> tuple:
+    """ops.sampling's (temperature, top_k, top_p, min_p, uniforms) [b] each, viewing an int32
+    buffer [SAMPLING_COLUMNS * b] (numpy or cupy): top_k int32, the others float32."""
+    cols = [buf[j * b:(j + 1) * b] for j in range(SAMPLING_COLUMNS)]
+    return tuple(c if j == 1 else c.view(np.float32) for j, c in enumerate(cols))
+
+
+def pack_sampling(buf, columns, n: int) -> None:
+    """Write n rows of sampling columns (sampling.sampling_columns) into the host buffer of
+    sampling_views; padding rows get temperature 0 (the argmax) and top_p 1."""
+    b = len(buf) // SAMPLING_COLUMNS
+    for j, (view, col) in enumerate(zip(sampling_views(buf, b), columns)):
+        if len(col) != n:
+            raise ValueError(f"sampling: column {j} has {len(col)} rows, need {n}")
+        view[:n] = col
+        view[n:] = 1 if j == 2 else 0
 
 
 def copy_async(cp, dst, src, n: int, kind: int, stream):

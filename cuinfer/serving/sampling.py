@@ -6,11 +6,15 @@ sample(logits, params, histories, uniforms, outputs) -> int64 [num_seqs]
     output, for the repetition penalty); uniforms: float [num_seqs] in [0, 1), one draw per row;
     outputs: each row's generated ids (presence and frequency penalties).
 
-Rows with temperature 0 take the argmax. Sampled rows go through temperature, top-k, top-p
-(of the top-k mass) and min-p on the sorted distribution, in Hugging Face's order, and pick a
-token by inverting its CDF at the row's uniform. The uniform comes from `draw_uniform(seed,
+After the penalties every row goes through ops.sampling (its NumPy reference on the host, its
+kernel on the device: the same tokens, bit for bit): rows with temperature 0 take the argmax;
+sampled rows go through temperature, top-k, top-p (of the top-k mass) and min-p in Hugging Face's
+order, tokens ranked by descending logit (ties: the lower id first), and pick a token by inverting
+the CDF of integer weights (trunc(p * 2^31), so that its sums are exact in any order) at the row's
+uniform; cuinfer/ops/sampling.py defines each rounding. The uniform comes from `draw_uniform(seed,
 step)`: a request with a seed gets the same tokens whatever batch it runs in and however often it
-is preempted.
+is preempted. Decode steps whose rows need no penalty and no logprobs (graph_sampleable) run the
+same kernel inside the step's CUDA graph (serving/runner.py) with the same uniforms.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops import runtime
+from ..ops.sampling import sampling as ops_sampling
 
 
 @dataclass(frozen=True)
@@ -65,16 +70,33 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def needs_logits(self) -> bool:
-        """Whether a step must bring this row's logits to the sampler (the fused argmax will not do)."""
-        return (not self.greedy or self.repetition_penalty != 1 or self.presence_penalty != 0
-                or self.frequency_penalty != 0 or self.logprobs is not None)
+
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z):
+    """SplitMix64's finalizer (a bijection of uint64 with full avalanche), on uint64 arrays."""
+    z = z ^ (z >> np.uint64(30))
+    z = z * _MIX[0]
+    z = z ^ (z >> np.uint64(27))
+    z = z * _MIX[1]
+    return z ^ (z >> np.uint64(31))
+
+
+def draw_uniforms(seeds, steps) -> np.ndarray:
+    """float64 [n]: the uniform in [0, 1) each request (seed) uses for its step-th token, 53 random
+    bits of mix(mix(seed + golden) ^ step): a counter-based draw, a few microseconds a batch (a
+    numpy Generator a row took ~30-60 us, a decode step's host time at large batches)."""
+    with np.errstate(over="ignore"):
+        seeds = np.asarray(seeds, dtype=np.uint64)
+        z = _mix64(_mix64(seeds + _GOLDEN) ^ np.asarray(steps, dtype=np.uint64))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 def draw_uniform(seed: int, step: int) -> float:
-    """The uniform in [0, 1) a request with this seed uses for its step-th token."""
-    return float(np.random.default_rng([seed, step]).random())
+    """The uniform in [0, 1) a request with this seed uses for its step-th token (draw_uniforms)."""
+    return float(draw_uniforms([seed], [step])[0])
 
 
 def apply_repetition_penalty(logits, histories, penalties, xp):
@@ -144,12 +166,29 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p, xp):
 
 
 def sample_rows(logits, temperature, top_k, top_p, min_p, uniforms, xp):
-    """Sample one token per row of float32 logits [n, vocab] with per-row parameters ([n] arrays)."""
-    order, p, keep = filtered_probs(logits, temperature, top_k, top_p, min_p, xp)
-    c = xp.cumsum(p, axis=-1)
-    idx = (c <= uniforms[:, None] * c[:, -1:]).sum(axis=-1)  # inverse CDF
-    idx = xp.minimum(idx, keep.sum(axis=-1) - 1)
-    return xp.take_along_axis(order, idx[:, None], axis=-1)[:, 0]
+    """One token per row of float32 logits [n, vocab] with per-row parameters ([n] arrays; temperature
+    0: the argmax): ops.sampling, its NumPy reference on the host, its kernel on the device (the same
+    tokens); int64 [n] on the logits' device."""
+    col = lambda a, dt: xp.ascontiguousarray(xp.asarray(a).astype(dt, copy=False))
+    return ops_sampling(xp.ascontiguousarray(logits), col(temperature, np.float32), col(top_k, np.int32),
+                        col(top_p, np.float32), col(min_p, np.float32), col(uniforms, np.float32)).astype(np.int64)
+
+
+def sampling_columns(params, uniforms) -> tuple:
+    """(temperature, top_k, top_p, min_p, uniforms): host [n] float32 / int32 / float32 / float32 /
+    float32 columns of ops.sampling's per-row parameters (greedy rows: temperature 0)."""
+    return (np.asarray([p.temperature for p in params], dtype=np.float32),
+            np.asarray([p.top_k for p in params], dtype=np.int32),
+            np.asarray([p.top_p for p in params], dtype=np.float32),
+            np.asarray([p.min_p for p in params], dtype=np.float32),
+            np.asarray(uniforms, dtype=np.float32))
+
+
+def graph_sampleable(params) -> bool:
+    """Whether ops.sampling alone gives the row's token (no penalties, no logprobs): such rows'
+    decode steps end in the sampling kernel inside the CUDA graph (serving/runner.py)."""
+    return (params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty
+            and params.logprobs is None)
 
 
 def token_probs(logits, params):
@@ -184,14 +223,7 @@ def sample(logits, params, histories, uniforms, outputs=None, with_logprobs=Fals
     if outputs is not None:
         logits = apply_presence_frequency(logits, outputs, [p.presence_penalty for p in params],
                                           [p.frequency_penalty for p in params], xp)
-    tokens = xp.argmax(logits, axis=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        sel = xp.asarray(np.asarray(rows, dtype=np.int64))
-        col = lambda name, dt: xp.asarray(np.asarray([getattr(params[i], name) for i in rows], dtype=dt))
-        u = xp.asarray(np.asarray([uniforms[i] for i in rows], dtype=np.float32))
-        tokens[sel] = sample_rows(logits[sel], col("temperature", np.float32), col("top_k", np.int64),
-                                  col("top_p", np.float32), col("min_p", np.float32), u, xp)
+    tokens = sample_rows(logits, *sampling_columns(params, uniforms), xp)
     host = tokens.get() if xp is not np else tokens
     if not with_logprobs:
         return host

@@ -45,7 +45,7 @@ import numpy as np
 from ..errors import CuinferError
 from ..ops import runtime
 from .runner import bucket
-from .sampling import token_probs
+from .sampling import graph_sampleable, token_probs
 
 MAX_SPECULATIVE_TOKENS = 16
 MAX_BACKOFF = 256  # output tokens decoded without drafts after repeated misses, at most
@@ -66,8 +66,7 @@ NO_DRAFT = Draft([])
 
 def speculable(params) -> bool:
     """Whether a request's tokens may be drafted: no penalties and no logprobs."""
-    return (params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty
-            and params.logprobs is None)
+    return graph_sampleable(params)
 
 
 def spec_uniforms(seed: int, step: int, stream: int, n: int) -> np.ndarray:
