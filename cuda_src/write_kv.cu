@@ -1,4 +1,7 @@
-// Fused RoPE (Hugging Face rotate-half) on q and k + paged KV-cache write, one CTA per token.
+// Fused RoPE (Hugging Face rotate-half) on q and k + paged KV-cache write. A CTA handles HEADS (4)
+// heads of one token: blockIdx.y = g rotates q/k heads 4g..4g+3 (q heads first, then k heads) and
+// copies v heads 4g..4g+3: a decode step's few tokens spread their heads over many SMs (with one CTA
+// a token, one warp normed and rotated Gemma 3's 24 heads of 256 one after another).
 // Each thread rotates pairs (x[j], x[j + D/2]) in fp32 with the angle positions[t] * inv_freq[j]
 // (rope_lo / rope_hi of common.cuh) and rounds once; v is copied with 16-byte vectors.
 // NORM (Qwen3, Gemma 3): each q and k head is first RMS-normed over head_dim with its weight
@@ -30,7 +33,7 @@ __device__ __forceinline__ void rope_head(const T* x, T* y, const float* __restr
   }
 }
 
-// grid: (tokens) · block: 128 · smem: none
+// grid: (tokens, ceil((n_heads + n_kv_heads) / HEADS)) · block: 32 * HEADS · smem: none
 // q: [tokens, n_heads, head_dim], k, v: [tokens, n_kv_heads, head_dim], rows q_stride / k_stride /
 // v_stride elements apart (views of one qkv row), heads contiguous; out: q's shape, packed (may alias
 // q when q is packed)
@@ -38,8 +41,10 @@ __device__ __forceinline__ void rope_head(const T* x, T* y, const float* __restr
 // positions, slot_mapping: [tokens] (slot < 0: skip the cache write); inv_freq: fp32 [head_dim / 2]
 // (freq_stride 0) or [tokens, head_dim / 2] (freq_stride head_dim / 2); q_norm, k_norm: [head_dim]
 // (NORM only, else unused)
+constexpr int HEADS = 4;  // heads a CTA handles: a warp each with NORM
+
 template <typename T, bool NORM>
-__global__ void __launch_bounds__(128) write_kv_kernel(
+__global__ void __launch_bounds__(32 * HEADS) write_kv_kernel(
     const T* q, const T* __restrict__ k, const T* __restrict__ v, const int* __restrict__ positions,
     T* __restrict__ k_cache, T* __restrict__ v_cache, const int* __restrict__ slot_mapping,
     const float* __restrict__ inv_freq, T* out, int n_heads, int n_kv_heads, int head_dim, int freq_stride,
@@ -63,9 +68,10 @@ __global__ void __launch_bounds__(128) write_kv_kernel(
       y = k_cache + ((size_t)slot * n_kv_heads + (h - n_heads)) * head_dim;
     }
   };
+  const int h0 = blockIdx.y * HEADS, h1 = min(h0 + HEADS, n_rot_heads);
   if constexpr (NORM) {  // a warp per head: its sum of squares, then its pairs
-    const int lane = threadIdx.x & 31;
-    for (int h = threadIdx.x >> 5; h < n_rot_heads; h += blockDim.x >> 5) {
+    const int lane = threadIdx.x & 31, h = h0 + (threadIdx.x >> 5);
+    if (h < h1) {
       const T* x;
       T* y;
       head_ptrs(h, x, y);
@@ -79,15 +85,16 @@ __global__ void __launch_bounds__(128) write_kv_kernel(
       rope_head<T, true>(x, y, freq, pos, half, lane, 32, h < n_heads ? q_norm : k_norm, inv_rms);
     }
   } else {
-    for (int i = threadIdx.x; i < n_rot_heads * half; i += blockDim.x) {
+    for (int i = threadIdx.x; i < (h1 - h0) * half; i += blockDim.x) {
       const T* x;
       T* y;
-      head_ptrs(i / half, x, y);
+      head_ptrs(h0 + i / half, x, y);
       rope_head<T, false>(x, y, freq, pos, half, i % half, half, nullptr, 0.0f);
     }
   }
   if (slot < 0) return;
   const int row = n_kv_heads * head_dim;  // a multiple of N (head_dim % 8 == 0)
-  for (int i = threadIdx.x * N; i < row; i += blockDim.x * N)
+  const int v0 = h0 * head_dim, v1 = min(v0 + HEADS * head_dim, row);  // v heads h0..h0 + 3
+  for (int i = v0 + threadIdx.x * N; i < v1; i += blockDim.x * N)
     Vec<T, N>::load(v + t * v_stride + i).store(v_cache + (size_t)slot * row + i);
 }

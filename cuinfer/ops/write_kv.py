@@ -11,7 +11,7 @@ write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=None,
     q_norm, k_norm: [head_dim] in q's dtype, both or neither: every q and k head is RMS-normed
         (rms_norm's rounding, epsilon eps) before it is rotated (Qwen3, Gemma 3)
 `out` (packed) may be q itself when q is packed (in place). numpy arrays run the reference; cupy arrays launch
-cuda_src/write_kv.cu (one CTA per token). Under CUDA-graph capture pass `out` (allocated
+cuda_src/write_kv.cu (a CTA per 4 heads of a token). Under CUDA-graph capture pass `out` (allocated
 before capture): the op then allocates nothing, and its grid depends on shapes only.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from . import runtime
 
 INSTANTIATIONS = [f"write_kv_kernel<{runtime.ctype(dt)}, {str(norm).lower()}>"
                   for dt in (np.float32, np.float16, runtime.bfloat16) for norm in (False, True)]
-THREADS = 128
+HEADS = 4  # heads a CTA handles (cuda_src/write_kv.cu)
 
 
 def head_rms_norm_reference(x, weight, eps):
@@ -103,5 +103,5 @@ def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=N
             np.int32(n_heads), np.int32(n_kv), np.int32(d), np.int32(d // 2 if per_token else 0),
             q_norm if norm else q, k_norm if norm else q, np.float32(eps),
             *(np.int64(a.strides[0] // a.itemsize) for a in (q, k, v)))
-    runtime.launch(kern, (tokens,), (THREADS,), args)
+    runtime.launch(kern, (tokens, -(-(n_heads + n_kv) // HEADS)), (32 * HEADS,), args)
     return out
