@@ -88,7 +88,9 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     K over a cluster of up to 4 blocks (sm_90), each keeping >= two pipeline stages (2 WARPS U
     quads); on 256+ blocks a split measured slower. fp16 / bf16 weights and M > 8 (the sweep's tiles; the
     M <= 8 rule measured slower there): RT = 2 at M > 8 once the grid still has >= 4
-    blocks per SM, U = 4 / RT (/ 2 for int4), 16 warps below 4 blocks per SM, else 8; fp16 at M <= 8
+    blocks per SM, U = 4 / RT (/ 2 for int4), at M > 8 16 warps below 4 blocks per SM, else 8 (fp16
+    at M <= 8: 8 warps, 3-14 % faster than 16 on every phi3-mini and gemma2-9b GEMV of 192-576
+    blocks in the decode-graph sweep); fp16 at M <= 8
     with >= 6 blocks per SM and K < 1024 (< 32 quads) U = 1 and 4 warps (smollm2's lm_head, 576 x
     49152: 23.1 us against 28.2 at U = 4 with 8 warps; llama3-8b's 4096 x 128256 keeps U = 4 with
     8 warps, its best: docs/decode.md). With a gated epilogue half the warps take the
@@ -101,7 +103,7 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
         if bits == 16 and nt == 1 and blocks >= 6 * sms and quads < 32:
             return Tile(1, 1, 1, 4, 1)  # short rows, many blocks (a small model's lm_head)
         u = max(1, 4 // rt // (2 if bits == 4 else 1))
-        return Tile(nt, rt, u, 16 if rt == 1 and blocks < 4 * sms else 8, 1)
+        return Tile(nt, rt, u, 16 if nt == 2 and rt == 1 and blocks < 4 * sms else 8, 1)
     one_wave = bits == 4 and sms <= blocks < (3 if group_size == 128 else 2) * sms  # at U = 2
     u = 2 if bits == 8 or quads >= 64 or one_wave else 1
     occupancy = 3 if one_wave and blocks >= 2 * sms else 0
