@@ -79,16 +79,38 @@ __host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64
 
 // xs[m, :] = the M rows of s, or with a weight w their RMSNorm (s is the residual stream), rounded as
 // rms_norm.cu rounds it (rms_inv, rms_normed); ends with a barrier. K % 8 == 0.
-template <typename T, int THREADS>
+// ADD (with w): s is first replaced by round(s + rms_normed(add_o, add_w)), rms_norm.cu's ADD 2
+// (Gemma's output norm and residual add, of the previous linear layer's output add_o), which block
+// (0, 0) also writes to add_out [M, K]: that norm needs no launch of its own either.
+template <typename T, int THREADS, bool ADD>
 __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
-                                           int M, int K) {
+                                           int M, int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
+                                           T* __restrict__ add_out) {
   __shared__ float scratch[32];
   const int ks = norm_stride(K);
+  const bool writer = ADD && blockIdx.x == 0 && blockIdx.y == 0;
   for (int m = 0; m < M; ++m) {
+    float add_inv_rms = 0.0f;
+    if constexpr (ADD) {
+      float o_sq = 0.0f;
+      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+        const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o_sq += to_float(o.v[e]) * to_float(o.v[e]);
+      }
+      add_inv_rms = rms_inv(block_reduce(o_sq, scratch), K, eps);
+    }
     float sum_sq = 0.0f;
 #pragma unroll 2  // more in flight costs registers the main loop needs (ptxas -v)
     for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
-      const Vec<T, 8> v = Vec<T, 8>::load(s + (size_t)m * K + i);
+      Vec<T, 8> v = Vec<T, 8>::load(s + (size_t)m * K + i);
+      if constexpr (ADD) {
+        const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i), g = Vec<T, 8>::load(add_w + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(rms_normed(o.v[e], g.v[e], add_inv_rms)));
+        if (writer) v.store(add_out + (size_t)m * K + i);
+      }
       v.store(xs + m * ks + i);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
@@ -120,13 +142,14 @@ struct EpiIn {
 // blocks an SM holds). Warp kw of its half takes quad steps q_begin + (i * KW + kw) * U + u,
 // loading the next U quads (and their int4 (scale, zero) pairs) while it computes these; the warps
 // meet in shared memory.
-template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS>
+template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, int XS>
 __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void* __restrict__ w,
                                             const __half* __restrict__ scales, const T* __restrict__ bias,
                                             const T* __restrict__ norm_w, float eps,
                                             const T* __restrict__ residual, T* __restrict__ out,
                                             float* __restrict__ part_val, int* __restrict__ part_idx, int M, int N,
-                                            int K) {
+                                            int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
+                                            T* __restrict__ add_out) {
   using L = Layout<WBITS>;
   static_assert(WBITS != 4 || GS == 32 || GS == 64 || GS == 128, "int4 group size");
   constexpr int RR = gated(EPI) ? 2 * RT : RT;  // weight row tiles per block
@@ -244,7 +267,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // rows, or with XS their copy (or RMSNorm) in shared memory, written while the first weights load.
   extern __shared__ uint4 norm_smem[];
   T* xs = reinterpret_cast<T*>(norm_smem);
-  if constexpr (XS) stage_rows<T, 32 * WARPS>(x, norm_w, eps, xs, M, K);
+  if constexpr (XS) stage_rows<T, 32 * WARPS, XS == 2>(x, norm_w, eps, xs, M, K, add_o, add_w, add_out);
   const T* xrow[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
@@ -445,8 +468,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 #define LINEAR_ARGS                                                                                            \
   const T *__restrict__ x, const void *__restrict__ w, const __half *__restrict__ scales,                      \
       const T *__restrict__ bias, const T *__restrict__ norm_w, float eps, const T *__restrict__ residual,     \
-      T *__restrict__ out, float *__restrict__ part_val, int *__restrict__ part_idx, int M, int N, int K
-#define LINEAR_PASS x, w, scales, bias, norm_w, eps, residual, out, part_val, part_idx, M, N, K
+      T *__restrict__ out, float *__restrict__ part_val, int *__restrict__ part_idx, int M, int N, int K,          \
+      const T *__restrict__ add_o, const T *__restrict__ add_w, T *__restrict__ add_out
+#define LINEAR_PASS x, w, scales, bias, norm_w, eps, residual, out, part_val, part_idx, M, N, K, add_o, add_w, add_out
 
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (MINB blocks per SM: <= 65536 / (32 WARPS MINB) registers) ·
 // smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
@@ -454,17 +478,20 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for the gated epilogues) or null, all T;
 // w: see the formats above ([2N, K] for the gated epilogues); scales: fp16 [rows] (WBITS 8) or the
 // (scale, zero) pairs [ceil(rows / 16), K / GS, 16, 2] (WBITS 4), null for fp16; part_val / part_idx:
-// [M, gridDim.x] for EPI_ARGMAX, else null. XS (K % 8 == 0): x staged in shared memory, normalized
-// with norm_w [K] in T and eps unless norm_w is null; without XS norm_w is null. residual: [M, N] T or null, EPI_STORE only, not aliasing
-// out. Every weight byte is read once (streamed).
-template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int EPI, bool XS, int MINB>
+// [M, gridDim.x] for EPI_ARGMAX, else null. XS 1 (K % 8 == 0): x staged in shared memory, normalized
+// with norm_w [K] in T and eps unless norm_w is null; XS 0: norm_w is null. residual: [M, N] T or null, EPI_STORE only,
+// not aliasing out. XS 2: as 1 with norm_w, x first replaced by round(x + rms_normed(add_o [M, K],
+// add_w [K])) (stage_rows), also written to add_out [M, K] (aliasing neither x nor add_o); else
+// those three are null (their own template value: the prologue's registers stay off the others). Every
+// weight byte is read once (streamed).
+template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int EPI, int XS, int MINB>
 __global__ void __launch_bounds__(32 * WARPS, MINB) linear_kernel(LINEAR_ARGS) {
   linear_body<T, WBITS, GS, IZ, NT, RT, U, WARPS, 1, EPI, XS>(LINEAR_PASS);
 }
 
 // grid: (ceil(N / (16 RT)), SPLIT), clusters of (1, SPLIT, 1) · otherwise as linear_kernel:
 // the blocks of a cluster split K, the cluster's block 0 writes the epilogue. sm_90 and newer.
-template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, bool XS, int MINB>
+template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int U, int WARPS, int SPLIT, int EPI, int XS, int MINB>
 __global__ void __launch_bounds__(32 * WARPS, MINB) LINEAR_CLUSTER(SPLIT) linear_split_kernel(LINEAR_ARGS) {
   linear_body<T, WBITS, GS, IZ, NT, RT, U, WARPS, SPLIT, EPI, XS>(LINEAR_PASS);
 }

@@ -97,6 +97,16 @@ def slot_mapping(tables, rows, positions, block_size: int):
 
 
 @dataclass
+class Deferred:
+    """The residual stream s + rms_norm(y, weight) with that add not yet done (Gemma's output norms):
+    the next normed projection does it in its GEMV's prologue (ops.linear's add), so the norm costs
+    no launch of its own at decode (Model.normed); Model.resolve does it where nothing can."""
+    s: object
+    y: object
+    weight: object
+
+
+@dataclass
 class DecodeInputs:
     """Model.decode's inputs, int32, one row per sequence (DecodeGraph keeps them in static buffers)."""
     token_ids: object  # [num_seqs]
@@ -313,33 +323,52 @@ class Model:
         s = embedding(token_ids, self.weights.embed, scale=self.embed_scale)  # s: [tokens, hidden]
         for i in range(len(self.weights.layers)):
             s = self.layer(i, s, kv_cache, attend)
-        return s
+        return self.resolve(s)
 
     def layer(self, i, s, kv_cache, attend, observe=None):
-        """Decoder layer i on the residual stream s: returns the next s. observe(name, x), if given,
-        sees the input of each linear layer ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
+        """Decoder layer i on the residual stream s (or a Deferred one): returns the next s, Deferred
+        with output norms (Gemma). observe(name, x), if given, sees the input of each linear layer
+        ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
         lw, eps = self.weights.layers[i], self.config.rms_norm_eps
         attn_norm, mlp_norm = (lw.attn_norm, eps), (lw.mlp_norm, eps)
-        tokens = s.shape[0]
         nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
 
         if observe:
+            s = self.resolve(s)
             observe("qkv", rms_norm(s, *attn_norm))
-        qkv = project(s, lw.qkv, lw.qkv_bias, norm=attn_norm)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
+        qkv, s = self.normed(s, lw.qkv, attn_norm, lw.qkv_bias)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
+        tokens = s.shape[0]
         q = qkv[:, :nq].reshape(tokens, self.n_heads, d)  # q, k, v heads of each row (q, k not yet normed)
         k = qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d)
         v = qkv[:, nq + nkv:].reshape(tokens, self.n_kv_heads, d)
         a = attend(i, q, k, v, *kv_cache.layer(i)).reshape(tokens, nq)
         s = self.residual(a, lw.o, lw.attn_out_norm, s)
-        act = gated_mlp(s, lw.gate_up, self.config.hidden_act, norm=mlp_norm)
         if observe:
+            s = self.resolve(s)
             observe("o", a)
             observe("gate_up", rms_norm(s, *mlp_norm))
+        act, s = self.normed(s, lw.gate_up, mlp_norm, act=self.config.hidden_act)
+        if observe:
             observe("down", act)
         return self.residual(act, lw.down, lw.mlp_out_norm, s)
 
     def residual(self, x, w, out_norm, s):
-        """s + x @ w.T, or with an output norm (Gemma) s + rms_norm(x @ w.T)."""
+        """s + x @ w.T, or with an output norm (Gemma) s + rms_norm(x @ w.T), Deferred."""
         if out_norm is None:
             return project(x, w, residual=s)  # the add in the GEMV's epilogue
-        return rms_norm(project(x, w), out_norm, self.config.rms_norm_eps, add_to=s)
+        return Deferred(s, project(x, w), out_norm)
+
+    def resolve(self, s):
+        """The residual stream s, its Deferred add done (ops.rms_norm's add_to)."""
+        if isinstance(s, Deferred):
+            return rms_norm(s.y, s.weight, self.config.rms_norm_eps, add_to=s.s)
+        return s
+
+    def normed(self, s, w, norm, bias=None, act=None):
+        """(y, s): y = rms_norm(s, *norm) @ w.T (+ bias), or with act gated_mlp's product, and the
+        residual stream s, a Deferred add done on the way (in the GEMV's prologue on the GPU)."""
+        if not isinstance(s, Deferred) or s.s.dtype not in KERNEL_DTYPES:
+            s = self.resolve(s)
+            return (gated_mlp(s, w, act, norm=norm) if act else project(s, w, bias, norm=norm)), s
+        kw = {"activation": GATED_EPILOGUE[act]} if act else {}
+        return linear(s.s, w, bias, norm=norm, add=(s.y, s.weight), **kw)

@@ -1,6 +1,7 @@
 """Linear layer y = x @ W.T (+ bias) with fp16 / bf16, INT8 or INT4 weights, and its fused epilogues.
 
-linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None) -> [M, N] in x's dtype
+linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None, add=None, add_out=None)
+    -> [M, N] in x's dtype; with add, (that, the new x)
     x: [M, K] fp16 / bf16; w: [N, K] array of x's dtype, or cuinfer.ops.quant.Int8Weight /
     Int4Weight (Hugging Face layout, out_features first); bias: [N] in x's dtype.
     activation="silu_and_mul" / "gelu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I])
@@ -10,6 +11,9 @@ linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None) -> 
     ops.rms_norm(x, weight, eps) instead (the decoder's pre-norm, fused: see below).
     residual: [M, N] (not with activation, not aliasing out): the result is round(round(y) +
     residual), the decoder's residual add rounded as the separate add would round it.
+    add=(y0 [M, K], weight [K]) (with norm): x is first replaced by ops.rms_norm(y0, weight, eps,
+    add_to=x), Gemma's output norm and residual add of the previous layer (eps: norm's), written to
+    add_out (default: a new array) and returned beside the result; the GEMV does it in its prologue.
 linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
     argmax over N of the logits x @ W.T rounded to x's dtype (ties: the lowest index), for
     greedy decoding; norm as in linear. workspace: int32 [argmax_workspace_size(N)] of the GEMV's
@@ -114,14 +118,15 @@ def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, cl
     return Tile(nt, rt, u, warps, split, occupancy)
 
 
-def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", staged=False,
+def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store", staged=0,
                   integer_zeros=False) -> str:
     """integer_zeros: int4 zero points all integers in 0..15 (Int4Weight.integer_zeros), subtracted in
-    the nibble conversion instead of through a second sum per group."""
+    the nibble conversion instead of through a second sum per group. staged (XS): 0 x read from global
+    memory, 1 staged in shared memory (normalized there with a norm), 2 also linear's add first."""
     nt, rt, u, warps, split, occupancy = tile
     iz = "true" if bits == 4 and integer_zeros else "false"
     head = f"{runtime.ctype(dtype)}, {bits}, {group_size}, {iz}, {nt}, {rt}, {u}, {warps}"
-    tail = f"{EPILOGUES[epilogue]}, {'true' if staged else 'false'}, {occupancy or 16 // warps}"
+    tail = f"{EPILOGUES[epilogue]}, {int(staged)}, {occupancy or 16 // warps}"
     if split == 1:
         return f"linear_kernel<{head}, {tail}>"
     return f"linear_split_kernel<{head}, {split}, {tail}>"
@@ -165,6 +170,8 @@ INSTANTIATIONS = sorted(
      for b, g, iz in _formats() for m in (1, 16) for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
      for epi in EPILOGUES for norm in {False, m == 1}
      if epi != "gelu_and_mul" or (m, n, k) == (1, 6144, 4096)}  # GELU differs from SiLU in its activation only
+    | {instantiation(dt, b, g, tile_config(b, 1, 3072, 4096, epi, group_size=g), epi, 2, iz) for dt in KERNEL_DTYPES
+       for b, g, iz in _formats() for epi in ("store", "gelu_and_mul")}  # linear's add (Gemma's output norms)
     | {dequant_instantiation(dt, b, g) for dt in KERNEL_DTYPES for b, g, _ in _formats() if b < 16}
     | {reduce_instantiation(dt) for dt in (np.float32, *KERNEL_DTYPES)})
 
@@ -205,9 +212,11 @@ def _check_inputs(x, w, dev):
     return m, k, n, bits
 
 
-def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None):
+def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None, add=None, add_out=None):
     """x @ W.T (+ bias), or its act-and-mul of the two halves, of x or its RMSNorm, plus a
     residual; see the module docstring."""
+    if add is not None:
+        return _linear_add(x, w, bias, out, activation, norm, residual, add, add_out)
     dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm))
     m, k, n_w, bits = _check_inputs(x, w, dev)
     n, out = check_epilogue(x, n_w, bias, out, activation, residual)
@@ -235,6 +244,38 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None)
         _gemv(x[rows], w, bias, out[rows], _tile(w, rows.stop - m0, n, k, epilogue), epilogue,
               norm=norm, residual=None if residual is None else residual[rows])
     return out
+
+
+def _linear_add(x, w, bias, out, activation, norm, residual, add, add_out):
+    """linear with add: (out, new x). The GEMV adds in its prologue (block 0 writes the new x);
+    elsewhere ops.rms_norm does it first."""
+    if not (isinstance(add, tuple) and len(add) == 2):
+        raise ValueError("add: need a (y0, weight) pair or None")
+    if norm is None:
+        raise ValueError("add: needs norm (x + rms_norm(y0) is then normalized)")
+    dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm), *add, add_out)
+    m, k, n_w, bits = _check_inputs(x, w, dev)
+    n, out = check_epilogue(x, n_w, bias, out, activation, residual)
+    _check_norm(norm, x)
+    runtime.check("add y0", add[0], dtype=x.dtype, shape=x.shape)
+    runtime.check("add weight", add[1], dtype=x.dtype, shape=(k,))
+    if not (dev and m <= GEMV_MAX_M[bits] and norm_fits(m, k, x.dtype)):
+        x = rms_norm(add[0], add[1], norm[1], add_to=x, out=add_out)
+        return linear(x, w, bias, out, activation, norm, residual), x
+    add_out = runtime.check_out(add_out, x.shape, x.dtype, x)
+    cp = runtime.require_cupy()
+    if cp.may_share_memory(add_out, x) or cp.may_share_memory(add_out, add[0]):
+        raise ValueError("add_out: must not overlap x or y0 (the GEMV's blocks read them while one writes it)")
+    runtime.check("out", out, align=16)
+    for name, a in (("add y0", add[0]), ("add weight", add[1]), ("add_out", add_out)):
+        runtime.check(name, a, align=16)
+    epilogue = activation or "store"
+    for m0 in range(0, m, GEMV_ROWS):
+        rows = slice(m0, min(m, m0 + GEMV_ROWS))
+        _gemv(x[rows], w, bias, out[rows], _tile(w, rows.stop - m0, n, k, epilogue), epilogue,
+              norm=norm, residual=None if residual is None else residual[rows],
+              add=(add[0][rows], add[1], add_out[rows]))
+    return out, add_out
 
 
 def _norm_weight(norm):
@@ -297,20 +338,21 @@ def _tile(w, m, n, k, epilogue):
                        getattr(w, "group_size", 128))
 
 
-def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None, residual=None):
+def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None, residual=None, add=None):
     """Launch linear_kernel / linear_split_kernel with `tile` on checked arguments (M <= 8 tile.nt);
-    norm: (weight, eps) to normalize x in the kernel (norm_fits), residual: added by EPI_STORE. The
-    kernel stages x in shared memory whenever its rows fit (norm_fits), normalized or not."""
+    norm: (weight, eps) to normalize x in the kernel (norm_fits), residual: added by EPI_STORE, add:
+    (y0, weight, new x) of linear's add, with norm. The kernel stages x in shared memory whenever
+    its rows fit (norm_fits), normalized or not."""
     (m, k), bits = x.shape, weight_bits(w)
     n = w.shape[0] // (2 if epilogue in GATED else 1)
-    staged = stages_x(m, k, x.dtype, norm is not None)
+    staged = 2 if add is not None else stages_x(m, k, x.dtype, norm is not None)
     kern = runtime.kernel("linear", instantiation(x.dtype, bits, w.group_size if bits == 4 else 0, tile, epilogue,
                                                   staged, bits == 4 and w.integer_zeros))
     qweight = w if bits == 16 else w.qweight
     norm_w, eps = norm if norm is not None else (NULL, 0.0)
     args = (x, qweight, _scales(w), NULL if bias is None else bias, norm_w, np.float32(eps),
             NULL if residual is None else residual, NULL if out is None else out, *parts,
-            np.int32(m), np.int32(n), np.int32(k))
+            np.int32(m), np.int32(n), np.int32(k), *(add if add is not None else (NULL, NULL, NULL)))
     smem = m * norm_stride(k) * x.dtype.itemsize if staged else 0
     runtime.launch(kern, (-(-n // (16 * tile.rt)), tile.split), (32 * tile.warps,), args, smem)
     return out

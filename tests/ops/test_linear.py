@@ -182,6 +182,21 @@ def test_norm_and_residual_references():
         np.testing.assert_array_equal(linear_argmax(x, w, norm=(g, 1e-5)), np.argmax(y.astype(np.float32), axis=1))
 
 
+def test_add_reference():
+    """add=(y0, g_out): x becomes x + rms_norm(y0, g_out) (ops.rms_norm's add_to), returned beside the
+    normed product of it: the NumPy path against the two steps written out."""
+    rng = np.random.default_rng(9)
+    x, y0 = (rng.standard_normal((3, 64)).astype(np.float16) for _ in range(2))
+    g, g_out = (rng.uniform(0.5, 1.5, 64).astype(np.float16) for _ in range(2))
+    w = make_weight(rng, 10, 64, "float").astype(np.float16)
+    new_x = (x.astype(np.float32) + rms_norm_reference(y0, g_out, 1e-5).astype(np.float32)).astype(np.float16)
+    y, got_x = linear(x, w, norm=(g, 1e-5), add=(y0, g_out))
+    np.testing.assert_array_equal(got_x, new_x)
+    np.testing.assert_array_equal(y, linear_reference(rms_norm_reference(new_x, g, 1e-5), w).astype(np.float16))
+    y, got_x = linear(x, np.concatenate([w, w]), norm=(g, 1e-5), add=(y0, g_out), activation="silu_and_mul")
+    np.testing.assert_array_equal(got_x, new_x)
+
+
 def test_norm_and_residual_argument_checks():
     x, w = np.zeros((2, 64), np.float16), np.zeros((8, 64), np.float16)
     with pytest.raises(ValueError, match="residual: only without activation"):
@@ -196,6 +211,12 @@ def test_norm_and_residual_argument_checks():
     with pytest.raises(ValueError, match=r"norm weight: got shape \(32,\)"):
         linear_argmax(x, w, norm=(np.ones(32, np.float16), 1e-5))
     assert norm_fits(1, 4096, np.float16) and not norm_fits(16, 4096, np.float16)
+    with pytest.raises(ValueError, match="add: needs norm"):
+        linear(x, w, add=(x, np.ones(64, np.float16)))
+    with pytest.raises(ValueError, match="add: need a"):
+        linear(x, w, norm=(np.ones(64, np.float16), 1e-5), add=x)
+    with pytest.raises(ValueError, match=r"add y0: got shape \(2, 32\)"):
+        linear(x, w, norm=(np.ones(64, np.float16), 1e-5), add=(x[:, :32], np.ones(64, np.float16)))
 
 
 # ------------------------------------------------------------------------ GPU
@@ -405,6 +426,41 @@ def test_norm_and_residual_match_reference(fmt, gs, dtype):
         logits = reference_rounded(xn, w, None, False)
         tol = np.abs(logits).max(axis=1) * (2.0**-7 if dtype == runtime.bfloat16 else 2.0**-10) + 1e-3
         assert (top >= 0).all() and (logits[np.arange(m), top] >= logits.max(axis=1) - tol).all()
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [("float", 0), ("int8", 0), ("int4", 128)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_in_the_prologue(fmt, gs, dtype):
+    """add= (Gemma's output norm and residual add, in the GEMV's prologue up to 16 rows that fit,
+    else ops.rms_norm first): the new x against the NumPy add_to (rounding-boundary flips from the
+    reduction order aside: >= 99 % of elements equal, the rest within an ulp or two), and the product
+    bit for bit against linear with norm on that new x. Every output poisoned first."""
+    import cupy as cp
+
+    @settings(max_examples=12, deadline=None)
+    @given(m=st.one_of(st.integers(1, 16), st.sampled_from([17, 40])), n=st.sampled_from([17, 989, 2048 + 48]),
+           k=st.sampled_from([256, 1024, 3072]), act=st.booleans(), magnitude=st.sampled_from([1.0, 30.0]),
+           seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, act, magnitude, seed):
+        rng = np.random.default_rng(seed)
+        x, y0 = ((rng.standard_normal((m, k)) * magnitude).astype(dtype) for _ in range(2))
+        g, g_out = (rng.uniform(0.5, 1.5, k).astype(dtype) for _ in range(2))
+        w = make_weight(rng, 2 * n if act else n, k, fmt, gs or 128)
+        w_dev = cp.asarray(w.astype(dtype)) if fmt == "float" else w.to_device()
+        kw = dict(norm=(cp.asarray(g), 1e-5), activation="silu_and_mul" if act else None)
+        y, new_x = linear(cp.asarray(x), w_dev, out=poison(cp, (m, n), dtype), add=(cp.asarray(y0), cp.asarray(g_out)),
+                          add_out=poison(cp, (m, k), dtype), **kw)
+        want_x = (x.astype(np.float32) + rms_norm_reference(y0, g_out, 1e-5).astype(np.float32)).astype(dtype)
+        got_x = cp.asnumpy(new_x)
+        assert np.mean(got_x == want_x) >= 0.99
+        ulp = np.float32(2.0**-7 if dtype == runtime.bfloat16 else 2.0**-10)
+        bound = 2 * ulp * (np.abs(want_x.astype(np.float32)) + np.abs(rms_norm_reference(y0, g_out, 1e-5).astype(np.float32)))
+        assert (np.abs(got_x.astype(np.float32) - want_x.astype(np.float32)) <= bound).all()
+        want_y = linear(new_x.copy(), w_dev, out=poison(cp, (m, n), dtype), **kw)
+        np.testing.assert_array_equal(cp.asnumpy(y), cp.asnumpy(want_y))
 
     check()
 
