@@ -422,7 +422,7 @@ class Engine:
         chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
                   for s, d in zip(seqs, drafts)]
         lens = [len(c[0]) for c in chunks]
-        if any(s.params.needs_logits for s in seqs):
+        if not all(s.params.greedy and graph_sampleable(s.params) for s in seqs):
             kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), lens)
         else:  # only each row's argmax comes back
             targets, starts = self.verifier.run(chunks, greedy=True).tolist(), np.cumsum([0] + lens)
