@@ -37,6 +37,7 @@ synchronous verify step.
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,10 +102,25 @@ def ngram_match(tokens, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) 
 
 
 class NgramProposer:
-    """Prompt lookup: drafts from the sequence's own prompt and output (no model, no state)."""
+    """Prompt lookup: drafts from the sequence's own prompt and output (no model). Each sequence's
+    tokens are kept as an int64 array that grows by the tokens appended since its last proposal (a
+    sequence's tokens are only ever appended, and a verify step sees none pending), so a proposal
+    does not convert the whole sequence again; the arrays go with their sequences (weak keys)."""
+
+    def __init__(self):
+        self._tokens = weakref.WeakKeyDictionary()  # Sequence -> (int64 buffer, tokens filled in)
 
     def propose(self, seqs, budgets, seeds) -> list:
-        return [Draft(ngram_match(s.token_ids, k)) if k else NO_DRAFT for s, k in zip(seqs, budgets)]
+        return [Draft(ngram_match(self._array(s), k)) if k else NO_DRAFT for s, k in zip(seqs, budgets)]
+
+    def _array(self, seq) -> np.ndarray:
+        buf, filled = self._tokens.get(seq, (np.empty(0, np.int64), 0))
+        size = seq.num_tokens
+        if len(buf) < size:  # room for as many again: appends are amortized O(1) per token
+            buf = np.concatenate([buf[:filled], np.empty(2 * size - filled, np.int64)])
+        buf[filled:size] = seq.token_slice(filled, size)
+        self._tokens[seq] = buf, size
+        return buf[:size]
 
 
 def accept_greedy(targets, drafts) -> list:
