@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.decoder import input_views, slot_mapping
+from ..model.decoder import input_views
 from ..ops import runtime
 from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async, mapped_pinned
 
@@ -49,18 +49,19 @@ def step_shape(chunks, block_size: int) -> tuple:
 
 
 def pack_chunks(buf, chunks, b: int, q: int, width: int, block_size: int) -> None:
-    """Write a verify step's chunks into the host buffer, one row per token, padded as described above."""
-    v = input_views(buf, b * q, width)
+    """Write a verify step's chunks into the host buffer, one row per token, padded as described
+    above: per chunk, one write of its rows' four columns (token, position, slot, context length,
+    made in Python: a chunk has few rows) and one of its block tables."""
+    rows = b * q
     buf[:] = 0
-    v.slot_mapping[:] = -1
+    columns = buf[:4 * rows].reshape(4, rows)  # token_ids, positions, slot_mapping, context_lens
+    columns[2] = -1
+    tables = buf[4 * rows:].reshape(rows, width)
     for i, (tokens, start, table) in enumerate(chunks):
-        rows = slice(i * q, i * q + len(tokens))
-        positions = np.arange(start, start + len(tokens))
-        v.token_ids[rows] = tokens
-        v.positions[rows] = positions
-        v.context_lens[rows] = positions + 1
-        v.block_tables[rows, :len(table)] = table
-        v.slot_mapping[rows] = slot_mapping(v.block_tables[rows], np.arange(len(tokens)), positions, block_size)
+        n, positions = len(tokens), range(start, start + len(tokens))
+        slots = [table[p // block_size] * block_size + p % block_size for p in positions]  # as slot_mapping
+        columns[:, i * q:i * q + n] = tokens, positions, slots, range(start + 1, start + n + 1)
+        tables[i * q:i * q + n, :len(table)] = table
 
 
 @dataclass(eq=False)
