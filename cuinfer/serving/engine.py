@@ -112,7 +112,7 @@ class _Request:
     seed: int
     submitted: float
     text: RequestText | None  # None: the caller detokenizes (Engine.detokenize off)
-    stops: frozenset  # the token ids that end it (stop_token_ids, and the end tokens unless ignore_eos)
+    stops: frozenset  # token ids that end it, made at add_request: stop_token_ids, the end tokens unless ignore_eos
     ttft_s: float = 0.0
     prompt_logprobs: list | None = None  # filled as the prompt's chunks run; handed out once
 
