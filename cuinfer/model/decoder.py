@@ -91,7 +91,8 @@ def greedy_tokens(x, w_head, norm=None, out=None):
 
 def slot_mapping(tables, rows, positions, block_size: int):
     """int32 cache slot of each token: its row's block tables[rows, positions // block_size], offset
-    positions % block_size (the one place a step's slots are computed, for Batch and DecodeInputs)."""
+    positions % block_size (for Batch and DecodeGraph's inputs; verify.pack_chunks computes the same
+    per chunk in Python)."""
     block = tables[rows, positions // block_size].astype(np.int64)
     return (block * block_size + positions % block_size).astype(np.int32)
 

@@ -112,6 +112,7 @@ class _Request:
     seed: int
     submitted: float
     text: RequestText | None  # None: the caller detokenizes (Engine.detokenize off)
+    stops: frozenset  # token ids that end it, made at add_request: stop_token_ids, the end tokens unless ignore_eos
     ttft_s: float = 0.0
     prompt_logprobs: list | None = None  # filled as the prompt's chunks run; handed out once
 
@@ -222,7 +223,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
         text = RequestText(self.tokenizer, params.stop) if self.detokenize else None
         self.scheduler.add(seq)
-        self._requests[rid] = _Request(seq, seed, time.perf_counter(), text,
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        self._requests[rid] = _Request(seq, seed, time.perf_counter(), text, stops,
                                        prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self.stats.prompt_tokens += len(ids)
         return rid
@@ -405,7 +407,9 @@ class Engine:
     def _spec_step(self, plan, t0) -> list:
         """A verify step (cuinfer/serving/spec.py): every sequence decodes its last token and the due
         ones their drafts after it, in one forward; each keeps what the verification accepts, and
-        the slots of rejected drafts are rolled back. Without any draft: a plain synchronous step."""
+        the slots of rejected drafts are rolled back. Without any draft: a plain synchronous step.
+        A greedy step is launched, the bookkeeping that needs none of its tokens done while it
+        runs, and then its tokens are waited for."""
         seqs = [s for s, _ in plan]
         reqs = [self._requests[s.seq_id] for s in seqs]
         shapes = self._graph_shapes()
@@ -418,32 +422,35 @@ class Engine:
                 if k:
                     self.spec.record(s, 0, 0)
             return self._sync_step(plan, t0)
-        self._note_kv_blocks()
         chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
                   for s, d in zip(seqs, drafts)]
-        lens = [len(c[0]) for c in chunks]
-        if any(s.params.needs_logits for s in seqs):
-            kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), lens)
-        else:  # only each row's argmax comes back
-            targets, starts = self.verifier.run(chunks, greedy=True).tolist(), np.cumsum([0] + lens)
+        starts = list(itertools.accumulate((len(c[0]) for c in chunks), initial=0))
+        pending = None
+        if all(s.params.greedy and graph_sampleable(s.params) for s in seqs):  # only each row's argmax comes back
+            pending = self.verifier.launch(chunks)
+        else:
+            kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), starts)
+        timed = self._graph_shapes() == shapes  # a step that met a new shape captured a graph
+        self._note_kv_blocks()
+        self.stats.draft_tokens += sum(len(d.tokens) for d in drafts)
+        self.stats.verify_rows += sum(1 for d in drafts if d.tokens)
+        if pending is not None:
+            targets = pending.wait()
             kept = [accept_greedy(targets[a:b], d.tokens) for a, b, d in zip(starts, starts[1:], drafts)]
             lps = [None] * len(seqs)
         now = time.perf_counter()
-        events, results = [], []
-        for s, r, d, k, tokens, lp in zip(seqs, reqs, drafts, budgets, kept, lps):
+        events = []
+        for s, r, d, tokens, lp in zip(seqs, reqs, drafts, kept, lps):
             self.scheduler.computed(s, len(tokens))  # the last token and the accepted drafts
             events.append(self._append_all(r, tokens, lp, now))
             self.scheduler.rollback(s)
-            if k:
-                results.append((s, len(d.tokens), len(tokens) - 1))
             if d.tokens:
-                self.stats.draft_tokens += len(d.tokens)
                 self.stats.accepted_tokens += len(tokens) - 1
-                self.stats.verify_rows += 1
         elapsed = time.perf_counter() - t0
-        cost = self.spec.note_verify_step(len(seqs), elapsed if self._graph_shapes() == shapes else None)
-        for s, proposed, accepted in results:
-            self.spec.record(s, proposed, accepted, cost)
+        cost = self.spec.note_verify_step(len(seqs), elapsed if timed else None)
+        for s, d, k, tokens in zip(seqs, drafts, budgets, kept):
+            if k:
+                self.spec.record(s, len(d.tokens), len(tokens) - 1, cost)
         self.stats.decode_s += elapsed
         self.stats.decode_tokens += sum(len(o.new_token_ids) for o in events)
         return events
@@ -454,11 +461,11 @@ class Engine:
         runners = (self.decoder, self.verifier, *getattr(self.spec.proposer, "runners", ()))
         return sum(len(getattr(r, "steps", ())) for r in runners)
 
-    def _verify(self, seqs, drafts, logits, lens):
-        """(tokens, logprobs entries or None) per sequence from a verify step's logits (lens: each
-        sequence's rows): drafted sequences through spec.verify, the others sampled as a plain
-        step samples them (penalties, logprobs and seeded draws included)."""
-        xp, starts = self.model.xp, np.cumsum([0] + lens)
+    def _verify(self, seqs, drafts, logits, starts):
+        """(tokens, logprobs entries or None) per sequence from a verify step's logits (starts: where
+        each sequence's rows start, and their end): drafted sequences through spec.verify, the
+        others sampled as a plain step samples them (penalties, logprobs and seeded draws included)."""
+        xp, starts = self.model.xp, np.asarray(starts)
         drafted = [i for i, d in enumerate(drafts) if d.tokens]
         plain = [i for i, d in enumerate(drafts) if not d.tokens]
         kept, lps = [None] * len(seqs), [None] * len(seqs)
@@ -475,17 +482,14 @@ class Engine:
 
     def _append_all(self, req: _Request, tokens, logprobs, now: float) -> RequestOutput:
         """Append a step's tokens one by one until the sequence finishes (the rest are dropped); one
-        RequestOutput with all of them."""
-        outs = []
-        for t, entry in zip(tokens, logprobs or [None] * len(tokens)):
-            outs.append(self._append(req, t, now, entry))
-            if req.seq.finish_reason is not None:
+        RequestOutput with all of them (logprobs: an entry per token, or None)."""
+        n = 0
+        for t in tokens:
+            n += 1
+            if self._push(req, t, now):
                 break
-        last = outs[-1]
-        last.new_text = "".join(o.new_text for o in outs)
-        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
-        last.new_logprobs = [e for o in outs for e in o.new_logprobs]
-        return last
+        new = req.text.take(final=req.seq.finish_reason is not None) if req.text is not None else ""
+        return req.output(new, tokens[:n], [e for e in logprobs[:n] if e is not None] if logprobs else [])
 
     def _run_model(self, plan):
         """(host tokens, None) when the decoder made the step's tokens (argmax or sampling in the
@@ -533,6 +537,11 @@ class Engine:
             self._requests[s.seq_id].prompt_logprobs.append(entry)
 
     def _append(self, req: _Request, token: int, now: float, logprob=None) -> RequestOutput:
+        return self._append_all(req, [token], [logprob], now)
+
+    def _push(self, req: _Request, token: int, now: float) -> bool:
+        """Append one token to the request's sequence and text; whether that finished it (an end or
+        stop token, a stop string, max_new_tokens, the context)."""
         seq, p = req.seq, req.seq.params
         if seq.num_known == len(seq.prompt_ids):
             req.ttft_s = now - req.submitted
@@ -542,8 +551,7 @@ class Engine:
         self.scheduler.append(seq, token)
         self.stats.generated_tokens += 1
         reason = None
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-        if token in stops:
+        if token in req.stops:
             reason = "stop"
         elif req.text is not None and req.text.push(token):
             reason = "stop"  # a stop string
@@ -552,8 +560,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._requests[seq.seq_id]
-        new = req.text.take(final=reason is not None) if req.text is not None else ""
-        return req.output(new, [token], [] if logprob is None else [logprob])
+        return reason is not None
 
     # ------------------------------------------------------------------ batches
 

@@ -233,6 +233,15 @@ def copy_async(cp, dst, src, n: int, kind: int, stream):
     cp.cuda.runtime.memcpyAsync(ptrs[0], ptrs[1], 4 * n, kind, stream.ptr)
 
 
+def mapped_pinned(cp, size: int) -> tuple:
+    """(numpy view, cupy view) of one pinned int32 buffer [size]: unified addressing maps pinned
+    memory into the device's address space, so a kernel writing the cupy view writes host memory."""
+    mem = cp.cuda.alloc_pinned_memory(4 * size)
+    host = np.frombuffer(mem, dtype=np.int32, count=size)
+    unowned = cp.cuda.UnownedMemory(host.ctypes.data, 4 * size, mem, cp.cuda.Device().id)
+    return host, cp.ndarray((size,), np.int32, cp.cuda.MemoryPointer(unowned, 0))
+
+
 class PendingTokens:
     """A step's tokens on their way to the host: wait() blocks on the copy's event only, then
     returns them as a list of ints (the same list on every call)."""
@@ -276,11 +285,7 @@ class TokenReadback:
             raise ValueError(f"read_async: need int32 [n] tokens, got {tokens.dtype} {tokens.shape}")
         self.turn ^= 1
         if len(self.host[i]) < n:
-            size = bucket(n, 64)
-            mem = cp.cuda.alloc_pinned_memory(4 * size)
-            self.host[i] = np.frombuffer(mem, dtype=np.int32, count=size)
-            unowned = cp.cuda.UnownedMemory(self.host[i].ctypes.data, 4 * size, mem, cp.cuda.Device().id)
-            self.device[i] = cp.ndarray((size,), np.int32, cp.cuda.MemoryPointer(unowned, 0))
+            self.host[i], self.device[i] = mapped_pinned(cp, bucket(n, 64))
         self.generation[i] += 1
         stream = cp.cuda.get_current_stream()
         self.copy(tokens, self.device[i][:n])

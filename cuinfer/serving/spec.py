@@ -37,6 +37,7 @@ synchronous verify step.
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -78,33 +79,63 @@ def spec_uniforms(seed: int, step: int, stream: int, n: int) -> np.ndarray:
 def ngram_match(tokens, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) -> list:
     """Up to k tokens that followed an earlier occurrence of the last n tokens, for the largest n in
     max_n..min_n that occurs earlier: the latest such occurrence with k tokens after it, else the
-    first one (the longest continuation). One pass over the sequence finds the earlier
-    occurrences of the last token; each longer n keeps those whose token n - 1 back matches too."""
-    arr = np.asarray(tokens, dtype=np.int64)
+    first one (the longest continuation). tokens: ids, or their int32 bytes (as NgramProposer keeps
+    them). One vectorized pass finds the first earlier occurrence of the last token; then a byte
+    search at token boundaries finds that of the last 2, 3, ... tokens until one has none (a
+    longer suffix occurs only where a shorter one does), and the latest occurrence of the longest
+    with room for k tokens after it."""
+    data = tokens if isinstance(tokens, (bytes, bytearray)) else np.asarray(tokens, np.int32).tobytes()
+    arr = np.frombuffer(data, np.int32)
     size = len(arr)
-    ends = np.flatnonzero(arr[:size - 1] == arr[-1]) if size > 1 else arr[:0]  # where a match ends
-    found = {}
-    for n in range(1, min(max_n, size - 1) + 1):
-        if n > 1:
-            ends = ends[ends >= n - 1]
-            ends = ends[arr[ends - (n - 1)] == arr[size - n]]
-        if not len(ends):
+    same = arr[:size - 1] == arr[-1] if size > 1 else np.zeros(1, bool)
+    first = int(same.argmax())  # the first earlier occurrence of the last token, if same[first]
+    if not same[first]:
+        return []
+    n, first = 1, 4 * first
+    while n < min(max_n, size - 1):
+        found = _find(data, data[4 * (size - n - 1):], 4 * (size - 1))
+        if found < 0:
             break
-        found[n] = ends - (n - 1)  # where they start
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        if n in found:
-            hits = found[n]
-            full = hits[hits + n + k <= size]
-            start = (full[-1] if len(full) else hits[0]) + n
-            return arr[start:start + k].tolist()
-    return []
+        n, first = n + 1, found
+    if n < min_n:
+        return []
+    latest = _rfind(data, data[4 * (size - n):], 4 * max(0, size - k))
+    start = (latest if latest >= 0 else first) + 4 * n
+    return np.frombuffer(data[start:start + 4 * k], np.int32).tolist()
+
+
+def _rfind(data, pattern, end: int) -> int:
+    """The byte offset of the last occurrence of pattern in data[:end] at a token boundary, or -1."""
+    i = data.rfind(pattern, 0, end)
+    while i % 4 and i > 0:
+        i = data.rfind(pattern, 0, i + len(pattern) - 1)
+    return i
+
+
+def _find(data, pattern, end: int) -> int:
+    """The byte offset of the first occurrence of pattern in data[:end] at a token boundary, or -1."""
+    i = data.find(pattern, 0, end)
+    while i % 4 and i > 0:
+        i = data.find(pattern, i + 1, end)
+    return i
 
 
 class NgramProposer:
-    """Prompt lookup: drafts from the sequence's own prompt and output (no model, no state)."""
+    """Prompt lookup: drafts from the sequence's own prompt and output (no model). Each sequence's
+    tokens are kept as int32 bytes that grow by the tokens appended since its last proposal (a
+    sequence's tokens are only ever appended, and a verify step sees none pending), so a proposal
+    converts only those; the bytes go with their sequences (weak keys)."""
+
+    def __init__(self):
+        self._tokens = weakref.WeakKeyDictionary()  # Sequence -> bytearray of its int32 tokens
 
     def propose(self, seqs, budgets, seeds) -> list:
-        return [Draft(ngram_match(s.token_ids, k)) if k else NO_DRAFT for s, k in zip(seqs, budgets)]
+        return [Draft(ngram_match(self._bytes(s), k)) if k else NO_DRAFT for s, k in zip(seqs, budgets)]
+
+    def _bytes(self, seq) -> bytearray:
+        data = self._tokens.setdefault(seq, bytearray())
+        data += np.asarray(seq.token_slice(len(data) // 4, seq.num_tokens), np.int32).tobytes()
+        return data
 
 
 def accept_greedy(targets, drafts) -> list:

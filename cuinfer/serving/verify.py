@@ -3,14 +3,18 @@
     verifier = Verifier(model, kv_cache)
     logits = verifier.run(chunks)   # chunks: [(k_i + 1 tokens, position of the first, block table)]
     # float32 [sum(k_i + 1), vocab] on the model's device: the logits of every row, chunks in order
-    tokens = verifier.run(chunks, greedy=True)   # numpy int32 [sum(k_i + 1)]: each row's argmax
+    pending = verifier.launch(chunks)   # a greedy step: the host works on while it runs
+    tokens = pending.wait()              # [sum(k_i + 1)] ints: each row's argmax, chunks in order
+    tokens = verifier.run(chunks, greedy=True)   # the same: launch(chunks).wait()
 
 A verify step is the decode step over more rows (Model.decode with verify=True): each sequence's
 last token and its drafts are rows of their own, each with its position, context length and a copy
 of the sequence's block table. write_kv puts every row's K/V in the cache, then the split-K paged
 decode attention lets each row attend over its context (which holds the rows before it). So the
 step runs the kernels a plain decode step runs, on k + 1 rows per sequence: the weights are read
-once, and a greedy step ends in the fused lm_head argmax, so only the tokens come back. Its shape
+once, and a greedy step ends in the fused lm_head argmax, whose kernel writes the tokens straight
+into pinned host memory (runner.mapped_pinned): an event after the step is all the host waits on,
+and no copy follows the step. Its shape
 is fixed once every chunk is padded to q_len = the longest chunk, the number of sequences to a
 batch bucket (1, 2, 4, ...) and the block tables to a context bucket (256, 512, ... tokens, as
 DecodeGraph's); the inputs live in one static int32 device buffer, decoder.input_views' layout
@@ -31,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.decoder import input_views, slot_mapping
+from ..model.decoder import input_views
 from ..ops import runtime
-from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async
+from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async, mapped_pinned
 
 
 def step_shape(chunks, block_size: int) -> tuple:
@@ -45,17 +49,19 @@ def step_shape(chunks, block_size: int) -> tuple:
 
 
 def pack_chunks(buf, chunks, b: int, q: int, width: int, block_size: int) -> None:
-    """Write a verify step's chunks into the host buffer, one row per token, padded as described above."""
-    v = input_views(buf, b * q, width)
-    v.token_ids[:], v.positions[:], v.slot_mapping[:], v.context_lens[:], v.block_tables[...] = 0, 0, -1, 0, 0
+    """Write a verify step's chunks into the host buffer, one row per token, padded as described
+    above: per chunk, one write of its rows' four columns (token, position, slot, context length,
+    made in Python: a chunk has few rows) and one of its block tables."""
+    rows = b * q
+    buf[:] = 0
+    columns = buf[:4 * rows].reshape(4, rows)  # token_ids, positions, slot_mapping, context_lens
+    columns[2] = -1
+    tables = buf[4 * rows:].reshape(rows, width)
     for i, (tokens, start, table) in enumerate(chunks):
-        rows = slice(i * q, i * q + len(tokens))
-        v.token_ids[rows] = tokens
-        v.positions[rows] = np.arange(start, start + len(tokens))
-        v.block_tables[rows, :len(table)] = table
-        v.slot_mapping[rows] = slot_mapping(v.block_tables[rows], np.arange(len(tokens)), v.positions[rows],
-                                            block_size)
-        v.context_lens[rows] = v.positions[rows] + 1
+        n, positions = len(tokens), range(start, start + len(tokens))
+        slots = [table[p // block_size] * block_size + p % block_size for p in positions]  # as slot_mapping
+        columns[:, i * q:i * q + n] = tokens, positions, slots, range(start + 1, start + n + 1)
+        tables[i * q:i * q + n, :len(table)] = table
 
 
 @dataclass(eq=False)
@@ -64,10 +70,27 @@ class _Step:
     device: object  # the int32 inputs the step reads, same layout (CPU: host itself)
     inputs: object  # DecodeInputs: views of `device`
     workspace: object  # float32 paged_attention split partials, or None (no split)
-    tokens: object  # int32 [T]: a greedy step's argmax
+    tokens: object  # int32 [T]: a greedy step's argmax (GPU: mapped pinned memory, see mapped_pinned)
+    host_tokens: np.ndarray  # the same memory on the host
     out: object = None  # static output (logits [T, vocab] or `tokens`), written by the graph
     graph: object = None
     copied: object = None  # event after the last copy out of `host`
+    done: object = None  # GPU: event after the step's last launch
+
+
+@dataclass(eq=False)
+class PendingRows:
+    """A launched greedy verify step: wait() blocks until it has run, then gives each row's argmax,
+    chunks in order, as ints. Wait before the next step of the same shape is launched: that step
+    writes the same memory."""
+    step: _Step
+    rows: list  # the chunks' rows among the step's T
+
+    def wait(self) -> list:
+        if self.step.done is not None:
+            self.step.done.synchronize()
+        tokens = self.step.host_tokens.tolist()
+        return [tokens[r] for r in self.rows]
 
 
 class Verifier:
@@ -81,9 +104,27 @@ class Verifier:
         self.steps = {}
 
     def run(self, chunks, greedy: bool = False):
-        """Logits of every row of the chunks (on the model's device), or with greedy their int32
-        argmax on the host, read in one copy (module docstring); the same padded step on the CPU,
-        run by Model.decode's NumPy path."""
+        """Logits of every row of the chunks (on the model's device); with greedy, each row's argmax
+        as a list of ints (launch(chunks).wait())."""
+        if greedy:
+            return self.launch(chunks).wait()
+        _, rows, out = self._run(chunks, False)
+        return out[self.model.xp.asarray(rows)]
+
+    def launch(self, chunks) -> PendingRows:
+        """Start a greedy step (ending in each row's argmax); the host may work until it waits for
+        the tokens. The argmax kernel writes them straight into pinned host memory, so no copy
+        follows the step. On the CPU the step has run when this returns."""
+        step, rows, _ = self._run(chunks, True)
+        if self.model.xp is not np:
+            if step.done is None:
+                step.done = self.cp.cuda.Event(disable_timing=True)
+            step.done.record(self.cp.cuda.get_current_stream())
+        return PendingRows(step, rows)
+
+    def _run(self, chunks, greedy: bool) -> tuple:
+        """(step, the chunks' rows, its output) of one step over the chunks, launched (the same padded
+        step on the CPU, run by Model.decode's NumPy path)."""
         b, q, width = step_shape(chunks, self.kv_cache.block_size)
         step = self.steps.get((b, q, width, greedy)) or self._new_step(b, q, width, greedy)
         self._load(step, chunks, b, q, width)
@@ -95,10 +136,7 @@ class Verifier:
                 step.graph, step.out, _ = capture(lambda: self._forward(step, greedy), self.stream, self.pool)
             step.graph.launch()
             out = step.out
-        rows = np.concatenate([i * q + np.arange(len(t)) for i, (t, _, _) in enumerate(chunks)])
-        if greedy:
-            return (out if self.model.xp is np else out.get())[rows]
-        return out[self.model.xp.asarray(rows)]
+        return step, [i * q + j for i, (t, _, _) in enumerate(chunks) for j in range(len(t))], out
 
     def _load(self, step: _Step, chunks, b: int, q: int, width: int) -> None:
         """Pack the chunks into the step's host buffer and (GPU) copy it to the device asynchronously."""
@@ -119,12 +157,14 @@ class Verifier:
         size = rows * (4 + width)
         if xp is np:
             host = device = np.zeros(size, dtype=np.int32)
+            host_tokens = tokens = np.zeros(rows, np.int32)
         else:
             host = np.frombuffer(self.cp.cuda.alloc_pinned_memory(4 * size), dtype=np.int32, count=size)
             device = self.cp.zeros(size, dtype=np.int32)
+            host_tokens, tokens = mapped_pinned(self.cp, rows)
         elems = self.model.decode_workspace_elems(rows, width * self.kv_cache.block_size) if xp is not np else 0
         step = _Step(host, device, input_views(device, rows, width), xp.zeros(elems, np.float32) if elems else None,
-                     xp.zeros(rows, np.int32))
+                     tokens, host_tokens)
         self.steps[(b, q, width, greedy)] = step
         return step
 
