@@ -215,13 +215,23 @@ def _check_inputs(x, w, dev):
 
 def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None, add=None, add_out=None):
     """x @ W.T (+ bias), or its act-and-mul of the two halves, of x or its RMSNorm, plus a
-    residual; see the module docstring."""
-    if add is not None:
-        return _linear_add(x, w, bias, out, activation, norm, residual, add, add_out)
-    dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm))
+    residual; with add, (that, the new x); see the module docstring."""
+    dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm), *_add_arrays(add, norm), add_out)
     m, k, n_w, bits = _check_inputs(x, w, dev)
     n, out = check_epilogue(x, n_w, bias, out, activation, residual)
     _check_norm(norm, x)
+    if add is not None:
+        runtime.check("add y0", add[0], dtype=x.dtype, shape=x.shape)
+        runtime.check("add weight", add[1], dtype=x.dtype, shape=(k,))
+        if not (dev and m <= GEMV_MAX_M[bits] and norm_fits(m, k, x.dtype)):  # the add first, on its own
+            x = rms_norm(add[0], add[1], norm[1], add_to=x, out=add_out)
+            return linear(x, w, bias, out, activation, norm, residual), x
+        add_out = runtime.check_out(add_out, x.shape, x.dtype, x)
+        cp = runtime.require_cupy()
+        if cp.may_share_memory(add_out, x) or cp.may_share_memory(add_out, add[0]):
+            raise ValueError("add_out: must not overlap x or y0 (the GEMV's blocks read them while one writes it)")
+        for name, a in (("add y0", add[0]), ("add weight", add[1]), ("add_out", add_out)):
+            runtime.check(name, a, align=16)
     if not dev:
         y = linear_reference(x if norm is None else rms_norm_reference(x, *norm), w, bias)
         y = (act_and_mul_reference(y, GATED[activation][0]) if activation else y).astype(x.dtype)  # rounded once
@@ -243,40 +253,20 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
     for m0 in range(0, m, GEMV_ROWS):
         rows = slice(m0, min(m, m0 + GEMV_ROWS))
         _gemv(x[rows], w, bias, out[rows], _tile(w, rows.stop - m0, n, k, epilogue), epilogue,
-              norm=norm, residual=None if residual is None else residual[rows])
-    return out
+              norm=norm, residual=None if residual is None else residual[rows],
+              add=None if add is None else (add[0][rows], add[1], add_out[rows]))
+    return out if add is None else (out, add_out)
 
 
-def _linear_add(x, w, bias, out, activation, norm, residual, add, add_out):
-    """linear with add: (out, new x). The GEMV adds in its prologue (block 0 writes the new x);
-    elsewhere ops.rms_norm does it first."""
+def _add_arrays(add, norm) -> tuple:
+    """linear's add checked for form: its (y0, weight) arrays, or () without add."""
+    if add is None:
+        return ()
     if not (isinstance(add, tuple) and len(add) == 2):
         raise ValueError("add: need a (y0, weight) pair or None")
     if norm is None:
         raise ValueError("add: needs norm (x + rms_norm(y0) is then normalized)")
-    dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm), *add, add_out)
-    m, k, n_w, bits = _check_inputs(x, w, dev)
-    n, out = check_epilogue(x, n_w, bias, out, activation, residual)
-    _check_norm(norm, x)
-    runtime.check("add y0", add[0], dtype=x.dtype, shape=x.shape)
-    runtime.check("add weight", add[1], dtype=x.dtype, shape=(k,))
-    if not (dev and m <= GEMV_MAX_M[bits] and norm_fits(m, k, x.dtype)):
-        x = rms_norm(add[0], add[1], norm[1], add_to=x, out=add_out)
-        return linear(x, w, bias, out, activation, norm, residual), x
-    add_out = runtime.check_out(add_out, x.shape, x.dtype, x)
-    cp = runtime.require_cupy()
-    if cp.may_share_memory(add_out, x) or cp.may_share_memory(add_out, add[0]):
-        raise ValueError("add_out: must not overlap x or y0 (the GEMV's blocks read them while one writes it)")
-    runtime.check("out", out, align=16)
-    for name, a in (("add y0", add[0]), ("add weight", add[1]), ("add_out", add_out)):
-        runtime.check(name, a, align=16)
-    epilogue = activation or "store"
-    for m0 in range(0, m, GEMV_ROWS):
-        rows = slice(m0, min(m, m0 + GEMV_ROWS))
-        _gemv(x[rows], w, bias, out[rows], _tile(w, rows.stop - m0, n, k, epilogue), epilogue,
-              norm=norm, residual=None if residual is None else residual[rows],
-              add=(add[0][rows], add[1], add_out[rows]))
-    return out, add_out
+    return add
 
 
 def _norm_weight(norm):
