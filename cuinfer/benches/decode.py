@@ -30,7 +30,14 @@ from ..model.kv_cache import CacheShape, KVCache
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
 from ..ops.linear import linear, linear_argmax
-from ..ops.paged_attention import paged_attention, workspace_elems
+from ..ops.paged_attention import (
+    WARPS,
+    launch_decode,
+    padded_group,
+    paged_attention,
+    split_workspace_elems,
+    workspace_elems,
+)
 from ..ops.quant import quantize_spec
 from ..serving.engine import Engine
 from ..serving.runner import MIN_CONTEXT_BUCKET, batch_bucket, bucket, capture
@@ -51,6 +58,8 @@ def add_arguments(parser):
     parser.add_argument("--no-peer", action="store_true", help="skip transformers generate")
     parser.add_argument("--sync-decode", action="store_true",
                         help="read each step's tokens before the next is launched (Engine async_decode=False)")
+    parser.add_argument("--attn-sweep", action="store_true",
+                        help="also time the step's attention with other splits, rows in flight and warps")
 
 
 # ----------------------------------------------------------------------------- weights
@@ -139,9 +148,10 @@ def gemv_ms(cp, model, batch):
     return bench.time_ms(graph.launch, warmup=3, iters=20)
 
 
-def attention_ms(cp, engine, batch, ctx):
+def attention_ms(cp, engine, batch, ctx, variant=None):
     """GPU ms of the step's paged_attention calls alone (every layer, each sequence at context ctx,
-    the decode step's bound and workspace), replayed from one graph."""
+    the decode step's bound and workspace), replayed from one graph; variant (n_splits, partition,
+    rows in flight, warps): that launch instead of the op's choice."""
     model, cache = engine.model, engine.kv_cache
     n_blocks = -(-ctx // cache.block_size)
     blocks = engine.blocks.allocate(batch * n_blocks)
@@ -149,18 +159,38 @@ def attention_ms(cp, engine, batch, ctx):
     lens = cp.full(batch, ctx, dtype=np.int32)
     q = cp.random.standard_normal((batch, model.n_heads, model.head_dim), dtype=cp.float32).astype(model.dtype)
     out, bound = cp.empty_like(q), bucket(ctx, MIN_CONTEXT_BUCKET)
-    ws = cp.zeros(max(1, workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, bound)),
-                  dtype=np.float32)
+    elems = (workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, bound) if variant is None else
+             split_workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, variant[0]))
+    ws = cp.zeros(max(1, elems), dtype=np.float32)
+    group = padded_group(model.n_heads, model.n_kv_heads)
 
     def step():
         for i in range(model.config.num_hidden_layers):
-            paged_attention(q, *cache.layer(i), tables, lens, out=out, max_context_len=bound, workspace=ws)
+            if variant is None:
+                paged_attention(q, *cache.layer(i), tables, lens, out=out, max_context_len=bound, workspace=ws)
+            else:
+                n, p, u, w = variant
+                launch_decode(q, *cache.layer(i), tables, lens, out, model.head_dim ** -0.5, group, n, p, ws, u,
+                              warps=w)
 
     cp.cuda.Device().synchronize()
     graph, _, _ = capture(step, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
     ms = bench.time_ms(graph.launch, warmup=3, iters=20)
     engine.blocks.free(blocks)
     return ms
+
+
+def attention_sweep(cp, engine, batch, ctx):
+    """Print attention_ms for partitions of 32-512 tokens (the splits covering the step's context
+    bucket), 4 or 8 rows in flight and every warp count the group allows."""
+    model = engine.model
+    bound = bucket(ctx, MIN_CONTEXT_BUCKET)
+    group = padded_group(model.n_heads, model.n_kv_heads)
+    for p in (32, 64, 128, 256, 512):
+        for u in (4, 8):
+            for w in WARPS if group <= 4 else (4,):
+                ms = attention_ms(cp, engine, batch, ctx, (-(-bound // p), p, u, w))
+                print(f"|   attention {-(-bound // p)}x{p} U={u} W={w} | {ms:.4f} ms |", flush=True)
 
 
 def prefill_tok_s(cp, engine):
@@ -269,6 +299,8 @@ def model_rows(cp, torch, name, config, base, args, batches, quants):
                                                 if x != y), len(tokens[0]))
                 row.update(peer="hf generate fp16", peer_ms=peer_ms[b])
             print(detail_line(row["name"], d), flush=True)
+            if args.attn_sweep:
+                attention_sweep(cp, engine, b, args.prompt_len + args.new_tokens)
             rows.append(row)
             del engine
     return rows
