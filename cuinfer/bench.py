@@ -14,6 +14,7 @@ import datetime
 import functools
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -89,10 +90,13 @@ def format_table(rows) -> str:
 
 
 def header() -> dict:
+    """Date, commit, device and copy bandwidth of a run. The commit is CUINFER_COMMIT when set (a
+    copy of the tree run on another machine, whose .git may be stale or absent), else git's."""
+    commit = os.environ.get("CUINFER_COMMIT")
     try:
-        # "-dirty" when the working tree differs from HEAD (a copied checkout may carry a stale .git)
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, check=True).stdout.strip()
+        # "-dirty" when the working tree differs from HEAD
+        commit = commit or subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                          text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     if runtime.pick_device() == "cpu":  # a suite that needs no GPU (bench serve --http)
