@@ -1,7 +1,6 @@
 // Fused RoPE (Hugging Face rotate-half) on q and k + paged KV-cache write. A CTA handles HEADS (4)
 // heads of one token: blockIdx.y = g rotates q/k heads 4g..4g+3 (q heads first, then k heads) and
-// copies v heads 4g..4g+3: a decode step's few tokens spread their heads over many SMs (with one CTA
-// a token, one warp normed and rotated Gemma 3's 24 heads of 256 one after another).
+// copies v heads 4g..4g+3: a decode step's few tokens spread their heads over many SMs.
 // Each thread rotates pairs (x[j], x[j + D/2]) in fp32 with the angle positions[t] * inv_freq[j]
 // (rope_lo / rope_hi of common.cuh) and rounds once; v is copied with 16-byte vectors.
 // NORM (Qwen3, Gemma 3): each q and k head is first RMS-normed over head_dim with its weight
