@@ -16,7 +16,7 @@
 // last CTA to arrive merges the partials of every split that holds rows of the context (splits
 // past it do nothing; no second kernel).
 // NEW_KV (decode with the new token fused in): q and the new k arrive un-rotated; every CTA rotates
-// q (RoPE rotate-half at position ctx - 1, as write_kv.cu), and the CTA whose split holds position
+// q (RoPE rotate-half at position ctx - 1, as write_kv.cu, after the q/k norm where the model has one), and the CTA whose split holds position
 // ctx - 1 also rotates k and writes k and v to the cache row at slot_mapping[seq] before its loops,
 // which then read that row back like any other (through L2: see load_kv). Under programmatic
 // dependent launch (a graph replay) the NEW_KV kernel reads the step's inputs before pdl_wait, and
@@ -43,13 +43,35 @@ __device__ __forceinline__ Vec<T, 8> load_kv(const T* p) {
 // RoPE rotate-half of chunk c (8 elements) of a head row x, rounded once to T: y_j = x_j cos - x_{j+D/2} sin,
 // y_{j+D/2} = x_{j+D/2} cos + x_j sin, through write_kv.cu's rope_lo / rope_hi (common.cuh), so that the
 // new k and q match write_kv's bit for bit. cs, sn: cos and sin of the angles of the chunk's 8
-// frequencies (chunk c mod D/16).
-template <typename T, int D>
-__device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (&cs)[8], const float (&sn)[8]) {
+// frequencies (chunk c mod D/16). With a norm weight w (Qwen3's, Gemma 3's q/k norms) the row is
+// RMS-normed first as write_kv norms it: its sum of squares over the row's KL lanes (head_inv_rms), then
+// rms_normed per element. Every lane of the warp calls it (the sum is a shuffle); idle lanes (c >= D/8)
+// read chunk 0 and add nothing to the sum.
+template <typename T, int D, int KL>
+__device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (&cs)[8], const float (&sn)[8],
+                                                const T* w, float eps) {
   constexpr int HALF = D / 16;  // chunks in half a row
+  const bool active = c < D / 8;
+  c = active ? c : 0;
   const bool lo = c < HALF;
-  const VecF<T, 8> own = VecF<T, 8>::from(Vec<T, 8>::load(x + c * 8));
-  const VecF<T, 8> other = VecF<T, 8>::from(Vec<T, 8>::load(x + (lo ? c + HALF : c - HALF) * 8));
+  const int c_other = lo ? c + HALF : c - HALF;
+  VecF<T, 8> own = VecF<T, 8>::from(Vec<T, 8>::load(x + c * 8));
+  VecF<T, 8> other = VecF<T, 8>::from(Vec<T, 8>::load(x + c_other * 8));
+  if (w != nullptr) {
+    float sum_sq = 0.0f;  // lane c: the squares of elements 8c .. 8c + 7 in turn, then the row's butterfly
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum_sq = __fmaf_rn(own.v[e], own.v[e], sum_sq);
+    sum_sq = active ? sum_sq : 0.0f;
+#pragma unroll
+    for (int o = KL / 2; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, o);
+    const float inv_rms = rms_inv(sum_sq, D, eps);
+    const Vec<T, 8> w_own = Vec<T, 8>::load(w + c * 8), w_other = Vec<T, 8>::load(w + c_other * 8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      own.v[e] = to_float(rms_normed(from_float<T>(own.v[e]), w_own.v[e], inv_rms));
+      other.v[e] = to_float(rms_normed(from_float<T>(other.v[e]), w_other.v[e], inv_rms));
+    }
+  }
   VecF<T, 8> y;
 #pragma unroll
   for (int e = 0; e < 8; ++e)
@@ -184,7 +206,9 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
 // before the launch and left zero by it
 // NEW_KV only: q rows q_stride elements apart (heads contiguous), un-rotated; k_new, v_new: [num_seqs,
 // n_kv_heads, D] rows k_stride / v_stride apart, k un-rotated; slot_mapping: [num_seqs] (slot < 0: no
-// write); inv_freq: [D / 2] fp32. Without NEW_KV these are unused and q is contiguous.
+// write); inv_freq: [D / 2] fp32; qk_norm != 0: every q and k head RMS-normed with q_norm / k_norm [D]
+// (epsilon eps) before RoPE, as write_kv's NORM kernel norms. Without NEW_KV these are unused and q is
+// contiguous.
 // window > 0: only the last `window` keys count; the splits then tile [max(0, ctx - window), ctx) (the
 // rows before it are never read), 0: [0, ctx). cap_log2 > 0 (a softcap c: c log2 e): each score s
 // (prescaled by scale log2 e) becomes cap_log2 * tanh(s / cap_log2).
@@ -203,7 +227,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
     const T* __restrict__ k_new, const T* __restrict__ v_new, const int* __restrict__ slot_mapping,
-    const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride, int window, float cap_log2) {
+    const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride, int window, float cap_log2,
+    const T* __restrict__ q_norm, const T* __restrict__ k_norm, int qk_norm, float eps) {
   if constexpr (!NEW_KV) {
     pdl_wait();  // every input of this kernel may come from the previous one
     pdl_trigger();
@@ -300,18 +325,23 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     pdl_trigger();
     // The new token's row goes to the cache from the CTA whose split holds it; its loads issue
     // with q's below (one round trip), the stores after the stage has landed.
-    const bool writer =
-        split == min((ctx - 1 - base) / partition, n_splits - 1) && slot >= 0 && warp == 0 && sub == 0 && active;
+    // The writer warp rotates k on all its lanes (a q/k norm sums over them), lane `chunk` of row 0 stores.
+    const bool writer_warp = split == min((ctx - 1 - base) / partition, n_splits - 1) && slot >= 0 && warp == 0;
+    const bool writer = writer_warp && sub == 0 && active;
+    const T* q_w = qk_norm ? q_norm : nullptr;
     Vec<T, 8> kn, vn;
-    if (writer) {
-      kn = rope_chunk<T, D>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn);
-      vn = Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8);
-    }
+    if (writer_warp)
+      kn = rope_chunk<T, D, KL>(k_new + (size_t)seq * k_stride + (size_t)kv_head * D, chunk, cs, sn,
+                                qk_norm ? k_norm : nullptr, eps);
+    if (writer) vn = Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8);
     const T* q_group = q + (size_t)seq * q_stride + (size_t)kv_head * group * D;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       VecF<T, 8> x{};
-      if (g < group && active) x = VecF<T, 8>::from(rope_chunk<T, D>(q_group + g * D, chunk, cs, sn));
+      if (g < group) {  // CTA-uniform: every lane rotates (and norms), the active ones keep it
+        const Vec<T, 8> r = rope_chunk<T, D, KL>(q_group + g * D, chunk, cs, sn, q_w, eps);
+        if (active) x = VecF<T, 8>::from(r);
+      }
 #pragma unroll
       for (int e = 0; e < 8; ++e) qv[g][e] = x.v[e] * scale_log2;
     }

@@ -5,7 +5,9 @@
 // (rope_lo / rope_hi of common.cuh) and rounds once; v is copied with 16-byte vectors.
 // NORM (Qwen3, Gemma 3): each q and k head is first RMS-normed over head_dim with its weight
 // (q_norm or k_norm), rounded as rms_norm.cu rounds (normalize in fp32, round to T, times the weight
-// in fp32, round to T), then rotated: one warp per head, the sum of squares a warp reduction.
+// in fp32, round to T), then rotated: one warp per head, the sum of squares a warp reduction in the
+// order the fused decode attention sums a head (paged_attention.cu, head_inv_rms): lane c the squares of
+// elements 8c .. 8c + 7 in turn, then the butterfly, so that the two agree bit for bit.
 // inv_freq is one row [D/2] for every token (freq_stride 0) or one row per token (freq_stride
 // D/2: Phi-3's longrope picks short or long factors per sequence).
 #include "common.cuh"
@@ -74,10 +76,13 @@ __global__ void __launch_bounds__(32 * HEADS) write_kv_kernel(
       const T* x;
       T* y;
       head_ptrs(h, x, y);
-      float sum_sq = 0.0f;
-      for (int j = lane; j < head_dim; j += 32) {
-        const float f = to_float(x[j]);
-        sum_sq += f * f;
+      float sum_sq = 0.0f;  // head_sum_sq's order: lane c sums chunk c (8 elements), then the butterfly
+      for (int c = lane; c < head_dim / 8; c += 32) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float f = to_float(x[c * 8 + e]);
+          sum_sq = __fmaf_rn(f, f, sum_sq);
+        }
       }
       const float inv_rms = rms_inv(warp_reduce(sum_sq), head_dim, eps);
       __syncwarp();  // every lane has read x before any writes y (out may alias q)

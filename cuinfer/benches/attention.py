@@ -159,7 +159,7 @@ def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
         group = padded_group(N_HEADS, N_KV)
         n_splits, partition = decode_splits(b, N_HEADS, N_KV, ctx)
         warps = cta_warps(n_splits * N_KV * b, group, runtime.device_info()["sm_count"])
-        variants = [(n_splits, partition, rows_in_flight(group, d), warps)]
+        variants = [(n_splits, partition, rows_in_flight(group, d, partition, warps), warps)]
         if sweep:
             variants += [(-(-ctx // p), p, u, w) for p in (256, 512, 1024, 2048) for u in (4, 8) for w in WARPS
                          if p <= ctx and (-(-ctx // p), p, u, w) != variants[0]]

@@ -10,8 +10,8 @@ tokens at positions context_len - q_len .. context_len - 1. Per layer, on the re
 
     qkv = rms_norm(s) @ w_qkv.T (+ b)             one projection for q, k, v; the norm in the GEMV
     q = write_kv(q, k, v, ...)                    (q/k norms,) RoPE on q and k, k/v into the paged cache
-    a = attention(q, cache, ...)                  causal GQA over the cache (decode without q/k norms or
-                                                  longrope: one kernel with write_kv)
+    a = attention(q, cache, ...)                  causal GQA over the cache (decode without longrope:
+                                                  one kernel with write_kv and the q/k norms)
     s = a @ w_o.T + s                             the residual add in the GEMV's epilogue
     s = gated_mlp(rms_norm(s), w_gate_up) @ w_down.T + s    silu(gate) * up fused in the GEMV
 
@@ -255,16 +255,18 @@ class Model:
         Each row is its own sequence, and RoPE and the cache write are fused into the attention;
         with verify, rows may be consecutive tokens of one sequence (a verify step: each row has its
         own position, context_lens and block-table row): every row's K/V is written first
-        (write_kv), then each row attends over its context, which holds the rows before it. So do
-        q/k norms and longrope (write_kv norms and rotates)."""
+        (write_kv), then each row attends over its context, which holds the rows before it. So does
+        longrope (write_kv rotates with each row's frequencies); q/k norms are fused like RoPE."""
         freqs = self.step_inv_freq(inputs.context_lens)  # None, or longrope's [rows, head_dim / 2]
 
         def attend(i, q, k, v, k_cache, v_cache):  # out: the caller's pool (DecodeGraph's, Verifier's)
             kw = dict(out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len, workspace=workspace,
                       **self.attention_kwargs(i))
-            if not verify and self.weights.layers[i].q_norm is None and freqs is None:  # all fused
+            lw = self.weights.layers[i]
+            if not verify and freqs is None:  # all fused: q/k norms, RoPE, the cache write
+                norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, self.config.rms_norm_eps)
                 return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-                                       new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), **kw)
+                                       new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), qk_norm=norm, **kw)
             q = self.write_kv(i, q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, freqs,
                               out=self.xp.empty(q.shape, q.dtype))
             return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)

@@ -1,7 +1,7 @@
 """Paged decode attention: one query token per sequence against a paged KV cache.
 
 paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                max_context_len=None, workspace=None, new_kv=None, window=0, softcap=None)
+                max_context_len=None, workspace=None, new_kv=None, qk_norm=None, window=0, softcap=None)
     q: [num_seqs, n_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]
     block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
     returns [num_seqs, n_heads, head_dim] in q's dtype (zeros where context_lens is 0)
@@ -17,6 +17,8 @@ paged_attention on the rotated q does, bit for bit, in one launch:
     [head_dim // 2] (cuinfer.ops.rope.rope_inv_freq). q, k, v may be views of one qkv row
     ([num_seqs, (n_heads + 2 * n_kv_heads) * head_dim]): rows any 16-byte multiple apart, heads
     contiguous within a row. A sequence with context_lens 0 writes nothing (and gives zeros).
+    qk_norm=(q_norm, k_norm, eps) (with new_kv only): q and k heads RMS-normed first, as
+    write_kv(..., q_norm=, k_norm=, eps=) norms them (Qwen3, Gemma 3), bit for bit.
 
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
 reads each K/V row once for all query heads of its group (4 to 8 warps, as many as one wave of
@@ -69,11 +71,24 @@ def padded_group(n_heads: int, n_kv_heads: int) -> int:
     raise ValueError(f"q: got {g} query heads per KV head, need at most {GROUPS[-1]}")
 
 
-def rows_in_flight(group: int, head_dim: int) -> int:
+def loop_step(head_dim: int, warps: int = 4) -> int:
+    """K/V rows the kernel's warps cover per step (STEP of the kernel: 16-byte chunks of a row
+    on 8, 16 or 32 lanes)."""
+    lanes = next(n for n in (8, 16, 32) if head_dim // 8 <= n)
+    return warps * (32 // lanes)
+
+
+def rows_in_flight(group: int, head_dim: int, partition: int, warps: int) -> int:
     """Template U, K/V rows a lane loads before using the first. H100, d=128, G=4, graph replay:
     U=8 beat U=4 by 4-5 % of copy bandwidth at equal grids; with G <= 4 and D <= 128 it fits
-    5 CTAs per SM in 96 registers without spills (the launch bounds ask for that)."""
-    return 8 if group <= 4 and head_dim <= 128 else 4
+    5 CTAs per SM in 96 registers without spills (the launch bounds ask for that). A split that
+    four loop steps cover (short contexts at small batches) takes U=4: its rows are few, the fused
+    decode stages them before pdl_wait, and U=8 only lengthens the kernel (H100, batch 1, 128 + 256
+    tokens, decode graphs: smollm2-135m 1,885 -> 2,033 tok/s, llama3-8b 177.9 -> 180.2, phi3-mini
+    325.7 -> 328.4)."""
+    if group > 4 or head_dim > 128 or partition <= 4 * loop_step(head_dim, warps):
+        return 4
+    return 8
 
 
 def resident_ctas(group: int) -> int:
@@ -99,14 +114,14 @@ def cta_warps(ctas: int, group: int, sm_count: int) -> int:
     return max(fits, default=WARPS[0])
 
 
-def instantiation(dtype, head_dim: int, group: int, u=None, new_kv: bool = False, warps: int = 4) -> str:
-    u = u or rows_in_flight(group, head_dim)
+def instantiation(dtype, head_dim: int, group: int, u: int, new_kv: bool = False, warps: int = 4) -> str:
     return (f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}, {warps}, "
             f"{str(new_kv).lower()}>")
 
 
-INSTANTIATIONS = [instantiation(dt, d, g, new_kv=f, warps=w) for dt in (np.float16, runtime.bfloat16)
-                  for d in HEAD_DIMS for g in GROUPS for f in (False, True) for w in WARPS if g <= 4 or w == 4]
+INSTANTIATIONS = [instantiation(dt, d, g, u, f, w) for dt in (np.float16, runtime.bfloat16)
+                  for d in HEAD_DIMS for g in GROUPS for f in (False, True) for w in WARPS if g <= 4 or w == 4
+                  for u in sorted({rows_in_flight(g, d, p, w) for p in (MIN_PARTITION, MAX_PARTITION)})]
 
 
 def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int,
@@ -162,28 +177,21 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
     return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
 
 
-def loop_step(head_dim: int, warps: int = 4) -> int:
-    """K/V rows the kernel's warps cover per step (STEP of the kernel: 16-byte chunks of a row
-    on 8, 16 or 32 lanes)."""
-    lanes = next(n for n in (8, 16, 32) if head_dim // 8 <= n)
-    return warps * (32 // lanes)
-
-
 def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
-               u: int = None, new_kv: bool = False, warps: int = 4) -> int:
+               u: int, new_kv: bool = False, warps: int = 4) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
     partition // block_size + 2 blocks). With new_kv and a split of one loop step (partition <=
     STEP * U) the stage of its K and V rows follows, 16-byte aligned: [2][ceil(partition / STEP)]
     [threads] x 16 bytes."""
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
-    step, u = loop_step(head_dim, warps), u or rows_in_flight(group, head_dim)
+    step = loop_step(head_dim, warps)
     stage = 2 * -(-partition // step) * 32 * warps * 16 if new_kv and partition <= step * u else 0
     return -(-4 * attend // 16) * 16 + stage
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                    max_context_len=None, workspace=None, new_kv=None, window=0, softcap=None):
+                    max_context_len=None, workspace=None, new_kv=None, qk_norm=None, window=0, softcap=None):
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out, *(new_kv or ()))
     window = check_window(window, softcap)
     runtime.check("q", q, ndim=3, contiguous=new_kv is None)
@@ -198,10 +206,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     scale = default_scale(d) if scale is None else float(scale)
     if new_kv is not None:
         _check_new_kv(q, n_kv, *new_kv)
+    if qk_norm is not None:
+        _check_qk_norm(q, new_kv, *qk_norm)
     if not dev:
         runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, contiguous=new_kv is None)
         if new_kv is not None:  # by composition: write_kv's reference, then attention on the rotated q
-            return paged_attention(_write_new_kv(q, k_cache, v_cache, context_lens, *new_kv), k_cache, v_cache,
+            return paged_attention(_write_new_kv(q, k_cache, v_cache, context_lens, *new_kv, qk_norm), k_cache, v_cache,
                                    block_tables, context_lens, scale, out, window=window, softcap=softcap)
         cu = np.arange(num_seqs + 1, dtype=np.int32)
         res = paged_prefix_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale, window, softcap)
@@ -230,7 +240,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     if n_splits > 1 and workspace is None and runtime.capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace, new_kv=new_kv, window=window, softcap=softcap)
+                  partition, workspace, new_kv=new_kv, qk_norm=qk_norm, window=window, softcap=softcap)
     return out
 
 
@@ -246,14 +256,25 @@ def _check_new_kv(q, n_kv, k, v, slot_mapping, inv_freq):
     runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(d // 2,))
 
 
-def _write_new_kv(q, k_cache, v_cache, context_lens, k, v, slot_mapping, inv_freq):
+def _check_qk_norm(q, new_kv, q_norm, k_norm, eps):
+    if new_kv is None:
+        raise ValueError("qk_norm: needs new_kv (the unfused path norms in write_kv)")
+    d = q.shape[2]
+    runtime.check("q_norm", q_norm, dtype=q.dtype, shape=(d,))
+    runtime.check("k_norm", k_norm, dtype=q.dtype, shape=(d,))
+    if not eps > 0:
+        raise ValueError(f"qk_norm: got eps {eps}, need > 0")
+
+
+def _write_new_kv(q, k_cache, v_cache, context_lens, k, v, slot_mapping, inv_freq, qk_norm=None):
     """The NumPy path of new_kv: write_kv at positions context_lens - 1 (no write where that is -1)."""
     from .write_kv import write_kv
 
     positions = context_lens - 1
     slots = np.where(positions >= 0, slot_mapping, -1).astype(np.int32)
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-    return write_kv(q, k, v, positions, k_cache, v_cache, slots, inv_freq)
+    q_norm, k_norm, eps = qk_norm or (None, None, 1e-6)
+    return write_kv(q, k, v, positions, k_cache, v_cache, slots, inv_freq, q_norm=q_norm, k_norm=k_norm, eps=eps)
 
 
 def _refuse_capture(names):
@@ -262,14 +283,16 @@ def _refuse_capture(names):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace=None, u=None, new_kv=None, warps=None, window=0, softcap=None):
+                  partition, workspace=None, u=None, new_kv=None, qk_norm=None, warps=None, window=0, softcap=None):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
-    context length, partition a multiple of 32; warps per CTA from cta_warps unless given.
+    context length, partition a multiple of 32; warps per CTA from cta_warps and rows in flight from
+    rows_in_flight unless given.
     Arguments are checked by the caller."""
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     warps = warps or cta_warps(n_splits * n_kv * num_seqs, group, runtime.device_info()["sm_count"])
+    u = u or rows_in_flight(group, d, partition, warps)
     if n_splits > 1:
         need = split_workspace_elems(num_seqs, n_heads, n_kv, d, n_splits)
         if workspace is None:
@@ -287,11 +310,13 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
         k, v, slot_mapping, inv_freq = q, q, context_lens, part_ml
     else:
         k, v, slot_mapping, inv_freq = new_kv
+    q_norm, k_norm, eps = qk_norm or (q, q, 0.0)  # unused without qk_norm
     kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None, warps))
     args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
             *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)), np.int32(window),
-            np.float32(softcap * LOG2E if softcap else 0.0))
+            np.float32(softcap * LOG2E if softcap else 0.0), q_norm, k_norm, np.int32(qk_norm is not None),
+            np.float32(eps))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
                    smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps))

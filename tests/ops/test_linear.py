@@ -18,7 +18,7 @@ from cuinfer.ops.linear import (
     tile_config,
 )
 from cuinfer.ops.rms_norm import rms_norm_reference
-from tests.conftest import assert_close, poison
+from tests.conftest import accumulation_error, assert_close, poison
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 
@@ -346,14 +346,24 @@ def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
         product = linear(cp.asarray(x), w_dev, bias_dev)
         assert_close(product, reference_rounded(x, w, bias, True))
         y = cp.asnumpy(product).astype(np.float32)
+        e = None
     else:
         y = reference_rounded(x, w, bias, False)
+        # the kernel's gate and up are float32 sums, each off by its own rounding: act(gate) * up
+        # carries |act(gate)| * e_up + max|act'| * |up| * e_gate (max |silu'|, |gelu_tanh'| < 1.13).
+        # On the H100, m=5 k=4104 magnitude 30 seed 146415: gate 37.2, up 0.0033 (cancelled), the
+        # kernel 1.1e-3 off the exact product where up's e is 1.2e-4.
+        e = accumulation_error(x, w.dequantize() if fmt != "float" else w)
     for act, name in (("silu_and_mul", "silu"), ("gelu_and_mul", "gelu_tanh")):
         out = poison(cp, (m, n), dtype)
         got = linear(cp.asarray(x), w_dev, bias_dev, out=out, activation=act)
         assert got is out
         # the fused epilogue rounds once; the reference's fp32 act(gate) * up is rounded by assert_close's table
-        assert_close(out, act_and_mul_reference(y, name))
+        slack = None
+        if e is not None:
+            act_gate = np.abs(act_and_mul_reference(np.concatenate([y[:, :n], np.ones_like(y[:, n:])], 1), name))
+            slack = act_gate * e[:, n:] + 1.13 * np.abs(y[:, n:]) * e[:, :n]
+        assert_close(out, act_and_mul_reference(y, name), slack=slack)
 
     got = linear_argmax(cp.asarray(x), w_dev, out=cp.full(m, -1, cp.int32),
                         workspace=cp.full(argmax_workspace_size(2 * n), -1, cp.int32))

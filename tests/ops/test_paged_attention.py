@@ -1,4 +1,6 @@
 """paged_attention (decode): reference against contiguous attention, kernel (split-K + merge) against reference."""
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -58,6 +60,24 @@ def test_cta_warps():
     assert cta_warps(396, 2, 132) == 6 and cta_warps(397, 2, 132) == 5
     assert cta_warps(48, 4, 132) == 8 and cta_warps(2000, 1, 132) == 4
     assert cta_warps(48, 8, 132) == 4  # G = 8: 168 registers, 4 warps only
+
+
+def test_rows_in_flight():
+    """U = 4 where four loop steps cover the split, else 8 (G <= 4, D <= 128); every launch the op
+    can make is a registered instantiation."""
+    pa = family_module("paged_attention")
+    assert pa.rows_in_flight(4, 128, 32, 8) == 4 and pa.rows_in_flight(4, 128, 64, 8) == 4
+    assert pa.rows_in_flight(4, 128, 65, 8) == 8 and pa.rows_in_flight(4, 128, 416, 4) == 8
+    assert pa.rows_in_flight(4, 64, 128, 8) == 4 and pa.rows_in_flight(4, 64, 129, 8) == 8
+    assert pa.rows_in_flight(8, 64, 1024, 4) == 4 and pa.rows_in_flight(2, 256, 1024, 8) == 4
+    for seqs, ctx, d, (heads, kv) in itertools.product((1, 3, 32, 256), (1, 100, 512, 4096, 40000), pa.HEAD_DIMS,
+                                                      ((32, 8), (9, 3), (32, 32), (32, 4))):
+        group = pa.padded_group(heads, kv)
+        n_splits, partition = pa.split_config(seqs, kv, ctx, 132, pa.resident_ctas(group))
+        warps = pa.cta_warps(n_splits * kv * seqs, group, 132)
+        u = pa.rows_in_flight(group, d, partition, warps)
+        for dtype, new_kv in itertools.product((np.float16, runtime.bfloat16), (False, True)):
+            assert pa.instantiation(dtype, d, group, u, new_kv, warps) in pa.INSTANTIATIONS
 
 
 def test_argument_checks():
@@ -314,29 +334,37 @@ def device_case(cp, case, strided=True):
                                            ("lens", "slots", "inv_freq", "tables", "k_cache", "v_cache")})
 
 
-def write_kv_then_decode(cp, case, max_context_len, window=0):
+def write_kv_then_decode(cp, case, max_context_len, window=0, qk_norm=None):
     """(out, k_cache, v_cache) of write_kv at positions lens - 1 then paged_attention, on copies of the caches."""
     from cuinfer.ops.write_kv import write_kv
 
     a = device_case(cp, case, strided=False)
     slots = cp.where(a["lens"] > 0, a["slots"], -1).astype(cp.int32)
     pos = (a["lens"] - 1).astype(cp.int32)
-    q_rot = write_kv(a["q"], a["k"], a["v"], pos, a["k_cache"], a["v_cache"], slots, a["inv_freq"])
+    q_norm, k_norm, eps = qk_norm or (None, None, 1e-6)
+    q_rot = write_kv(a["q"], a["k"], a["v"], pos, a["k_cache"], a["v_cache"], slots, a["inv_freq"], q_norm=q_norm,
+                     k_norm=k_norm, eps=eps)
     out = paged_attention(q_rot, a["k_cache"], a["v_cache"], a["tables"], a["lens"], max_context_len=max_context_len,
                           window=window)
     return out, a["k_cache"], a["v_cache"]
 
 
-def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True, window=0):
+def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True, window=0, qk_norm=False):
     """paged_attention(new_kv=...) against write_kv then paged_attention: caches and output bit for bit
-    (the same rounded q and K/V, the same split, the same arithmetic)."""
+    (the same rounded q and K/V, the same split, the same arithmetic); qk_norm: with random q/k norm
+    weights (and a random epsilon) in both."""
     b = device_case(cp, case, strided)
+    norm = None
+    if qk_norm:
+        rng = np.random.default_rng(case["d"])
+        q_norm, k_norm = (cp.asarray((1 + 0.5 * rng.standard_normal(case["d"])).astype(b["q"].dtype)) for _ in "qk")
+        norm = (q_norm, k_norm, float(rng.choice([1e-6, 1e-5, 0.5])))
     out = poison(cp, b["q"].shape, b["q"].dtype)
     got = paged_attention(b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], out=out,
                           max_context_len=max_context_len, new_kv=(b["k"], b["v"], b["slots"], b["inv_freq"]),
-                          window=window)
+                          qk_norm=norm, window=window)
     assert got is out
-    for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_context_len, window)):
+    for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_context_len, window, norm)):
         np.testing.assert_array_equal(bits(x), bits(y))
 
 
@@ -357,6 +385,43 @@ def test_new_kv_numpy_path_composes_write_kv():
         np.testing.assert_array_equal(bits(vc), bits(vc_ref))
         np.testing.assert_array_equal(got, paged_attention(q_rot, kc_ref, vc_ref, case["tables"], case["lens"]))
         assert not np.isnan(got).any() and not got[3].any()  # the empty context: zeros, and no write
+
+
+def test_qk_norm_numpy_path_composes_write_kv():
+    """With qk_norm the NumPy path is write_kv's reference with the norms, then attention."""
+    from cuinfer.ops.write_kv import write_kv
+
+    rng = np.random.default_rng(8)
+    case = new_token_case(rng, [1, 16, 17, 40], 3, 2, 64, np.float32, 16, pad=8)
+    q, k, v = split_qkv(case["qkv"], 6, 2, 64)
+    wq, wk = (1 + 0.3 * rng.standard_normal((2, 64))).astype(np.float32)
+    kc, vc = case["k_cache"].copy(), case["v_cache"].copy()
+    got = paged_attention(q, kc, vc, case["tables"], case["lens"], new_kv=(k, v, case["slots"], case["inv_freq"]),
+                          qk_norm=(wq, wk, 1e-5))
+    kc_ref, vc_ref = case["k_cache"].copy(), case["v_cache"].copy()
+    q_rot = write_kv(*(np.ascontiguousarray(a) for a in (q, k, v)), case["lens"] - 1, kc_ref, vc_ref, case["slots"],
+                     case["inv_freq"], q_norm=wq, k_norm=wk, eps=1e-5)
+    np.testing.assert_array_equal(bits(kc), bits(kc_ref))
+    np.testing.assert_array_equal(got, paged_attention(q_rot, kc_ref, vc_ref, case["tables"], case["lens"]))
+    plain = paged_attention(q, case["k_cache"].copy(), case["v_cache"].copy(), case["tables"], case["lens"],
+                            new_kv=(k, v, case["slots"], case["inv_freq"]))
+    assert not np.allclose(got, plain)  # the norms change the result
+
+
+def test_qk_norm_argument_checks():
+    q = np.zeros((2, 8, 64), np.float16)
+    cache = np.zeros((4, 16, 2, 64), np.float16)
+    tables, lens = np.zeros((2, 2), np.int32), np.array([3, 4], np.int32)
+    w = np.ones(64, np.float16)
+    with pytest.raises(ValueError, match="qk_norm: needs new_kv"):
+        paged_attention(q, cache, cache, tables, lens, qk_norm=(w, w, 1e-6))
+    new_kv = (q[:, :2], q[:, :2], lens, np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="k_norm: got shape"):
+        paged_attention(q, cache, cache, tables, lens, new_kv=new_kv, qk_norm=(w, w[:32], 1e-6))
+    with pytest.raises(ValueError, match="q_norm: got dtype float32"):
+        paged_attention(q, cache, cache, tables, lens, new_kv=new_kv, qk_norm=(w.astype(np.float32), w, 1e-6))
+    with pytest.raises(ValueError, match="got eps 0"):
+        paged_attention(q, cache, cache, tables, lens, new_kv=new_kv, qk_norm=(w, w, 0))
 
 
 def test_new_kv_argument_checks():
@@ -381,21 +446,25 @@ def test_new_kv_argument_checks():
        ratio=st.sampled_from([1, 4, 7, 8]), n_kv=st.sampled_from([1, 2]), d=st.sampled_from([64, 80, 96, 128, 256]),
        dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]), pad=st.sampled_from([0, 8, 24]),
        strided=st.booleans(), drop=st.sampled_from([0.0, 0.3]), extra=st.sampled_from([None, 0, 1, 700]),
-       seed=st.integers(0, 2**31))
+       qk_norm=st.booleans(), seed=st.integers(0, 2**31))
 def test_new_kv_matches_write_kv_then_decode(cp, lens, ratio, n_kv, d, dtype, block_size, pad, strided, drop, extra,
-                                             seed):
+                                             qk_norm, seed):
     case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop)
-    check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, strided)
+    check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, strided, qk_norm=qk_norm)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("u", [4, 8])
 @pytest.mark.parametrize("warps", WARPS)
 @pytest.mark.parametrize(("ratio", "d", "dtype"), [(4, 128, np.float16), (3, 64, runtime.bfloat16),
                                                    (2, 256, np.float16)])
-def test_cta_widths(cp, monkeypatch, warps, ratio, d, dtype):
-    """Every CTA width (cta_warps picks it from the grid, so small tests would see one), plain and fused,
-    one split (staged rows when fused) and several."""
+def test_cta_widths(cp, monkeypatch, u, warps, ratio, d, dtype):
+    """Every CTA width and rows-in-flight count (cta_warps and rows_in_flight pick them from the grid,
+    so small tests would see one), plain and fused, one split (staged rows when fused) and several."""
+    if u == 8 and d > 128:
+        pytest.skip("D > 128 takes U = 4 only")
     monkeypatch.setattr(family_module("paged_attention"), "cta_warps", lambda *_: warps)
+    monkeypatch.setattr(family_module("paged_attention"), "rows_in_flight", lambda *_: u)
     rng = np.random.default_rng(warps * d)
     for lens in ([33, 1, 0, 70], [1300, 5]):
         lens_a = np.array(lens, np.int32)
@@ -407,7 +476,8 @@ def test_cta_widths(cp, monkeypatch, warps, ratio, d, dtype):
         paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
                         cp.asarray(lens_a), out=out)
         assert_close(out, decode_reference(q, k_cache, v_cache, tables, lens_a), dtype)
-        check_fused_matches_write_kv(cp, new_token_case(rng, lens, ratio, 2, d, dtype, 16, pad=8))
+        for qk_norm in (False, True):
+            check_fused_matches_write_kv(cp, new_token_case(rng, lens, ratio, 2, d, dtype, 16, pad=8), qk_norm=qk_norm)
 
 
 @pytest.mark.gpu
@@ -431,11 +501,12 @@ def test_new_kv_split_boundaries(cp, dtype, ratio, d):
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize(("d", "dtype"), [(d, np.dtype(np.float16)) for d in HEAD_DIMS] + [(128, runtime.bfloat16)])
 @pytest.mark.parametrize("lens", [[33, 1, 0], [1300]], ids=["single", "split"])
-def test_new_kv_small(cp, d, dtype, group, lens):
-    """Every fused instantiation once, at small sizes (for compute-sanitizer)."""
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
+def test_new_kv_small(cp, d, dtype, group, lens, qk_norm):
+    """Every fused instantiation once, at small sizes (for compute-sanitizer), with and without q/k norms."""
     case = new_token_case(np.random.default_rng(group * d), lens, group, 2, d, dtype, 16, pad=8)
     case["slots"][1:2] = -1  # single: the 1-token sequence writes nothing (and reads its cache row)
-    check_fused_matches_write_kv(cp, case)
+    check_fused_matches_write_kv(cp, case, qk_norm=qk_norm)
 
 
 @pytest.mark.gpu
