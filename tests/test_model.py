@@ -219,6 +219,27 @@ def test_gpu_logits_match_numpy(name, dtype):
     assert err <= GPU_LOGIT_REL_L2[np.dtype(dtype)]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
+def test_gpu_deferred_residual_add_is_the_unfused_add(monkeypatch, dtype):
+    """Above the GEMV's rows (cuBLAS, no fused epilogue) the o and down residual adds join the next
+    norm's launch (Deferred, weight None): logits bit for bit those of the add after each GEMM."""
+    from cuinfer.model import decoder
+
+    cfg, t = gpu_case("llama3-gqa")
+    gpu = Model.from_tensors(cfg, t, "gpu", dtype)
+    seqs = list(zip([[3, 4, 5], [8, 2]], prompts(cfg, [40, 17])))
+    fused_adds = []
+    norm = decoder.rms_norm
+    monkeypatch.setattr(decoder, "rms_norm", lambda *a, **kw: fused_adds.append("residual" in kw) or norm(*a, **kw))
+    got = np.concatenate(run_chunks(gpu, make_cache(cfg, gpu), seqs, 64))
+    assert sum(fused_adds) == 2 * cfg.num_hidden_layers - 1  # every add but the last layer's down
+    monkeypatch.setattr(decoder, "path", lambda bits, m: "gemv")  # the add in linear (cuBLAS, then +=)
+    want = np.concatenate(run_chunks(gpu, make_cache(cfg, gpu), seqs, 64))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.fixture(scope="module")
 def smollm2_random(tmp_path_factory):
     from cuinfer.convert import random_checkpoint

@@ -38,7 +38,7 @@ import numpy as np
 from ..ops import runtime
 from ..ops.embedding import embedding
 from ..ops.flash_attention import flash_attention_paged
-from ..ops.linear import GATED, KERNEL_DTYPES, linear, linear_argmax, linear_reference
+from ..ops.linear import GATED, KERNEL_DTYPES, linear, linear_argmax, linear_reference, path, weight_bits
 from ..ops.paged_attention import paged_attention, workspace_elems
 from ..ops.quant import QUANTIZED
 from ..ops.rms_norm import rms_norm
@@ -101,7 +101,9 @@ def slot_mapping(tables, rows, positions, block_size: int):
 class Deferred:
     """The residual stream s + rms_norm(y, weight) with that add not yet done (Gemma's output norms):
     the next normed projection does it in its GEMV's prologue (ops.linear's add), so the norm costs
-    no launch of its own at decode (Model.normed); Model.resolve does it where nothing can."""
+    no launch of its own at decode (Model.normed); Model.resolve does it where nothing can.
+    weight None: s + y, a residual add the GEMM's epilogue does not fuse (cuBLAS rows), done by the
+    next pre-norm's launch (ops.rms_norm's residual form) instead of one of its own."""
     s: object
     y: object
     weight: object
@@ -356,20 +358,30 @@ class Model:
         return self.residual(act, lw.down, lw.mlp_out_norm, s)
 
     def residual(self, x, w, out_norm, s):
-        """s + x @ w.T, or with an output norm (Gemma) s + rms_norm(x @ w.T), Deferred."""
+        """s + x @ w.T, or with an output norm (Gemma) s + rms_norm(x @ w.T), Deferred; on the
+        device's cuBLAS path (no fused epilogue) s + x @ w.T Deferred too."""
         if out_norm is None:
+            if x.dtype in KERNEL_DTYPES and path(weight_bits(w), x.shape[0]) == "cublas":
+                return Deferred(s, project(x, w), None)
             return project(x, w, residual=s)  # the add in the GEMV's epilogue
         return Deferred(s, project(x, w), out_norm)
 
     def resolve(self, s):
         """The residual stream s, its Deferred add done (ops.rms_norm's add_to)."""
-        if isinstance(s, Deferred):
-            return rms_norm(s.y, s.weight, self.config.rms_norm_eps, add_to=s.s)
-        return s
+        if not isinstance(s, Deferred):
+            return s
+        if s.weight is None:
+            s.s += s.y  # T(T(y) + s): the rounding of the add the epilogue would have done
+            return s.s
+        return rms_norm(s.y, s.weight, self.config.rms_norm_eps, add_to=s.s)
 
     def normed(self, s, w, norm, bias=None, act=None):
         """(y, s): y = rms_norm(s, *norm) @ w.T (+ bias), or with act gated_mlp's product, and the
-        residual stream s, a Deferred add done on the way (in the GEMV's prologue on the GPU)."""
+        residual stream s, a Deferred add done on the way (in the GEMV's prologue on the GPU; a plain
+        add in the norm's launch: rms_norm's residual form, as rounded as the add then the norm)."""
+        if isinstance(s, Deferred) and s.weight is None:
+            x, s = rms_norm(s.y, *norm, residual=s.s, out=(s.y, s.s))  # x: rms_norm(s + y); s: s + y
+            return (gated_mlp(x, w, act) if act else project(x, w, bias)), s
         if not isinstance(s, Deferred) or s.s.dtype not in KERNEL_DTYPES:
             s = self.resolve(s)
             return (gated_mlp(s, w, act, norm=norm) if act else project(s, w, bias, norm=norm)), s
