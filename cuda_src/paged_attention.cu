@@ -16,9 +16,10 @@
 // last CTA to arrive merges the partials of every split that holds rows of the context (splits
 // past it do nothing; no second kernel).
 // NEW_KV (decode with the new token fused in): q and the new k arrive un-rotated; every CTA rotates
-// q (RoPE rotate-half at position ctx - 1, as write_kv.cu, after the q/k norm where the model has one), and the CTA whose split holds position
-// ctx - 1 also rotates k and writes k and v to the cache row at slot_mapping[seq] before its loops,
-// which then read that row back like any other (through L2: see load_kv). Under programmatic
+// q (RoPE rotate-half at position ctx - 1, as write_kv.cu, after the q/k norm where the model has
+// one), and the CTA whose split holds position ctx - 1 also rotates k and writes k and v to the cache
+// row at slot_mapping[seq] before its loops, which then read that row back like any other (through L2:
+// see load_kv). Under programmatic
 // dependent launch (a graph replay) the NEW_KV kernel reads the step's inputs before pdl_wait, and
 // when its split is one loop step (short contexts at small batches) also copies the split's K/V
 // rows to shared memory there (cp.async), so they stream in while the qkv GEMV finishes; the
@@ -44,8 +45,8 @@ __device__ __forceinline__ Vec<T, 8> load_kv(const T* p) {
 // y_{j+D/2} = x_{j+D/2} cos + x_j sin, through write_kv.cu's rope_lo / rope_hi (common.cuh), so that the
 // new k and q match write_kv's bit for bit. cs, sn: cos and sin of the angles of the chunk's 8
 // frequencies (chunk c mod D/16). With a norm weight w (Qwen3's, Gemma 3's q/k norms) the row is
-// RMS-normed first as write_kv norms it: its sum of squares over the row's KL lanes (head_inv_rms), then
-// rms_normed per element. Every lane of the warp calls it (the sum is a shuffle); idle lanes (c >= D/8)
+// RMS-normed first as write_kv norms it: its sum of squares over the row's KL lanes (in write_kv's
+// order), then rms_normed per element. Every lane of the warp calls it (the sum is a shuffle); idle lanes (c >= D/8)
 // read chunk 0 and add nothing to the sum.
 template <typename T, int D, int KL>
 __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (&cs)[8], const float (&sn)[8],

@@ -6,7 +6,7 @@
 // NORM (Qwen3, Gemma 3): each q and k head is first RMS-normed over head_dim with its weight
 // (q_norm or k_norm), rounded as rms_norm.cu rounds (normalize in fp32, round to T, times the weight
 // in fp32, round to T), then rotated: one warp per head, the sum of squares a warp reduction in the
-// order the fused decode attention sums a head (paged_attention.cu, head_inv_rms): lane c the squares of
+// order the fused decode attention sums a head (paged_attention.cu, rope_chunk): lane c the squares of
 // elements 8c .. 8c + 7 in turn, then the butterfly, so that the two agree bit for bit.
 // inv_freq is one row [D/2] for every token (freq_stride 0) or one row per token (freq_stride
 // D/2: Phi-3's longrope picks short or long factors per sequence).
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(32 * HEADS) write_kv_kernel(
       const T* x;
       T* y;
       head_ptrs(h, x, y);
-      float sum_sq = 0.0f;  // head_sum_sq's order: lane c sums chunk c (8 elements), then the butterfly
+      float sum_sq = 0.0f;  // rope_chunk's order: lane c sums chunk c (8 elements), then the butterfly
       for (int c = lane; c < head_dim / 8; c += 32) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
