@@ -21,8 +21,8 @@ paged_attention on the rotated q does, bit for bit, in one launch:
     write_kv(..., q_norm=, k_norm=, eps=) norms them (Qwen3, Gemma 3), bit for bit.
 
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
-reads each K/V row once for all query heads of its group (4 to 8 warps, as many as one wave of
-the grid allows: cta_warps); when sequences are few and long the context is split
+reads each K/V row once for all query heads of its group (4 to 8 warps, whichever keeps the most
+warps busy over the grid's waves: cta_warps); when sequences are few and long the context is split
 (flash-decoding): each split writes fp32 partials to the workspace and the last CTA of a
 (sequence, KV head) to finish, found with an atomic arrival counter, merges them (one launch
 either way). The grid and the split count depend on the shapes and on max_context_len only,
@@ -60,6 +60,7 @@ GROUPS = (1, 2, 4, 8)  # query heads per KV head, padded up to one of these
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 WARPS = (4, 5, 6, 8)  # warps per CTA (7 would fit no more CTAs per SM than 8)
 MIN_PARTITION, MAX_PARTITION = 32, 1024  # tokens per split (multiples of 32)
+FULL_WAVE = 0.75  # occupancy at which split_bound stops adding splits
 LOG2E = 1.4426950408889634
 
 
@@ -102,16 +103,24 @@ def resident_warps(group: int) -> int:
     return 4 * resident_ctas(group)
 
 
+def occupancy(ctas: int, group: int, sm_count: int, warps: int) -> float:
+    """The fraction of the SMs' resident warps a grid of `ctas` CTAs of `warps` warps keeps busy,
+    over the waves it takes (a last, partial wave counts as a whole one)."""
+    per_wave = sm_count * (resident_warps(group) // warps)
+    return ctas * warps / (-(-ctas // per_wave) * sm_count * resident_warps(group))
+
+
 def cta_warps(ctas: int, group: int, sm_count: int) -> int:
-    """Warps per CTA (4 to 8): the most that still fit the grid in one wave, so that the wave holds
-    as many warps (bytes in flight) as the registers allow. 64 sequences x 8 KV heads at 1k tokens
-    launch 512 CTAs: 4 warps fill 3.9 of an SM's 5 CTA slots (15.5 of its 20 warps), 5 warps 3.9
-    of 4 (19.4 of 20). Grids over one wave of 4-warp CTAs, and G = 8 (whose 168 registers leave
-    room for 12 warps only), keep 4."""
+    """Warps per CTA (4 to 8): the count whose waves keep the most warps busy (occupancy), the
+    larger on a tie. H100, d = 128, G = 4, 32 layers' KV (`bench attention`-style sweep of every
+    split and warp count, 2026-11-26): 256 CTAs take 8 warps (one wave of 2 an SM), 384 take 6,
+    512 take 5, 768 take 6 (W8 within 3 %), 1,024-2,048 take 5: where the old rule (the most
+    warps that fit one wave, else 4) left 1,024-2,048 CTAs at 4 warps, 5 are 7-9 % faster, and
+    768 CTAs at 4 (a 16 % second wave) ran 20 % slower. G = 8 (168 registers, room for 12 warps)
+    keeps 4."""
     if group > 4:
         return 4
-    fits = [w for w in WARPS if ctas <= sm_count * (resident_warps(group) // w)]
-    return max(fits, default=WARPS[0])
+    return max(WARPS, key=lambda w: (occupancy(ctas, group, sm_count, w), w))
 
 
 def instantiation(dtype, head_dim: int, group: int, u: int, new_kv: bool = False, warps: int = 4) -> str:
@@ -124,40 +133,45 @@ INSTANTIATIONS = [instantiation(dt, d, g, u, f, w) for dt in (np.float16, runtim
                   for u in sorted({rows_in_flight(g, d, p, w) for p in (MIN_PARTITION, MAX_PARTITION)})]
 
 
-def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int,
-                 ctas_per_sm: int = 5) -> tuple:
-    """(n_splits, partition). The split count aims at one full wave of resident CTAs (a second,
-    partial wave is a tail): no split when (sequence, KV head) pairs alone fill half the slots
-    (a merge costs more than the missing occupancy), else slots // pairs splits; partitions of
-    32..1024 tokens, a multiple of 32 (short contexts at small batches split finely too: llama3-8b
-    at batch 1 and context 512 launched 16 CTAs with 256-token partitions, 25 us a layer).
-    H100, graph replay, d=128, G=4, against partitions of 256..2048 tokens, U=4/8 and 4-8 warps in
-    the same run (`bench attention --sweep`, 2026-11-24): it picks 16x4k 5x832 with 4 warps (85.6 %
-    of copy, best), 64x1k 1x1024 with 5 warps (85.5 %, best; 76.3 % with 4), 1x32k 79x416 with 4
-    warps (71.1 %; 32x1024 with 8 warps the same, 64x512 with 5 72.4 %)."""
+def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int, group: int = 4) -> tuple:
+    """(n_splits, partition): split_bound's count, with partitions rounded up to a multiple of 32
+    (which may take fewer splits to cover the context)."""
     ctx = max(1, max_context_len)
-    partition = -(-ctx // split_bound(num_seqs, n_kv_heads, max_context_len, sm_count, ctas_per_sm))
+    partition = -(-ctx // split_bound(num_seqs, n_kv_heads, max_context_len, sm_count, group))
     partition = -(-partition // 32) * 32
     return -(-ctx // partition), partition
 
 
-def split_bound(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int, ctas_per_sm: int = 5) -> int:
-    """split_config's split count before it rounds the partition up to 32 tokens: never below the
-    count it launches, and non-decreasing in the context (the rounded count is not: 4097 tokens can
-    take more splits than 5000), so it sizes a workspace for every context up to max_context_len."""
-    work = max(1, num_seqs * n_kv_heads)
+def split_bound(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int, group: int = 4) -> int:
+    """The split count (flash-decoding): the fewest splits of 32..1024 tokens whose grid, at its best
+    warp count, keeps FULL_WAVE of the resident warps busy (each split adds a merge), else the count
+    that comes closest. Same sweep as cta_warps: llama3-8b shapes at 512-2,048 tokens, batch 8-128,
+    it picks the fastest variant or one within 3 % (the old rule, one wave of 4-warp CTAs, split b=32
+    at 512 tokens in two: 32.7 us a layer against 28.3 unsplit with 8 warps; b=8 at 2k: 36.5 against
+    29.9 us). The count depends on the pair count and on the bounds 32..1024 only, and grows with
+    the context: it sizes workspaces for every context up to max_context_len (split_config's
+    rounded count never exceeds it)."""
+    pairs = max(1, num_seqs * n_kv_heads)
     ctx = max(1, max_context_len)
-    slots = ctas_per_sm * sm_count
-    want = 1 if 2 * work >= slots else slots // work
-    return max(-(-ctx // MAX_PARTITION), min(want, -(-ctx // MIN_PARTITION)))
+    lo, hi = -(-ctx // MAX_PARTITION), -(-ctx // MIN_PARTITION)
+    # past one wave of the smallest CTAs, some count has already reached FULL_WAVE
+    hi = min(hi, max(lo, -(-sm_count * resident_warps(group) // (WARPS[0] * pairs))))
+    best, best_occ = lo, -1.0
+    for n in range(lo, hi + 1):
+        occ = occupancy(n * pairs, group, sm_count, cta_warps(n * pairs, group, sm_count))
+        if occ >= FULL_WAVE:
+            return n
+        if occ > best_occ:
+            best, best_occ = n, occ
+    return best
 
 
 def workspace_elems(num_seqs: int, n_heads: int, n_kv_heads: int, head_dim: int,
                     max_context_len: int) -> int:
     """float32 scratch elements paged_attention needs for the split partials of any context up to
     max_context_len (0 when none of them splits)."""
-    ctas = resident_ctas(padded_group(n_heads, n_kv_heads))
-    n_splits = split_bound(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
+    n_splits = split_bound(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"],
+                           padded_group(n_heads, n_kv_heads))
     return 0 if n_splits == 1 else split_workspace_elems(num_seqs, n_heads, n_kv_heads, head_dim, n_splits)
 
 
@@ -173,8 +187,8 @@ def _counters(num_seqs: int, n_kv_heads: int) -> int:
 
 def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len: int) -> tuple:
     """(n_splits, partition) the op launches with on this device."""
-    ctas = resident_ctas(padded_group(n_heads, n_kv_heads))
-    return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"], ctas)
+    return split_config(num_seqs, n_kv_heads, max_context_len, runtime.device_info()["sm_count"],
+                        padded_group(n_heads, n_kv_heads))
 
 
 def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,

@@ -40,25 +40,31 @@ def test_reference_is_last_row_of_contiguous(block_size):
 
 
 def test_split_config():
-    assert split_config(64, 8, 1024, 132) == (1, 1024)  # 512 CTAs fill most of one wave: no merge
-    assert split_config(16, 8, 4096, 132) == (5, 832)  # 640 CTAs <= 5 x 132 slots
-    n, part = split_config(1, 8, 32768, 132)
-    assert n * part >= 32768 and part <= 1024 and n * 8 >= 4 * 132 // 2
+    """The fewest splits whose grid keeps 3/4 of the SMs' resident warps busy (132 SMs, 20 warps each
+    for G <= 4): the choices the H100 sweep of every split and warp count found fastest."""
+    assert split_config(32, 8, 512, 132) == (1, 512)  # 256 CTAs of 8 warps: one wave, no merge
+    assert split_config(16, 8, 512, 132) == (2, 256)  # 128 CTAs would fill half of it
+    assert split_config(8, 8, 2048, 132) == (4, 512)
+    assert split_config(64, 8, 1024, 132) == (1, 1024)  # 512 CTAs of 5 warps
+    assert split_config(16, 8, 4096, 132) == (4, 1024)  # at least 4 splits of 1024 tokens
+    assert split_config(1, 8, 32768, 132) == (32, 1024)
+    assert split_config(1, 8, 512, 132) == (16, 32)  # never fills 3/4: as many splits as 32 tokens allow
     assert split_config(256, 8, 100, 132) == (1, 128)
-    n, part = split_config(3, 1, 1, 132)
-    assert (n, part) == (1, 32)
-    assert split_config(3, 2, 4097, 132, 3)[0] > split_config(3, 2, 5000, 132, 3)[0]  # not monotonic
-    for seqs, kv, ctas in ((1, 8, 5), (3, 2, 3), (16, 8, 5)):  # split_bound sizes workspaces: it must be
-        bounds = [split_bound(seqs, kv, c, 132, ctas) for c in range(1, 9000, 7)]
+    assert split_config(3, 1, 1, 132) == (1, 32)
+    assert split_config(3, 2, 4097, 132, 8)[0] > split_config(3, 2, 5000, 132, 8)[0]  # rounded: not monotonic
+    for seqs, kv, group in ((1, 8, 4), (3, 2, 8), (16, 8, 4), (32, 8, 4)):  # split_bound sizes workspaces:
+        bounds = [split_bound(seqs, kv, c, 132, group) for c in range(1, 9000, 7)]  # it must not decrease
         assert bounds == sorted(bounds)
-        assert all(split_config(seqs, kv, c, 132, ctas)[0] <= b for c, b in zip(range(1, 9000, 7), bounds))
+        assert all(split_config(seqs, kv, c, 132, group)[0] <= b for c, b in zip(range(1, 9000, 7), bounds))
 
 
 def test_cta_warps():
-    assert cta_warps(512, 4, 132) == 5  # 64 x 1k x 8 KV heads: 4 CTAs of 5 warps an SM, one wave
+    assert cta_warps(256, 4, 132) == 8  # 2 CTAs of 8 warps an SM: one wave
+    assert cta_warps(512, 4, 132) == 5  # 4 CTAs of 5 warps an SM, one wave
     assert cta_warps(640, 4, 132) == 4  # 5 CTAs of 4 warps
+    assert cta_warps(768, 4, 132) == 6  # two full waves of 3 CTAs of 6; 4 warps would leave a 16 % wave
     assert cta_warps(396, 2, 132) == 6 and cta_warps(397, 2, 132) == 5
-    assert cta_warps(48, 4, 132) == 8 and cta_warps(2000, 1, 132) == 4
+    assert cta_warps(48, 4, 132) == 8 and cta_warps(2048, 1, 132) == 5
     assert cta_warps(48, 8, 132) == 4  # G = 8: 168 registers, 4 warps only
 
 
@@ -73,7 +79,7 @@ def test_rows_in_flight():
     for seqs, ctx, d, (heads, kv) in itertools.product((1, 3, 32, 256), (1, 100, 512, 4096, 40000), pa.HEAD_DIMS,
                                                       ((32, 8), (9, 3), (32, 32), (32, 4))):
         group = pa.padded_group(heads, kv)
-        n_splits, partition = pa.split_config(seqs, kv, ctx, 132, pa.resident_ctas(group))
+        n_splits, partition = pa.split_config(seqs, kv, ctx, 132, group)
         warps = pa.cta_warps(n_splits * kv * seqs, group, 132)
         u = pa.rows_in_flight(group, d, partition, warps)
         for dtype, new_kv in itertools.product((np.float16, runtime.bfloat16), (False, True)):
