@@ -77,53 +77,97 @@ __host__ __device__ constexpr bool gated(int epi) { return epi == EPI_SILU_AND_M
 // the two rows of x one 8-lane phase of a 16-byte load reads fall in different banks.
 __host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64 + 32; }
 
-// xs[m, :] = the M rows of s, or with a weight w their RMSNorm (s is the residual stream), rounded as
-// rms_norm.cu rounds it (rms_inv, rms_normed); ends with a barrier. K % 8 == 0.
+// A row's sum over the block, in block_reduce's order: its warps' sums (scratch[warp], written
+// by warp_sum_to before a barrier), summed by every warp.
+__device__ __forceinline__ float warps_sum(const float* scratch) {
+  const int lane = threadIdx.x & 31, n_warps = (blockDim.x + 31) >> 5;
+  return warp_reduce(lane < n_warps ? scratch[lane] : 0.0f);
+}
+__device__ __forceinline__ void warp_sum_to(float* scratch, float x) {
+  x = warp_reduce(x);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+}
+
+// xs[m, :] = the M <= MAXM rows of s, or with a weight w their RMSNorm (s is the residual stream),
+// rounded as rms_norm.cu rounds it (rms_inv, rms_normed); ends with a barrier. K % 8 == 0.
 // ADD (with w): s is first replaced by round(s + rms_normed(add_o, add_w)), rms_norm.cu's ADD 2
 // (Gemma's output norm and residual add, of the previous linear layer's output add_o), which block
 // (0, 0) also writes to add_out [M, K]: that norm needs no launch of its own either.
-template <typename T, int THREADS, bool ADD>
+// Each row's sum of squares is block_reduce's, but the warps' sums of all rows go to shared memory
+// behind one barrier, and without ADD the rows are copied with cp.async, all at once: a verify
+// step's or a small batch's rows used to take a load latency and two barriers each.
+template <typename T, int THREADS, bool ADD, int MAXM>
 __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
                                            int M, int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
                                            T* __restrict__ add_out) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[ADD ? 2 : 1][MAXM][32];
   const int ks = norm_stride(K);
   const bool writer = ADD && blockIdx.x == 0 && blockIdx.y == 0;
-  for (int m = 0; m < M; ++m) {
-    float add_inv_rms = 0.0f;
-    if constexpr (ADD) {
+  if constexpr (ADD) {
+#pragma unroll 1
+    for (int m = 0; m < M; ++m) {
       float o_sq = 0.0f;
+#pragma unroll 1
       for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
         const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e) o_sq += to_float(o.v[e]) * to_float(o.v[e]);
       }
-      add_inv_rms = rms_inv(block_reduce(o_sq, scratch), K, eps);
+      warp_sum_to(scratch[1][m], o_sq);
     }
-    float sum_sq = 0.0f;
-#pragma unroll 2  // more in flight costs registers the main loop needs (ptxas -v)
-    for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
-      Vec<T, 8> v = Vec<T, 8>::load(s + (size_t)m * K + i);
-      if constexpr (ADD) {
+    __syncthreads();
+#pragma unroll 1
+    for (int m = 0; m < M; ++m) {
+      const float add_inv_rms = rms_inv(warps_sum(scratch[1][m]), K, eps);
+      float sum_sq = 0.0f;
+#pragma unroll 1
+      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+        Vec<T, 8> v = Vec<T, 8>::load(s + (size_t)m * K + i);
         const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i), g = Vec<T, 8>::load(add_w + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e)
           v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(rms_normed(o.v[e], g.v[e], add_inv_rms)));
         if (writer) v.store(add_out + (size_t)m * K + i);
+        v.store(xs + m * ks + i);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
       }
-      v.store(xs + m * ks + i);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
+      if (w != nullptr) warp_sum_to(scratch[0][m], sum_sq);  // w is set with ADD: the test saves 4 registers (ptxas)
     }
-    if (w == nullptr) continue;  // block-uniform
-    const float inv_rms = rms_inv(block_reduce(sum_sq, scratch), K, eps);
-#pragma unroll 2
-    for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {  // this thread's own elements
-      const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(w + i);
-      Vec<T, 8> o;
+  } else {  // every row's chunks in flight at once (cp.async), then each thread sums its own
+#pragma unroll 1
+    for (int m = 0; m < M; ++m)
+#pragma unroll 1
+      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) cp_async16(smem_u32(xs + m * ks + i), s + (size_t)m * K + i);
+    cp_async_commit();
+    cp_async_wait_all();  // this thread's copies have landed: it reads only those before the barrier
+    if (w != nullptr) {  // block-uniform
+#pragma unroll 1
+      for (int m = 0; m < M; ++m) {
+        float sum_sq = 0.0f;
+#pragma unroll 1
+        for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+          const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o.v[e] = rms_normed(v.v[e], g.v[e], inv_rms);
-      o.store(xs + m * ks + i);
+          for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
+        }
+        warp_sum_to(scratch[0][m], sum_sq);
+      }
+    }
+  }
+  if (w != nullptr) {
+    __syncthreads();
+#pragma unroll 1
+    for (int m = 0; m < M; ++m) {
+      const float inv_rms = rms_inv(warps_sum(scratch[0][m]), K, eps);
+#pragma unroll 1
+      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {  // this thread's own elements
+        const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(w + i);
+        Vec<T, 8> o;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o.v[e] = rms_normed(v.v[e], g.v[e], inv_rms);
+        o.store(xs + m * ks + i);
+      }
     }
   }
   __syncthreads();
@@ -267,7 +311,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // rows, or with XS their copy (or RMSNorm) in shared memory, written while the first weights load.
   extern __shared__ uint4 norm_smem[];
   T* xs = reinterpret_cast<T*>(norm_smem);
-  if constexpr (XS) stage_rows<T, 32 * WARPS, XS == 2>(x, norm_w, eps, xs, M, K, add_o, add_w, add_out);
+  if constexpr (XS) stage_rows<T, 32 * WARPS, XS == 2, 8 * NT>(x, norm_w, eps, xs, M, K, add_o, add_w, add_out);
   const T* xrow[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
