@@ -1,15 +1,18 @@
 """Speculative decoding: tok/s with and without it, acceptance, and the cost of a verify step.
 
-A checkpoint (default: the default model) in --dtype, greedy, --new-tokens per prompt (ignore_eos).
-Rows:
+A checkpoint (default: the default model) in --dtype, greedy, up to --new-tokens per prompt, each
+answer ending at the model's end token (--ignore-eos: always --new-tokens; the tokens past the answer
+are the model's continuation of its own end, no longer grounded in the prompt). Rows:
 - "grounded b=B <method>": the input-grounded prompts of benches/spec_prompts.json (repeat,
   summarize or edit a given passage, in the chat template) through one Engine with max_num_seqs=B
   (continuous batching at B), for the methods plain, ngram and draft (the --draft checkpoint, or the
   target quantized to --draft-quant at load, e.g. its int4 copy), the last two at each --k. Each engine runs the set once to
-  warm up (graphs captured), then once timed. ms: wall milliseconds per generated token; peer_ms:
-  plain's at the same B, so speedup = tok/s over plain decoding, measured in the same run. The
-  shape column gives tok/s, draft tokens accepted of proposed, the mean accepted length (tokens a
-  sequence gains per verify step) and how many outputs equal plain decoding's.
+  warm up (graphs captured), then once timed. ms: wall milliseconds per generated token, prefill
+  included; peer_ms: plain's at the same B, so speedup = tok/s over plain decoding, measured in the
+  same run. The shape column gives that tok/s, the decode phase's (tokens of decode and verify steps
+  over their time, without the prompts' prefill steps) and its speedup over plain's, draft tokens
+  accepted of proposed, the mean accepted length (tokens a sequence gains per verify step) and how
+  many outputs equal plain decoding's.
 - "open b=1 <method>": the open-ended prompts of the same file: the slowdown where drafts rarely hit
   (backoff turns speculation off per sequence).
 - "verify k=K <model>": GPU ms of one greedy verify step of K drafts plus one token (Verifier: a
@@ -47,6 +50,7 @@ def add_arguments(parser):
     parser.add_argument("--batch", default="1,4,16", help="batch sizes (max_num_seqs), comma-separated")
     parser.add_argument("--k", default="4", help="num_speculative_tokens, comma-separated: rows for each")
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--ignore-eos", action="store_true", help="generate --new-tokens past the end token")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--verify-preset", default="llama3-8b", help="a models/*.json preset for the verify rows; none")
 
@@ -75,7 +79,7 @@ def timed(engine, prompts, params):
 def generation_rows(model, tok, draft, args, batches) -> tuple:
     """(rows, ngram's accepted drafts per verify row at batch 1) over the prompt sets."""
     sets = load_prompts(tok)
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
     ks = [int(k) for k in str(args.k).split(",")]
     methods = [("plain", None, 0)] + [(f"{m} k={k}", spec, k) for k in ks
                                       for m, spec in (("ngram", "ngram"), ("draft", draft)) if spec is not None]
@@ -89,11 +93,13 @@ def generation_rows(model, tok, draft, args, batches) -> tuple:
                 secs, outs = timed(eng, prompts, params)
                 n = sum(len(o.token_ids) for o in outs)
                 ms = 1000 * secs / n
-                if base is None:
-                    base = (ms, [o.token_ids for o in outs])
                 st = eng.stats
+                decode_tok_s = st.decode_tokens / st.decode_s
+                if base is None:
+                    base = (ms, [o.token_ids for o in outs], decode_tok_s)
                 same = sum(o.token_ids == t for o, t in zip(outs, base[1]))
-                detail = f"{n / secs:.0f} tok/s"
+                detail = (f"{n / secs:.0f} tok/s · decode {decode_tok_s:.0f} tok/s "
+                          f"({decode_tok_s / base[2]:.2f}x plain's)")
                 if speculative is not None:
                     detail += (f" · accepted {st.accepted_tokens}/{st.draft_tokens} · mean accepted length "
                                f"{st.mean_accepted_length:.2f} · same as plain {same}/{len(outs)}")
