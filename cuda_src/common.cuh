@@ -68,6 +68,9 @@ struct Max {
   __device__ __forceinline__ static float identity() { return __int_as_float(0xff800000); }  // -inf
 };
 
+// floor(log2 n), n >= 1, at compile time
+__host__ __device__ constexpr int ilog2(int n) { return n > 1 ? 1 + ilog2(n / 2) : 0; }
+
 template <typename Op = Sum> __device__ __forceinline__ float warp_reduce(float x, Op op = Op()) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));

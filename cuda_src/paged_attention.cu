@@ -23,7 +23,10 @@
 // dependent launch (a graph replay) the NEW_KV kernel reads the step's inputs before pdl_wait, and
 // when its split is one loop step (short contexts at small batches) also copies the split's K/V
 // rows to shared memory there (cp.async), so they stream in while the qkv GEMV finishes; the
-// writer then patches the new row into that stage.
+// writer then patches the new row into that stage. With chunk_rows > 1 (a verify step: each chunk
+// of chunk_rows consecutive rows holds consecutive positions of one sequence, real rows first) a
+// row's CTAs also write the rows of its chunk before it (the row attends to them), so no write_kv
+// launch precedes the verify step's attention either.
 #include "common.cuh"
 
 using namespace cuinfer;
@@ -79,8 +82,6 @@ __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (
     y.v[e] = lo ? rope_lo(own.v[e], other.v[e], cs[e], sn[e]) : rope_hi(other.v[e], own.v[e], cs[e], sn[e]);
   return y.to();
 }
-
-__host__ __device__ constexpr int ilog2(int n) { return n > 1 ? 1 + ilog2(n / 2) : 0; }
 
 // Sums v over the lanes that differ in the lane bits OFF << l (UP) or OFF >> l, l = 0 .. LEVELS - 1, and
 // scatters the sums: at each level the lanes with that bit set keep the upper half of the values, the
@@ -208,8 +209,8 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
 // NEW_KV only: q rows q_stride elements apart (heads contiguous), un-rotated; k_new, v_new: [num_seqs,
 // n_kv_heads, D] rows k_stride / v_stride apart, k un-rotated; slot_mapping: [num_seqs] (slot < 0: no
 // write); inv_freq: [D / 2] fp32; qk_norm != 0: every q and k head RMS-normed with q_norm / k_norm [D]
-// (epsilon eps) before RoPE, as write_kv's NORM kernel norms. Without NEW_KV these are unused and q is
-// contiguous.
+// (epsilon eps) before RoPE, as write_kv's NORM kernel norms; chunk_rows: rows per sequence chunk (1:
+// decode, each row its own sequence). Without NEW_KV these are unused and q is contiguous.
 // window > 0: only the last `window` keys count; the splits then tile [max(0, ctx - window), ctx) (the
 // rows before it are never read), 0: [0, ctx). cap_log2 > 0 (a softcap c: c log2 e): each score s
 // (prescaled by scale log2 e) becomes cap_log2 * tanh(s / cap_log2).
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
     const T* __restrict__ k_new, const T* __restrict__ v_new, const int* __restrict__ slot_mapping,
     const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride, int window, float cap_log2,
-    const T* __restrict__ q_norm, const T* __restrict__ k_norm, int qk_norm, float eps) {
+    const T* __restrict__ q_norm, const T* __restrict__ k_norm, int qk_norm, float eps, int chunk_rows) {
   if constexpr (!NEW_KV) {
     pdl_wait();  // every input of this kernel may come from the previous one
     pdl_trigger();
@@ -324,6 +325,26 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     }
     pdl_wait();  // q, k_new, v_new come from the previous kernel
     pdl_trigger();
+    // A verify step (chunk_rows > 1): the row is the b-th of its sequence's chunk, rows seq - b .. seq
+    // at positions ctx - 1 - b .. ctx - 1. Its CTAs also write the b rows before it that fall in their
+    // split (the rows' own CTAs write them too, with the same bits), one per (warp, sub-row), here
+    // where q's registers are not yet live; the stage is patched once it has landed, below.
+    const int n_before = seq % chunk_rows;
+#pragma unroll 1
+    for (int t0 = 0; t0 < n_before; t0 += STEP) {  // CTA-uniform: every lane of a warp takes part in rope_chunk
+      const int t = min(t0 + warp * RPW + sub, n_before - 1), row = seq - n_before + t, pos = ctx - 1 - n_before + t;
+      float rc[8], rs[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sincosf(static_cast<float>(pos) * freq[e], &rs[e], &rc[e]);
+      const Vec<T, 8> k_row = rope_chunk<T, D, KL>(k_new + (size_t)row * k_stride + (size_t)kv_head * D, chunk,
+                                                   rc, rs, qk_norm ? k_norm : nullptr, eps);
+      const int row_slot = slot_mapping[row];
+      if (t0 + warp * RPW + sub < n_before && active && row_slot >= 0 && pos >= start && pos < end) {
+        const size_t dst = ((size_t)row_slot * n_kv_heads + kv_head) * D + chunk * 8;
+        k_row.store(const_cast<T*>(k_cache) + dst);
+        Vec<T, 8>::load(v_new + (size_t)row * v_stride + (size_t)kv_head * D + chunk * 8).store(const_cast<T*>(v_cache) + dst);
+      }
+    }
     // The new token's row goes to the cache from the CTA whose split holds it; its loads issue
     // with q's below (one round trip), the stores after the stage has landed.
     // The writer warp rotates k on all its lanes (a q/k norm sums over them), lane `chunk` of row 0 stores.
@@ -359,6 +380,23 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
         uint4* ks = stage + u * THREADS + (r % STEP) / RPW * 32 + (r % RPW) * KL;
         uint4* vs = ks + US * THREADS;
         const uint4 k4 = *reinterpret_cast<const uint4*>(&kn), v4 = *reinterpret_cast<const uint4*>(&vn);
+        ks[chunk] = k4, vs[chunk] = v4;
+        if (chunk == CHUNKS - 1)
+#pragma unroll
+          for (int c = CHUNKS; c < KL; ++c) ks[c] = k4, vs[c] = v4;
+      }
+    }
+    if (staged) {  // the verify rows this thread wrote above, read back from L2 into their stage slots
+#pragma unroll 1
+      for (int t = warp * RPW + sub; t < n_before; t += STEP) {
+        const int row_slot = slot_mapping[seq - n_before + t], pos = ctx - 1 - n_before + t;
+        if (!active || row_slot < 0 || pos < start || pos >= end) continue;
+        const size_t src = ((size_t)row_slot * n_kv_heads + kv_head) * D + chunk * 8;
+        const uint4 k4 = __ldcg(reinterpret_cast<const uint4*>(k_cache + src));
+        const uint4 v4 = __ldcg(reinterpret_cast<const uint4*>(v_cache + src));
+        const int rr = pos - start, u = rr / STEP;
+        uint4* ks = stage + u * THREADS + (rr % STEP) / RPW * 32 + (rr % RPW) * KL;
+        uint4* vs = ks + US * THREADS;
         ks[chunk] = k4, vs[chunk] = v4;
         if (chunk == CHUNKS - 1)
 #pragma unroll

@@ -249,26 +249,28 @@ class Model:
         return self.logits(s)
 
     def decode(self, inputs: DecodeInputs, kv_cache, max_context_len: int, workspace=None, greedy=False,
-               tokens_out=None, verify=False):
+               tokens_out=None, verify=0):
         """One new token per row (the step DecodeGraph captures): paged_attention (split-K) with
         `max_context_len` an upper bound of context_lens, so nothing is read back to the host.
         Returns float32 logits [rows, vocab], or with greedy the int32 argmax [rows], written into
         tokens_out if given (which may be inputs.token_ids: the embedding has read them by then).
         Each row is its own sequence, and RoPE and the cache write are fused into the attention;
-        with verify, rows may be consecutive tokens of one sequence (a verify step: each row has its
-        own position, context_lens and block-table row): every row's K/V is written first
-        (write_kv), then each row attends over its context, which holds the rows before it. So does
-        longrope (write_kv rotates with each row's frequencies); q/k norms are fused like RoPE."""
+        with verify=q (a verify step), rows i*q .. i*q + q - 1 are consecutive tokens of one sequence,
+        each row with its own position, context_lens and block-table row: the attention writes each
+        row's K/V and those of its chunk's rows before it, then the row attends over its context
+        (paged_attention's chunk_rows). Longrope writes every row's K/V first (write_kv rotates with
+        each row's frequencies); q/k norms are fused like RoPE."""
         freqs = self.step_inv_freq(inputs.context_lens)  # None, or longrope's [rows, head_dim / 2]
 
         def attend(i, q, k, v, k_cache, v_cache):  # out: the caller's pool (DecodeGraph's, Verifier's)
             kw = dict(out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len, workspace=workspace,
                       **self.attention_kwargs(i))
             lw = self.weights.layers[i]
-            if not verify and freqs is None:  # all fused: q/k norms, RoPE, the cache write
+            if freqs is None:  # all fused: q/k norms, RoPE, the cache write
                 norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, self.config.rms_norm_eps)
                 return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-                                       new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), qk_norm=norm, **kw)
+                                       new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), qk_norm=norm,
+                                       chunk_rows=verify or 1, **kw)
             q = self.write_kv(i, q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, freqs,
                               out=self.xp.empty(q.shape, q.dtype))
             return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)

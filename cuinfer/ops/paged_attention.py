@@ -19,6 +19,10 @@ paged_attention on the rotated q does, bit for bit, in one launch:
     contiguous within a row. A sequence with context_lens 0 writes nothing (and gives zeros).
     qk_norm=(q_norm, k_norm, eps) (with new_kv only): q and k heads RMS-normed first, as
     write_kv(..., q_norm=, k_norm=, eps=) norms them (Qwen3, Gemma 3), bit for bit.
+    chunk_rows=c (with new_kv; a verify step of speculative decoding): rows i*c .. i*c + c - 1 are
+    consecutive positions of one sequence (real rows first, then rows of context_lens 0); every row
+    attends to the new K/V of the rows of its chunk before it, so the call does what write_kv of
+    all rows followed by paged_attention does, bit for bit, in one launch.
 
 cupy arrays launch cuda_src/paged_attention.cu: one CTA per (split, kv_head, sequence)
 reads each K/V row once for all query heads of its group (4 to 8 warps, whichever keeps the most
@@ -205,7 +209,8 @@ def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
-                    max_context_len=None, workspace=None, new_kv=None, qk_norm=None, window=0, softcap=None):
+                    max_context_len=None, workspace=None, new_kv=None, qk_norm=None, window=0, softcap=None,
+                    chunk_rows=1):
     dev = runtime.on_device(q, k_cache, v_cache, block_tables, context_lens, out, *(new_kv or ()))
     window = check_window(window, softcap)
     runtime.check("q", q, ndim=3, contiguous=new_kv is None)
@@ -222,6 +227,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
         _check_new_kv(q, n_kv, *new_kv)
     if qk_norm is not None:
         _check_qk_norm(q, new_kv, *qk_norm)
+    if chunk_rows != 1 and (new_kv is None or chunk_rows < 1 or num_seqs % chunk_rows):
+        raise ValueError(f"chunk_rows: got {chunk_rows} for {num_seqs} rows, need new_kv and a divisor of the rows")
     if not dev:
         runtime.check("q", q, dtype=runtime.FLOAT_DTYPES, contiguous=new_kv is None)
         if new_kv is not None:  # by composition: write_kv's reference, then attention on the rotated q
@@ -254,7 +261,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     if n_splits > 1 and workspace is None and runtime.capturing():
         _refuse_capture(["workspace"])
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace, new_kv=new_kv, qk_norm=qk_norm, window=window, softcap=softcap)
+                  partition, workspace, new_kv=new_kv, qk_norm=qk_norm, window=window, softcap=softcap,
+                  chunk_rows=chunk_rows)
     return out
 
 
@@ -297,7 +305,8 @@ def _refuse_capture(names):
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
-                  partition, workspace=None, u=None, new_kv=None, qk_norm=None, warps=None, window=0, softcap=None):
+                  partition, workspace=None, u=None, new_kv=None, qk_norm=None, warps=None, window=0, softcap=None,
+                  chunk_rows=1):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
     context length, partition a multiple of 32; warps per CTA from cta_warps and rows in flight from
     rows_in_flight unless given.
@@ -331,6 +340,6 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
             *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)), np.int32(window),
             np.float32(softcap * LOG2E if softcap else 0.0), q_norm, k_norm, np.int32(qk_norm is not None),
-            np.float32(eps))
+            np.float32(eps), np.int32(chunk_rows))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
                    smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps))

@@ -7,10 +7,10 @@
     tokens = pending.wait()              # [sum(k_i + 1)] ints: each row's argmax, chunks in order
     tokens = verifier.run(chunks, greedy=True)   # the same: launch(chunks).wait()
 
-A verify step is the decode step over more rows (Model.decode with verify=True): each sequence's
+A verify step is the decode step over more rows (Model.decode with verify=q_len): each sequence's
 last token and its drafts are rows of their own, each with its position, context length and a copy
-of the sequence's block table. write_kv puts every row's K/V in the cache, then the split-K paged
-decode attention lets each row attend over its context (which holds the rows before it). So the
+of the sequence's block table. The split-K paged decode attention writes each row's K/V, and those of
+the rows of its sequence before it, then lets the row attend over its context. So the
 step runs the kernels a plain decode step runs, on k + 1 rows per sequence: the weights are read
 once, and a greedy step ends in the fused lm_head argmax, whose kernel writes the tokens straight
 into pinned host memory (runner.mapped_pinned): an event after the step is all the host waits on,
@@ -72,6 +72,7 @@ class _Step:
     workspace: object  # float32 paged_attention split partials, or None (no split)
     tokens: object  # int32 [T]: a greedy step's argmax (GPU: mapped pinned memory, see mapped_pinned)
     host_tokens: np.ndarray  # the same memory on the host
+    q: int  # rows per sequence (q_len)
     out: object = None  # static output (logits [T, vocab] or `tokens`), written by the graph
     graph: object = None
     copied: object = None  # event after the last copy out of `host`
@@ -164,11 +165,11 @@ class Verifier:
             host_tokens, tokens = mapped_pinned(self.cp, rows)
         elems = self.model.decode_workspace_elems(rows, width * self.kv_cache.block_size) if xp is not np else 0
         step = _Step(host, device, input_views(device, rows, width), xp.zeros(elems, np.float32) if elems else None,
-                     tokens, host_tokens)
+                     tokens, host_tokens, q)
         self.steps[(b, q, width, greedy)] = step
         return step
 
     def _forward(self, step: _Step, greedy: bool):
         max_context_len = step.inputs.block_tables.shape[1] * self.kv_cache.block_size
         return self.model.decode(step.inputs, self.kv_cache, max_context_len, step.workspace, greedy,
-                                 tokens_out=step.tokens if greedy else None, verify=True)
+                                 tokens_out=step.tokens if greedy else None, verify=step.q)

@@ -355,10 +355,11 @@ def write_kv_then_decode(cp, case, max_context_len, window=0, qk_norm=None):
     return out, a["k_cache"], a["v_cache"]
 
 
-def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True, window=0, qk_norm=False):
+def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True, window=0, qk_norm=False,
+                                 chunk_rows=1):
     """paged_attention(new_kv=...) against write_kv then paged_attention: caches and output bit for bit
     (the same rounded q and K/V, the same split, the same arithmetic); qk_norm: with random q/k norm
-    weights (and a random epsilon) in both."""
+    weights (and a random epsilon) in both; chunk_rows: a verify step's chunks (verify_case)."""
     b = device_case(cp, case, strided)
     norm = None
     if qk_norm:
@@ -368,7 +369,7 @@ def check_fused_matches_write_kv(cp, case, max_context_len=None, strided=True, w
     out = poison(cp, b["q"].shape, b["q"].dtype)
     got = paged_attention(b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], out=out,
                           max_context_len=max_context_len, new_kv=(b["k"], b["v"], b["slots"], b["inv_freq"]),
-                          qk_norm=norm, window=window)
+                          qk_norm=norm, window=window, chunk_rows=chunk_rows)
     assert got is out
     for x, y in zip((out, b["k_cache"], b["v_cache"]), write_kv_then_decode(cp, case, max_context_len, window, norm)):
         np.testing.assert_array_equal(bits(x), bits(y))
@@ -457,6 +458,55 @@ def test_new_kv_matches_write_kv_then_decode(cp, lens, ratio, n_kv, d, dtype, bl
                                              qk_norm, seed):
     case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop)
     check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, strided, qk_norm=qk_norm)
+
+
+def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad=0):
+    """A verify step's inputs (speculative decoding): sequence i has prefixes[i] tokens cached and drafts[i] + 1
+    <= q new rows, its chunk rows i*q .. i*q + q - 1 (real rows first, then rows of length 0 and slot -1), each
+    row with its own length, slot and a copy of the sequence's block table; the new rows' slots are NaN."""
+    new = np.array(drafts, np.int32) + 1
+    case = new_token_case(rng, np.array(prefixes) + new, ratio, n_kv, d, dtype, block_size, pad)
+    rows = len(prefixes) * q
+    seq, j = np.divmod(np.arange(rows), q)
+    real = j < new[seq]
+    lens = np.where(real, np.array(prefixes)[seq] + j + 1, 0).astype(np.int32)
+    pos = np.maximum(lens - 1, 0)
+    tables = case["tables"][seq]
+    slots = np.where(real, tables[np.arange(rows), pos // block_size] * block_size + pos % block_size, -1)
+    for cache in (case["k_cache"], case["v_cache"]):  # the rows the step writes hold no data yet
+        cache.reshape(-1, n_kv, d)[slots[real]] = np.nan
+    width = case["qkv"].shape[1]
+    return dict(case, qkv=rng.standard_normal((rows, width)).astype(np.float32).astype(dtype), lens=lens,
+                slots=slots.astype(np.int32), tables=np.ascontiguousarray(tables))
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunks=st.lists(st.tuples(st.one_of(st.sampled_from([0, 1, 7, 15, 31, 255, 1025]), st.integers(0, 3000)),
+                                 st.integers(0, 16)), min_size=1, max_size=4),
+       q_extra=st.sampled_from([0, 1, 3]), ratio=st.sampled_from([1, 3, 4, 8]), d=st.sampled_from(HEAD_DIMS),
+       dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16]), qk_norm=st.booleans(),
+       window=st.sampled_from([0, 0, 1, 5, 300]), extra=st.sampled_from([None, 0, 700]), seed=st.integers(0, 2**31))
+def test_new_kv_verify_chunks(cp, chunks, q_extra, ratio, d, dtype, block_size, qk_norm, window, extra, seed):
+    """chunk_rows: each row of a verify step writes its K/V and those of its chunk's rows before it, then attends:
+    caches and output bit for bit those of write_kv over every row then paged_attention (short contexts take the
+    staged path, long ones split; a window may leave the chunk's first rows unread)."""
+    prefixes, drafts = (list(x) for x in zip(*chunks))
+    q = max(drafts) + 1 + q_extra
+    case = verify_case(np.random.default_rng(seed), prefixes, drafts, q, ratio, 2, d, dtype, block_size, pad=8)
+    check_fused_matches_write_kv(cp, case, None if extra is None else int(case["lens"].max()) + extra, window=window,
+                                 qk_norm=qk_norm, chunk_rows=q)
+
+
+def test_chunk_rows_checks():
+    q = np.zeros((4, 8, 64), np.float16)
+    cache = np.zeros((4, 16, 2, 64), np.float16)
+    tables, lens = np.zeros((4, 2), np.int32), np.array([3, 4, 1, 0], np.int32)
+    with pytest.raises(ValueError, match="chunk_rows: got 2 for 4 rows, need new_kv"):
+        paged_attention(q, cache, cache, tables, lens, chunk_rows=2)
+    new_kv = (q[:, :2], q[:, :2], lens, np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="chunk_rows: got 3 for 4 rows"):
+        paged_attention(q, cache, cache, tables, lens, new_kv=new_kv, chunk_rows=3)
 
 
 @pytest.mark.gpu
