@@ -10,17 +10,20 @@ from the 50 MB L2.
 The peer of every row is cupy.matmul (cuBLAS) on an fp16 weight of the same shape; a
 `torch fp16` row (torch.nn.functional.linear) per shape is measured in the same run.
 `--sweep PRESET` instead times every M = 1 tile of the preset's four decode GEMVs with their fused
-epilogues (norm, SwiGLU, residual), as a decode graph replays them (docs/linear.md).
+epilogues (norm, SwiGLU, residual), as a decode graph replays them (docs/linear.md); `--sweep-m 1 5 9`
+adds tile_config's tile at those rows of x (a small batch, a verify step's k + 1 rows).
 `--mma-sweep` instead times the quantized GEMM (ops.linear_mma) at each --m with mma_tile's tile and
 its neighbours (split, warps, stages, NT) on the five shapes.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .. import bench
 from ..ops import runtime
-from ..ops.linear import QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
+from ..ops.linear import GEMV_ROWS, QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
 from ..ops.linear_mma import _launch as mma_launch
 from ..ops.linear_mma import instantiation as mma_instantiation
 from ..ops.linear_mma import mma_tile, smem_bytes
@@ -37,6 +40,8 @@ def add_arguments(parser):
     parser.add_argument("--sweep", metavar="PRESET",
                         help="instead: time every M = 1 tile of the decode GEMVs of a models/*.json preset")
     parser.add_argument("--formats", default="int4,int8", help="--sweep's weight formats: fp16, int8, int4")
+    parser.add_argument("--sweep-m", type=int, nargs="*", default=[1],
+                        help="--sweep's rows of x, 1..16: every tile at 1, tile_config's at the others")
     parser.add_argument("--mma-sweep", action="store_true",
                         help="instead: time the quantized GEMM's tiles around mma_tile's pick at each --m")
 
@@ -52,9 +57,11 @@ def decode_gemvs(config):
             ("gate_up", h, inter, "silu_and_mul", True, False), ("down", inter, h, "store", False, True)]
 
 
-def sweep_tiles(bits, k, n, epilogue):
+def sweep_tiles(bits, k, n, epilogue, m=1):
     """M = 1 tiles: U 1, 2, 4, 4 / 8 / 16 warps, split 1 / 2 / 4 where every warp gets a quad (with the
-    SiLU epilogue half the warps share K), plus tile_config's choice."""
+    SiLU epilogue half the warps share K), plus tile_config's choice; more rows: that choice only."""
+    if m > 1:
+        return [tile_config(bits, m, n, k, epilogue)]
     quads = -(-k // QUAD_K[bits])
     halves = 2 if epilogue == "silu_and_mul" else 1
     tiles = {Tile(1, 1, u, w, s) for u in (1, 2, 4) for w in (4, 8, 16) for s in (1, 2, 4) if quads * halves >= s * w * u}
@@ -120,7 +127,7 @@ def _cycle(fns):
     return step
 
 
-def _sweep(cp, preset, formats):
+def _sweep(cp, preset, formats, ms=(1,)):
     """Each decode GEMV of the preset with its fused epilogue, per tile: one CUDA graph of one call per
     weight copy (>= ROTATE_BYTES of copies: HBM, not L2), its kernels launched as a decode replay
     launches them (programmatic dependent launch on sm_90); ms per call."""
@@ -131,30 +138,30 @@ def _sweep(cp, preset, formats):
     from ..serving.runner import capture
 
     gemvs = decode_gemvs(load_preset(preset))
-    exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, stages_x(1, k, np.float16, norm), True) for f in formats
-             for _, k, n, e, norm, _ in gemvs for t in sweep_tiles(SWEEP_BITS[f][0], k, n, e)}
+    exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, stages_x(m, k, np.float16, norm), True) for f in formats
+             for _, k, n, e, norm, _ in gemvs for m in ms for t in sweep_tiles(SWEEP_BITS[f][0], k, n, e, m)}
     with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
         list(ex.map(_compile, sorted(exprs)))  # NVRTC on every core; the runs below load the cubins
     rows = []
     for fmt in formats:
         bits = SWEEP_BITS[fmt][0]
-        for name, k, n, epi, norm, res in gemvs:
+        for (name, k, n, epi, norm, res), m in itertools.product(gemvs, ms):
             copies = _copies(lambda: _random_weight(cp, fmt, 2 * n if epi == "silu_and_mul" else n, k))
-            x = cp.random.standard_normal((1, k), dtype=cp.float32).astype(cp.float16)
+            x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
             norm_w = (1 + 0.05 * cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
-            residual = cp.random.standard_normal((1, n), dtype=cp.float32).astype(cp.float16)
-            out = cp.empty((1, n), cp.float16)
-            for t in sweep_tiles(bits, k, n, epi):
+            residual = cp.random.standard_normal((m, n), dtype=cp.float32).astype(cp.float16)
+            out = cp.empty((m, n), cp.float16)
+            for t in sweep_tiles(bits, k, n, epi, m):
                 def calls(t=t):
                     for w in copies:
                         _gemv(x, w, None, out, t, epi, norm=(norm_w, 1e-5) if norm else None,
                               residual=residual if res else None)
                 cp.cuda.Device().synchronize()
                 graph, _, _ = capture(calls, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
-                mark = " (tile_config)" if t == tile_config(bits, 1, n, k, epi) else ""
+                mark = " (tile_config)" if t == tile_config(bits, m, n, k, epi) else ""
                 occ = f" occ{t.occupancy}" if t.occupancy else ""
                 rows.append(dict(name=f"{fmt} {name} u{t.u} w{t.warps} split{t.split}{occ}{mark}",
-                                 shape=f"M=1 K={k} N={n} {epi}{' norm' if norm else ''}{' residual' if res else ''}",
+                                 shape=f"M={m} K={k} N={n} {epi}{' norm' if norm else ''}{' residual' if res else ''}",
                                  dtype="float16", ms=bench.time_ms(graph.launch, warmup=2, iters=7) / len(copies),
                                  bytes=copies[0].nbytes + x.nbytes + out.nbytes))
                 del graph
@@ -216,7 +223,9 @@ def run(args):
         formats = [f.strip() for f in args.formats.split(",")]
         if any(f not in SWEEP_BITS for f in formats):
             raise runtime.CuinferError(f"--formats: got {args.formats!r}, need fp16, int8, int4")
-        return _sweep(cp, args.sweep, formats)
+        if any(not 1 <= m <= GEMV_ROWS for m in args.sweep_m):
+            raise runtime.CuinferError(f"--sweep-m: got {args.sweep_m}, need rows of 1..{GEMV_ROWS}")
+        return _sweep(cp, args.sweep, formats, args.sweep_m)
     torch = bench.torch_or_none()
     rows, sums = [], {}
     busy = (cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32))

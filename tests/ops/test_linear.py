@@ -130,6 +130,16 @@ def test_tile_config_fits_instantiations():
                         assert tile_config(bits, m, n, k, epi, clusters=False).split == 1
 
 
+def test_bench_sweep_tiles():
+    """bench linear --sweep: every M = 1 tile (tile_config's among them), tile_config's alone at more rows."""
+    from cuinfer.benches.linear import sweep_tiles
+
+    for m in (2, 5, 9, 16):
+        assert sweep_tiles(4, 4096, 6144, "store", m) == [tile_config(4, m, 6144, 4096, "store")]
+    one = sweep_tiles(16, 576, 1536, "silu_and_mul")
+    assert len(one) > 1 and tile_config(16, 1, 1536, 576, "silu_and_mul") in one
+
+
 def test_silu_and_mul_and_argmax_references():
     rng = np.random.default_rng(7)
     x = rng.standard_normal((3, 64)).astype(np.float16)
