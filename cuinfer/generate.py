@@ -60,7 +60,7 @@ def add_speculative_arguments(p) -> None:
     g.add_argument("--speculative-model", metavar="CKPT",
                    help="speculative decoding with a draft model: a checkpoint with the same tokenizer "
                         "(e.g. an int4 copy of the target made by python -m cuinfer.quantize)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=speculative_tokens, default=4, metavar="K",
                    help="draft tokens verified per step (default 4)")
 
 
@@ -68,6 +68,19 @@ def speculative_options(args) -> dict:
     """Engine.from_pretrained's speculative keywords from the parsed flags."""
     return dict(speculative=args.speculative, speculative_model=args.speculative_model,
                 num_speculative_tokens=args.num_speculative_tokens)
+
+
+def speculative_tokens(value: str) -> int:
+    """argparse type of --num-speculative-tokens: 1..MAX_SPECULATIVE_TOKENS, refused before any model loads."""
+    from .serving.spec import MAX_SPECULATIVE_TOKENS
+
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"got {value!r}, need an integer in 1..{MAX_SPECULATIVE_TOKENS}")
+    return k
 
 
 def quant_spec(value: str) -> str:

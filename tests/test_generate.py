@@ -52,8 +52,6 @@ def test_speculative_flags_give_the_same_text_and_report_drafts(ckpt, capsys, fl
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["CKPT", "--prompt", "a", "--device", "cpu", "--speculative", "ngram", "--num-speculative-tokens", "0"],
-     "num_speculative_tokens: got 0, need 1..16"),
     (["CKPT", "--prompt", "a", "--device", "cpu", "--speculative-model", "/nonexistent/draft"],
      "no such checkpoint directory"),
     (["/nonexistent/ckpt", "--prompt", "a", "--device", "cpu"], "no such checkpoint directory"),
@@ -83,10 +81,16 @@ def test_no_gpu(ckpt, capsys):
     assert rc == 2 and "no CUDA device" in err
 
 
-def test_bad_flag_value_is_an_argparse_error(ckpt):
-    r = subprocess.run([sys.executable, "-m", "cuinfer.generate", ckpt, "--prompt", "a", "--quant", "int3"],
+@pytest.mark.parametrize("flags, message", [
+    (["--quant", "int3"], "quantization 'int3'"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "got '0', need an integer in 1..16"),
+    (["--num-speculative-tokens", "four"], "got 'four', need an integer in 1..16"),
+])
+def test_bad_flag_value_is_an_argparse_error(ckpt, flags, message):
+    """Refused while parsing, before any model loads."""
+    r = subprocess.run([sys.executable, "-m", "cuinfer.generate", ckpt, "--prompt", "a", *flags],
                        check=False, capture_output=True, text=True)
-    assert r.returncode == 2 and "quantization 'int3'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
 def test_default_model_cli(capsys):
