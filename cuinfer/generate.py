@@ -19,6 +19,7 @@ import numpy as np
 
 from .ops import runtime
 from .serving.sampling import SamplingParams
+from .serving.spec import MAX_SPECULATIVE_TOKENS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "loads without it")
     p.add_argument("--no-graphs", action="store_true",
                    help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
-    p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
+    p.add_argument("--kv-tokens", type=int_in(1), help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
     add_speculative_arguments(p)
     return p
 
@@ -60,7 +61,7 @@ def add_speculative_arguments(p) -> None:
     g.add_argument("--speculative-model", metavar="CKPT",
                    help="speculative decoding with a draft model: a checkpoint with the same tokenizer "
                         "(e.g. an int4 copy of the target made by python -m cuinfer.quantize)")
-    p.add_argument("--num-speculative-tokens", type=speculative_tokens, default=4, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=int_in(1, MAX_SPECULATIVE_TOKENS), default=4, metavar="K",
                    help="draft tokens verified per step (default 4)")
 
 
@@ -70,17 +71,19 @@ def speculative_options(args) -> dict:
                 num_speculative_tokens=args.num_speculative_tokens)
 
 
-def speculative_tokens(value: str) -> int:
-    """argparse type of --num-speculative-tokens: 1..MAX_SPECULATIVE_TOKENS, refused before any model loads."""
-    from .serving.spec import MAX_SPECULATIVE_TOKENS
-
-    try:
-        k = int(value)
-    except ValueError:
-        k = 0
-    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"got {value!r}, need an integer in 1..{MAX_SPECULATIVE_TOKENS}")
-    return k
+def int_in(lo: int, hi: int | None = None):
+    """An argparse type: an integer in lo..hi (no upper bound without hi), refused while parsing,
+    before any model loads."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < lo or (hi is not None and n > hi):
+            need = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"got {value!r}, need an integer {need}")
+        return n
+    return parse
 
 
 def quant_spec(value: str) -> str:

@@ -9,12 +9,13 @@ Needs the serve extra: pip install -e '.[serve]'.
 
 import argparse
 import asyncio
+import socket
 import sys
 import time
 import uuid
 
 from .errors import CuinferError
-from .generate import add_speculative_arguments, speculative_options
+from .generate import add_speculative_arguments, int_in, speculative_options
 from .ops import runtime
 from .serving.sampling import SamplingParams
 
@@ -268,16 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cuinfer.serve", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory or GGUF file (default: the default model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in(0, 65535), default=8000, help="0: any free port")
     p.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu when one is found")
     p.add_argument("--dtype", choices=("float16", "bfloat16"), help="GPU dtype (default from the checkpoint)")
     p.add_argument("--quant", metavar="SPEC", help="quantize the linear weights at load (as generate's --quant)")
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1/ endpoints")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens of one step (chunked prefill)")
-    p.add_argument("--max-waiting", type=int, default=1024,
+    p.add_argument("--max-num-seqs", type=int_in(1), default=256)
+    p.add_argument("--max-batch-tokens", type=int_in(1), default=2048, help="tokens of one step (chunked prefill)")
+    p.add_argument("--max-waiting", type=int_in(1), default=1024,
                    help="requests waiting for admission past which new ones get 503 with Retry-After")
-    p.add_argument("--kv-tokens", type=int, help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
+    p.add_argument("--kv-tokens", type=int_in(1), help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint's folder name)")
     add_speculative_arguments(p)
     return p
@@ -294,6 +295,7 @@ def main(argv=None) -> int:
         from .io.checkpoint import resolve_checkpoint
         from .serving.async_engine import AsyncEngine
 
+        check_listen(args.host, args.port)
         path = resolve_checkpoint(args.checkpoint)
         device = runtime.pick_device(args.device)
         aengine = AsyncEngine.start(path, device=device, dtype=args.dtype, quant=args.quant,
@@ -310,6 +312,21 @@ def main(argv=None) -> int:
     server.aengine = app.state.aengine
     server.run()
     return 0
+
+
+def check_listen(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on (a port in use, an unknown host) before the
+    model loads, binding as uvicorn binds (SO_REUSEADDR); the socket is closed again."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise CuinferError(f"--host {host}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise CuinferError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def _server_class():

@@ -265,6 +265,24 @@ def test_bench_serve_http_drives_the_server(server, tmp_path):
     assert r["requests"] == 5 and r["out_tok_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], "argument --port: got '99999', need an integer in 0..65535"),
+    (["--max-waiting", "0"], "argument --max-waiting: got '0', need an integer >= 1"),
+    (["--max-num-seqs", "-1"], "argument --max-num-seqs: got '-1'"),
+    (["--host", "no-such-host.invalid"], "--host no-such-host.invalid:"),
+    (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
+])
+def test_bad_server_flags_exit_2_before_loading(ckpt, flags, message):
+    """A bad flag, an unknown host or a port in use: one message and exit 2, before the model loads."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
+        r = subprocess.run([sys.executable, "-m", "cuinfer.serve", str(ckpt), "--device", "cpu", *flags],
+                           check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "cuinfer serving" not in r.stderr
+
 def test_sigterm_ends_running_streams_with_an_error_event(ckpt):
     proc, url = start_server(ckpt)
     try:
