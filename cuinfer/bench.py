@@ -1,7 +1,8 @@
 """Benchmarks: python -m cuinfer.bench SUITE [--json PATH] [suite options].
 
 Suites live in cuinfer/benches/<suite>.py and define `add_arguments(parser)` and
-`run(args) -> list[dict]`; each row carries at least `name` and `ms`, and where
+`run(args) -> list[dict]` (and `runs_without_gpu(args)` where some runs need none: without it a
+suite needs a CUDA GPU, and a machine without one gets one line); each row carries at least `name` and `ms`, and where
 they apply `bytes`, `flops`, `gbs`, `tflops`, `pct_copy` and `peer_ms`. This
 module holds what they share: CUDA-event timing (median after warm-up), the
 device-to-device copy ceiling measured in the same run, the optional torch peer,
@@ -119,9 +120,16 @@ def main(argv=None):
         p.add_argument("--json", help="also write the rows and the header to this JSON file")
         modules[name].add_arguments(p)
     args = parser.parse_args(argv)
+    module = modules[args.suite]
+    try:
+        if not getattr(module, "runs_without_gpu", lambda _: False)(args):
+            runtime.pick_device("gpu")
+    except runtime.NoDeviceError:
+        print(f"error: python -m cuinfer.bench {args.suite} needs a CUDA GPU, and none was found", file=sys.stderr)
+        return 2
     try:
         head = header()
-        rows = [finish_row(r) for r in modules[args.suite].run(args)]
+        rows = [finish_row(r) for r in module.run(args)]
     except runtime.CuinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -177,3 +177,27 @@ def test_logprobs_match_the_models_log_softmax_and_penalties_apply(cpu_model):
     free = eng.generate(prompt, SamplingParams(max_new_tokens=12))[0].token_ids
     assert penalised != free
     assert max(penalised.count(t) for t in penalised) <= max(free.count(t) for t in free)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode", "--batch", "1"], "python -m cuinfer.bench decode needs a CUDA GPU, and none was found"),
+    (["spec"], "python -m cuinfer.bench spec needs a CUDA GPU"),
+    (["serve", "--http", "http://127.0.0.1:9", "--model", "m", "--vocab", "50", "--workload", "rate",
+      "--num-requests", "2"], "--http http://127.0.0.1:9: ConnectError"),
+])
+def test_bench_user_errors_exit_2_with_one_message(argv, message):
+    """A GPU suite on a machine without a GPU, a server that cannot be reached: one line, exit 2."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import HAS_GPU
+
+    if HAS_GPU and argv[0] != "serve":
+        pytest.skip("checks the message on a machine without a GPU")
+    with socket.socket() as s:  # port 9 (discard) is closed here; make sure nothing listens on it
+        if s.connect_ex(("127.0.0.1", 9)) == 0:
+            pytest.skip("something listens on 127.0.0.1:9")
+    r = subprocess.run([sys.executable, "-m", "cuinfer.bench", *argv], check=False, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -61,7 +61,6 @@ def shape_rows(cp, model, config, shapes, ctx: int) -> list:
 def run(args):
     from ..convert import load_preset
 
-    runtime.pick_device("gpu")  # no GPU: one clear message
     cp = runtime.require_cupy()
     dtype = runtime.bfloat16 if args.dtype == "bfloat16" else np.dtype(np.float16)
     config = load_preset(args.preset)

@@ -206,6 +206,11 @@ def run_http(args) -> list:
     return rows
 
 
+def runs_without_gpu(args) -> bool:
+    """--http drives a server over the network: no GPU here."""
+    return bool(args.http)
+
+
 def run(args):
     if args.http:
         return run_http(args)

@@ -54,6 +54,15 @@ async def _drive(url, model, requests, concurrency, api_key) -> dict:
 
 
 def drive_http(url, model, requests, concurrency=0, api_key=None) -> dict:
-    """Run the requests against the server at `url` (its address, /v1 added if missing); the totals."""
-    url = url.rstrip("/")
-    return asyncio.run(_drive(url if url.endswith("/v1") else url + "/v1", model, requests, concurrency, api_key))
+    """Run the requests against the server at `url` (its address, /v1 added if missing); the totals.
+    A server that cannot be reached, or drops a connection, ends the run with one message."""
+    try:
+        import httpx
+    except ImportError:
+        raise CuinferError("bench serve --http needs httpx: pip install httpx") from None
+
+    base = url.rstrip("/")
+    try:
+        return asyncio.run(_drive(base if base.endswith("/v1") else base + "/v1", model, requests, concurrency, api_key))
+    except httpx.HTTPError as e:
+        raise CuinferError(f"--http {url}: {type(e).__name__}: {e}") from None

@@ -139,7 +139,6 @@ def run(args):
     from ..io.tokenizer import Tokenizer
     from .decode import random_weights
 
-    runtime.pick_device("gpu")  # no GPU: one clear message
     cp = runtime.require_cupy()
     dtype = runtime.bfloat16 if args.dtype == "bfloat16" else np.dtype(np.float16)
     batches = [int(b) for b in args.batch.split(",")]
