@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from .generate import check_dtype, int_in
 from .ops import runtime
 
 
@@ -83,17 +84,18 @@ def main(argv=None):
     p = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     p.add_argument("checkpoint", help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or GGUF file")
     p.add_argument("--text", required=True, help="UTF-8 text file")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--stride", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--window", type=int_in(2), default=512)
+    p.add_argument("--stride", type=int_in(1), default=256)
+    p.add_argument("--max-tokens", type=int_in(2), default=None, help="score only the first N tokens")
     p.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu when one is found")
-    p.add_argument("--dtype", default=None, help="GPU dtype: float16 or bfloat16 (default from the checkpoint)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="GPU: float16 or bfloat16 (default from the checkpoint); CPU: float32")
     p.add_argument("--quant", nargs="+", default=["none"],
                    help="weight formats to compare: none, int8, int4 (g128, fit minmax), int4-g32, int4-g32-mse, "
                         "int4-gptq, ... (cuinfer.ops.quant.parse_spec; a group size not dividing in_features shrinks "
                         "to one that does); a checkpoint saved quantized (python -m cuinfer.quantize) runs as none")
     p.add_argument("--calib", help="calibration text for the -gptq formats (another text than --text)")
-    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (sequences of 512)")
+    p.add_argument("--calib-tokens", type=int_in(1), default=4096, help="calibration tokens (sequences of 512)")
     args = parser.parse_args(argv)
     try:
         from .io.checkpoint import load_checkpoint, resolve_checkpoint
@@ -105,6 +107,7 @@ def main(argv=None):
         if gptq and not args.calib:
             raise runtime.CuinferError(f"--quant {gptq[0]}: needs --calib FILE (calibration text)")
         args.device = runtime.pick_device(args.device)
+        check_dtype(args.device, args.dtype)
         args.checkpoint = resolve_checkpoint(args.checkpoint)
         ids = read_ids(args.checkpoint, args.text)[: args.max_tokens]
         config, tensors = load_checkpoint(args.checkpoint)

@@ -71,6 +71,14 @@ def speculative_options(args) -> dict:
                 num_speculative_tokens=args.num_speculative_tokens)
 
 
+def check_dtype(device: str, dtype) -> None:
+    """--dtype for the device picked (None: the default): float32 on the CPU, float16 / bfloat16 on the GPU."""
+    if device == "cpu" and dtype not in (None, "float32"):
+        raise runtime.CuinferError(f"--dtype {dtype}: the CPU backend runs float32")
+    if device == "gpu" and dtype == "float32":
+        raise runtime.CuinferError("--dtype float32: the GPU attention kernels need float16 or bfloat16")
+
+
 def int_in(lo: int, hi: int | None = None):
     """An argparse type: an integer in lo..hi (no upper bound without hi), refused while parsing,
     before any model loads."""
@@ -178,10 +186,7 @@ def main(argv=None) -> int:
     try:
         prompts = read_prompts(args)
         device = runtime.pick_device(args.device)
-        if device == "cpu" and args.dtype not in (None, "float32"):
-            raise runtime.CuinferError(f"--dtype {args.dtype}: the CPU backend runs float32")
-        if device == "gpu" and args.dtype == "float32":
-            raise runtime.CuinferError("--dtype float32: the GPU attention kernels need float16 or bfloat16")
+        check_dtype(device, args.dtype)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,

@@ -15,7 +15,7 @@ import time
 import uuid
 
 from .errors import CuinferError
-from .generate import add_speculative_arguments, int_in, speculative_options
+from .generate import add_speculative_arguments, check_dtype, int_in, speculative_options
 from .ops import runtime
 from .serving.sampling import SamplingParams
 
@@ -298,6 +298,7 @@ def main(argv=None) -> int:
         check_listen(args.host, args.port)
         path = resolve_checkpoint(args.checkpoint)
         device = runtime.pick_device(args.device)
+        check_dtype(device, args.dtype)
         aengine = AsyncEngine.start(path, device=device, dtype=args.dtype, quant=args.quant,
                                     kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
                                     max_num_seqs=args.max_num_seqs, **speculative_options(args))

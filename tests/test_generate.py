@@ -146,6 +146,21 @@ def test_eval_picks_the_device_as_generate_does(ckpt, capsys, tmp_path):
     assert "device cpu" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "-3"], "argument --max-tokens: got '-3', need an integer >= 2"),
+    (["--window", "0"], "argument --window: got '0', need an integer >= 2"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--device", "cpu", "--dtype", "float16"], "error: --dtype float16: the CPU backend runs float32"),
+])
+def test_eval_refuses_bad_flags(ckpt, tmp_path, flags, message):
+    """eval's counts and dtype: one message, exit 2 (--max-tokens -3 used to score all but 3 tokens)."""
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox.")
+    r = subprocess.run([sys.executable, "-m", "cuinfer.eval", "perplexity", ckpt, "--text", str(text), *flags],
+                       check=False, capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.skipif(HAS_GPU, reason="checks the choice on a machine without a GPU")
 def test_from_pretrained_picks_the_device_as_the_cli_does(ckpt):
     from cuinfer import Engine, SamplingParams

@@ -271,9 +271,11 @@ def test_bench_serve_http_drives_the_server(server, tmp_path):
     (["--max-num-seqs", "-1"], "argument --max-num-seqs: got '-1'"),
     (["--host", "no-such-host.invalid"], "--host no-such-host.invalid:"),
     (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
+    (["--dtype", "float16"], "--dtype float16: the CPU backend runs float32"),
 ])
 def test_bad_server_flags_exit_2_before_loading(ckpt, flags, message):
-    """A bad flag, an unknown host or a port in use: one message and exit 2, before the model loads."""
+    """A bad flag, an unknown host, a port in use or a dtype the device does not run: one message and
+    exit 2, before the model loads."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
