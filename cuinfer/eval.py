@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from .generate import check_dtype, int_in
+from .cli import check_dtype, int_in
 from .ops import runtime
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli import int_in
 from .errors import CuinferError
 from .io.checkpoint import expected_tensors, load_checkpoint, progress_bar, save_checkpoint, weight_shapes
 from .io.quant_io import is_quantized, quantization_config
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--quant", required=True, metavar="SPEC",
                    help="int8, int4 (group 128, fit minmax), int4-g32, int4-g64-mse, int4-gptq, ... (quant.parse_spec)")
     p.add_argument("--calib", help="calibration text for the -gptq formats")
-    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (sequences of 512)")
+    p.add_argument("--calib-tokens", type=int_in(1), default=4096, help="calibration tokens (sequences of 512)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     args = p.parse_args(argv)
     try:

@@ -14,8 +14,8 @@ import sys
 import time
 import uuid
 
+from .cli import add_speculative_arguments, check_dtype, int_in, speculative_options
 from .errors import CuinferError
-from .generate import add_speculative_arguments, check_dtype, int_in, speculative_options
 from .ops import runtime
 from .serving.sampling import SamplingParams
 

@@ -201,6 +201,10 @@ def test_quantize_errors(float_ckpt, int4_ckpt, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.splitlines()) == 1, err
         assert __import__("re").search(message, err), err
+    with pytest.raises(SystemExit) as e:  # refused while parsing (it was a slice: all but the last 5 tokens)
+        quantize_main([str(float_ckpt["tied"]), str(tmp_path / "x"), "--quant", "int4-gptq", "--calib", str(text),
+                       "--calib-tokens", "-5"])
+    assert e.value.code == 2 and "--calib-tokens: got '-5', need an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
