@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli import int_in
 from .errors import CuinferError
 from .io.checkpoint import expected_tensors, save_checkpoint
 from .io.config import ModelConfig, load_config, numpy_dtype
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None,
                    help="stored dtype: float32, float16, bfloat16 (default: float16 for --random, "
                         "float32 for GGUF, which holds its dequantized values exactly)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0), default=0)
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = p.parse_args(argv)
     try:

@@ -60,6 +60,12 @@ def test_cli_exit_code_and_message(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_bad_seed_is_refused_while_parsing(tmp_path):
+    r = run_cli("--random", "tiny", tmp_path / "out", "--seed", "-1")  # NumPy's generator raised ValueError
+    assert r.returncode == 2 and "argument --seed: got '-1', need an integer >= 0" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def small_gguf(path, **change):
     config = load_preset("tiny").replace(vocab_size=256)
     write_gguf(path, config, random_tensors(config, "float32"), **change)
