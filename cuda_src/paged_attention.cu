@@ -371,20 +371,21 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
       cp_async_wait_all();
       __syncthreads();
     }
+    // The stage slots of the split's row r (K, then V US * THREADS further): this lane's chunk, and
+    // on the last active lane the idle lanes' copies of it.
+    auto patch_stage = [&](int r, uint4 k4, uint4 v4) {
+      uint4* ks = stage + r / STEP * THREADS + (r % STEP) / RPW * 32 + (r % RPW) * KL;
+      uint4* vs = ks + US * THREADS;
+      ks[chunk] = k4, vs[chunk] = v4;
+      if (chunk == CHUNKS - 1)
+#pragma unroll
+        for (int c = CHUNKS; c < KL; ++c) ks[c] = k4, vs[c] = v4;
+    };
     if (writer) {
       const size_t dst = ((size_t)slot * n_kv_heads + kv_head) * D + chunk * 8;
       kn.store(const_cast<T*>(k_cache) + dst);
       vn.store(const_cast<T*>(v_cache) + dst);
-      if (staged) {  // the stage slots of row ctx - 1: its lanes' chunks, idle lanes a copy of the last
-        const int r = ctx - 1 - start, u = r / STEP;
-        uint4* ks = stage + u * THREADS + (r % STEP) / RPW * 32 + (r % RPW) * KL;
-        uint4* vs = ks + US * THREADS;
-        const uint4 k4 = *reinterpret_cast<const uint4*>(&kn), v4 = *reinterpret_cast<const uint4*>(&vn);
-        ks[chunk] = k4, vs[chunk] = v4;
-        if (chunk == CHUNKS - 1)
-#pragma unroll
-          for (int c = CHUNKS; c < KL; ++c) ks[c] = k4, vs[c] = v4;
-      }
+      if (staged) patch_stage(ctx - 1 - start, *reinterpret_cast<const uint4*>(&kn), *reinterpret_cast<const uint4*>(&vn));
     }
     if (staged) {  // the verify rows this thread wrote above, read back from L2 into their stage slots
 #pragma unroll 1
@@ -392,15 +393,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
         const int row_slot = slot_mapping[seq - n_before + t], pos = ctx - 1 - n_before + t;
         if (!active || row_slot < 0 || pos < start || pos >= end) continue;
         const size_t src = ((size_t)row_slot * n_kv_heads + kv_head) * D + chunk * 8;
-        const uint4 k4 = __ldcg(reinterpret_cast<const uint4*>(k_cache + src));
-        const uint4 v4 = __ldcg(reinterpret_cast<const uint4*>(v_cache + src));
-        const int rr = pos - start, u = rr / STEP;
-        uint4* ks = stage + u * THREADS + (rr % STEP) / RPW * 32 + (rr % RPW) * KL;
-        uint4* vs = ks + US * THREADS;
-        ks[chunk] = k4, vs[chunk] = v4;
-        if (chunk == CHUNKS - 1)
-#pragma unroll
-          for (int c = CHUNKS; c < KL; ++c) ks[c] = k4, vs[c] = v4;
+        patch_stage(pos - start, __ldcg(reinterpret_cast<const uint4*>(k_cache + src)),
+                    __ldcg(reinterpret_cast<const uint4*>(v_cache + src)));
       }
     }
   } else {
