@@ -22,6 +22,7 @@ import itertools
 import numpy as np
 
 from .. import bench
+from ..cli import int_in
 from ..ops import runtime
 from ..ops.linear import GEMV_ROWS, QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
 from ..ops.linear_mma import _launch as mma_launch
@@ -40,7 +41,7 @@ def add_arguments(parser):
     parser.add_argument("--sweep", metavar="PRESET",
                         help="instead: time every M = 1 tile of the decode GEMVs of a models/*.json preset")
     parser.add_argument("--formats", default="int4,int8", help="--sweep's weight formats: fp16, int8, int4")
-    parser.add_argument("--sweep-m", type=int, nargs="*", default=[1],
+    parser.add_argument("--sweep-m", type=int_in(1, GEMV_ROWS), nargs="*", default=[1],
                         help="--sweep's rows of x, 1..16: every tile at 1, tile_config's at the others")
     parser.add_argument("--mma-sweep", action="store_true",
                         help="instead: time the quantized GEMM's tiles around mma_tile's pick at each --m")
@@ -223,8 +224,6 @@ def run(args):
         formats = [f.strip() for f in args.formats.split(",")]
         if any(f not in SWEEP_BITS for f in formats):
             raise runtime.CuinferError(f"--formats: got {args.formats!r}, need fp16, int8, int4")
-        if any(not 1 <= m <= GEMV_ROWS for m in args.sweep_m):
-            raise runtime.CuinferError(f"--sweep-m: got {args.sweep_m}, need rows of 1..{GEMV_ROWS}")
         return _sweep(cp, args.sweep, formats, args.sweep_m)
     torch = bench.torch_or_none()
     rows, sums = [], {}

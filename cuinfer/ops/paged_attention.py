@@ -52,6 +52,8 @@ context_lens back, so it refuses to run on a capturing stream.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import runtime
@@ -114,6 +116,7 @@ def occupancy(ctas: int, group: int, sm_count: int, warps: int) -> float:
     return ctas * warps / (-(-ctas // per_wave) * sm_count * resident_warps(group))
 
 
+@functools.lru_cache(maxsize=None)
 def cta_warps(ctas: int, group: int, sm_count: int) -> int:
     """Warps per CTA (4 to 8): the count whose waves keep the most warps busy (occupancy), the
     larger on a tie. H100, d = 128, G = 4, 32 layers' KV (`bench attention`-style sweep of every
@@ -146,6 +149,7 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     return -(-ctx // partition), partition
 
 
+@functools.lru_cache(maxsize=None)
 def split_bound(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int, group: int = 4) -> int:
     """The split count (flash-decoding): the fewest splits of 32..1024 tokens whose grid, at its best
     warp count, keeps FULL_WAVE of the resident warps busy (each split adds a merge), else the count
@@ -154,7 +158,7 @@ def split_bound(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: 
     at 512 tokens in two: 32.7 us a layer against 28.3 unsplit with 8 warps; b=8 at 2k: 36.5 against
     29.9 us). The count depends on the pair count and on the bounds 32..1024 only, and grows with
     the context: it sizes workspaces for every context up to max_context_len (split_config's
-    rounded count never exceeds it)."""
+    rounded count never exceeds it). Cached: every eager decode launch asks for it."""
     pairs = max(1, num_seqs * n_kv_heads)
     ctx = max(1, max_context_len)
     lo, hi = -(-ctx // MAX_PARTITION), -(-ctx // MIN_PARTITION)
