@@ -77,51 +77,66 @@ __host__ __device__ constexpr bool gated(int epi) { return epi == EPI_SILU_AND_M
 // the two rows of x one 8-lane phase of a 16-byte load reads fall in different banks.
 __host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64 + 32; }
 
-// A row's sum over the block, in block_reduce's order: its warps' sums (scratch[warp], written
-// by warp_sum_to before a barrier), summed by every warp.
-__device__ __forceinline__ float warps_sum(const float* scratch) {
-  const int lane = threadIdx.x & 31, n_warps = (blockDim.x + 31) >> 5;
-  return warp_reduce(lane < n_warps ? scratch[lane] : 0.0f);
-}
-__device__ __forceinline__ void warp_sum_to(float* scratch, float x) {
-  x = warp_reduce(x);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-}
-
 // xs[m, :] = the M <= MAXM rows of s, or with a weight w their RMSNorm (s is the residual stream),
 // rounded as rms_norm.cu rounds it (rms_inv, rms_normed); ends with a barrier. K % 8 == 0.
 // ADD (with w): s is first replaced by round(s + rms_normed(add_o, add_w)), rms_norm.cu's ADD 2
 // (Gemma's output norm and residual add, of the previous linear layer's output add_o), which block
 // (0, 0) also writes to add_out [M, K]: that norm needs no launch of its own either.
-// Each row's sum of squares is block_reduce's, but the warps' sums of all rows go to shared memory
-// behind one barrier, and without ADD the rows are copied with cp.async, all at once: a verify
-// step's or a small batch's rows used to take a load latency and two barriers each.
+// The rows are taken p at a time, p the largest power of two <= min(M, WARPS), each by WARPS / p
+// warps (RowShare), so a verify step's or a small batch's rows are reduced side by side, not one
+// after another. M = 1 has a copy of its own in which the share is constants (every warp takes the
+// row; its sum of squares is block_reduce's): the runtime share cost batch-1 GEMVs ~0.1 us each.
+// Without ADD the rows are copied with cp.async, all at once, each thread copying the chunks it
+// then sums.
+template <int WARPS> struct RowShare {
+  int first, step, wpr, i0;  // rows first, first + step, ...; wpr warps a row; chunks at i0, i0 + 256 wpr, ...
+  __device__ __forceinline__ static RowShare whole() { return {0, 1, WARPS, static_cast<int>(threadIdx.x) * 8}; }
+  __device__ __forceinline__ static RowShare of(int M) {
+    constexpr int LW = ilog2(WARPS);
+    static_assert(1 << LW == WARPS, "a power-of-two warp count");
+    const int lg = 31 - __clz(min(M, WARPS));  // p = 2^lg
+    return {static_cast<int>(threadIdx.x >> 5) >> (LW - lg), 1 << lg, WARPS >> lg,
+            static_cast<int>(threadIdx.x & ((32 << (LW - lg)) - 1)) * 8};
+  }
+  // scratch[warp of the row] = the warp's sum of x; row_sum: the row's sum from them (after a barrier)
+  __device__ __forceinline__ void warp_sum_to(float* scratch, float x) const {
+    x = warp_reduce(x);
+    if ((threadIdx.x & 31) == 0) scratch[(threadIdx.x >> 5) & (wpr - 1)] = x;
+  }
+  __device__ __forceinline__ float row_sum(const float* scratch) const {
+    const int lane = threadIdx.x & 31;
+    return warp_reduce(lane < wpr ? scratch[lane] : 0.0f);
+  }
+};
+
 template <typename T, int THREADS, bool ADD, int MAXM>
-__device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
-                                           int M, int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
-                                           T* __restrict__ add_out) {
+__device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, const T* __restrict__ s,
+                                              const T* __restrict__ w, float eps, T* xs, int M, int K,
+                                              const T* __restrict__ add_o, const T* __restrict__ add_w,
+                                              T* __restrict__ add_out) {
   __shared__ float scratch[ADD ? 2 : 1][MAXM][32];
   const int ks = norm_stride(K);
   const bool writer = ADD && blockIdx.x == 0 && blockIdx.y == 0;
+  const int i0 = rs.i0, di = rs.wpr * 256;  // this thread's chunks of a row: i0, i0 + di, ...
   if constexpr (ADD) {
 #pragma unroll 1
-    for (int m = 0; m < M; ++m) {
+    for (int m = rs.first; m < M; m += rs.step) {
       float o_sq = 0.0f;
 #pragma unroll 1
-      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+      for (int i = i0; i < K; i += di) {
         const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e) o_sq += to_float(o.v[e]) * to_float(o.v[e]);
       }
-      warp_sum_to(scratch[1][m], o_sq);
+      rs.warp_sum_to(scratch[1][m], o_sq);
     }
     __syncthreads();
 #pragma unroll 1
-    for (int m = 0; m < M; ++m) {
-      const float add_inv_rms = rms_inv(warps_sum(scratch[1][m]), K, eps);
+    for (int m = rs.first; m < M; m += rs.step) {
+      const float add_inv_rms = rms_inv(rs.row_sum(scratch[1][m]), K, eps);
       float sum_sq = 0.0f;
 #pragma unroll 1
-      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+      for (int i = i0; i < K; i += di) {
         Vec<T, 8> v = Vec<T, 8>::load(s + (size_t)m * K + i);
         const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i), g = Vec<T, 8>::load(add_w + i);
 #pragma unroll
@@ -132,36 +147,36 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __r
 #pragma unroll
         for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
       }
-      if (w != nullptr) warp_sum_to(scratch[0][m], sum_sq);  // w is set with ADD: the test saves 4 registers (ptxas)
+      if (w != nullptr) rs.warp_sum_to(scratch[0][m], sum_sq);  // w is set with ADD: the test saves 4 registers (ptxas)
     }
   } else {  // every row's chunks in flight at once (cp.async), then each thread sums its own
 #pragma unroll 1
-    for (int m = 0; m < M; ++m)
+    for (int m = rs.first; m < M; m += rs.step)
 #pragma unroll 1
-      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) cp_async16(smem_u32(xs + m * ks + i), s + (size_t)m * K + i);
+      for (int i = i0; i < K; i += di) cp_async16(smem_u32(xs + m * ks + i), s + (size_t)m * K + i);
     cp_async_commit();
     cp_async_wait_all();  // this thread's copies have landed: it reads only those before the barrier
     if (w != nullptr) {  // block-uniform
 #pragma unroll 1
-      for (int m = 0; m < M; ++m) {
+      for (int m = rs.first; m < M; m += rs.step) {
         float sum_sq = 0.0f;
 #pragma unroll 1
-        for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+        for (int i = i0; i < K; i += di) {
           const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i);
 #pragma unroll
           for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
         }
-        warp_sum_to(scratch[0][m], sum_sq);
+        rs.warp_sum_to(scratch[0][m], sum_sq);
       }
     }
   }
   if (w != nullptr) {
     __syncthreads();
 #pragma unroll 1
-    for (int m = 0; m < M; ++m) {
-      const float inv_rms = rms_inv(warps_sum(scratch[0][m]), K, eps);
+    for (int m = rs.first; m < M; m += rs.step) {
+      const float inv_rms = rms_inv(rs.row_sum(scratch[0][m]), K, eps);
 #pragma unroll 1
-      for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {  // this thread's own elements
+      for (int i = i0; i < K; i += di) {  // this thread's own elements
         const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(w + i);
         Vec<T, 8> o;
 #pragma unroll
@@ -171,6 +186,16 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __r
     }
   }
   __syncthreads();
+}
+template <typename T, int THREADS, bool ADD, int MAXM>
+__device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
+                                           int M, int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
+                                           T* __restrict__ add_out) {
+  using Share = RowShare<THREADS / 32>;
+  if (M == 1)
+    stage_rows_as<T, THREADS, ADD, MAXM>(Share::whole(), s, w, eps, xs, M, K, add_o, add_w, add_out);
+  else
+    stage_rows_as<T, THREADS, ADD, MAXM>(Share::of(M), s, w, eps, xs, M, K, add_o, add_w, add_out);
 }
 
 // The epilogue's operands that do not depend on the product, for one output: int8 scales, bias (of
