@@ -198,17 +198,26 @@ def test_streamed_text_and_tokens_are_complete(cpu_model):
 
 def test_backoff_stops_verifying_what_never_matches(cpu_model):
     """Drafts that are always rejected: after each miss the sequence decodes plainly for twice as
-    many tokens (up to MAX_BACKOFF), so 200 tokens take few verify steps, and the same tokens.
-    A verify step that gains fewer tokens than it costs in plain steps is a miss too."""
+    many tokens, up to MAX_BACKOFF and to the tokens over which a failed verify step costs at most
+    PROBE_SHARE of the decoding: (cost - 1) / PROBE_SHARE. So 200 tokens take few verify steps when
+    a verify step costs 20 plain steps and many when it costs 1.1, with the same tokens. A verify
+    step that gains fewer tokens than it costs in plain steps is a miss too."""
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
     prompt = list(range(40))
     plain = make_engine(cpu_model, 4096).generate([prompt], params)[0].token_ids
     never = min(set(range(97)) - set(plain))
-    eng = make_engine(cpu_model, 4096, speculative="ngram", num_speculative_tokens=4)
-    eng.spec.proposer = type("Wrong", (), {"propose": lambda self, seqs, ks, seeds: [
-        spec.Draft([never] * k) for k in ks]})()
-    assert eng.generate([prompt], params)[0].token_ids == plain
-    assert eng.stats.accepted_tokens == 0 and 0 < eng.stats.verify_rows <= 10
+    verify_rows = {}
+    for cost in (20.0, 1.1):
+        eng = make_engine(cpu_model, 4096, speculative="ngram", num_speculative_tokens=4)
+        eng.spec.proposer = type("Wrong", (), {"propose": lambda self, seqs, ks, seeds: [
+            spec.Draft([never] * k) for k in ks]})()
+        note = eng.spec.note_verify_step
+        eng.spec.note_verify_step = lambda num_seqs, seconds, c=cost: note(num_seqs, None) and c
+        assert eng.generate([prompt], params)[0].token_ids == plain
+        assert eng.stats.accepted_tokens == 0
+        verify_rows[cost] = eng.stats.verify_rows
+    assert 0 < verify_rows[20.0] <= 10  # misses at 0, 2, 6, 14, 30, 62, 126 tokens
+    assert verify_rows[1.1] >= 60  # backoffs of at most 0.1 / 0.05 = 2 tokens
     s = spec.Speculator(spec.NgramProposer(), 4)
     seq = eng.scheduler.running or type("S", (), {})()
     seq.params, seq.output_ids = params, [0] * 10
@@ -343,6 +352,28 @@ def other_model():
     """small_config with other weights: a draft that is often wrong."""
     cfg = small_config()
     return Model.from_tensors(cfg, random_tensors(cfg, seed=4), "cpu")
+
+
+def test_draft_proposal_after_a_dropped_one(cpu_model):
+    """The engine drops a proposal whose KV slots do not fit and decodes one token plainly; when that
+    token is the first draft, every token of the sequence has draft K/V, and the next proposal must
+    still run the last token again for its logits: the target drafting for itself proposes its own
+    greedy continuation, shifted by that token."""
+    from cuinfer.model.kv_cache import CacheShape, KVCache
+    from cuinfer.serving.draft import DraftProposer
+
+    cfg = cpu_model.config
+    cache = KVCache.allocate(CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), np.float32,
+                             np, 512)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    prompt = repetitive_prompts(1, seed=5)[0]
+    want = make_engine(cpu_model, 4096).generate([prompt], params)[0].token_ids
+    proposer = DraftProposer(cpu_model, cpu_model, cache)
+    seq = Sequence(0, list(prompt), params, block_table=[0])  # a live sequence of the target
+    first = proposer.propose([seq], [3], [0])[0].tokens
+    assert first == want[:3]
+    seq.output_ids.append(first[0])  # the proposal dropped, d1 decoded plainly
+    assert proposer.propose([seq], [3], [0])[0].tokens == want[1:4]
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])

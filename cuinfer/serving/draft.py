@@ -122,11 +122,14 @@ class DraftProposer:
         return self.model.forward(batch, self.cache)
 
     def _prepare(self, seq, k: int) -> bool:
-        """Keep the accepted drafts of seq's last proposal, free the blocks past them and reserve
+        """Keep the accepted drafts of seq's last proposal (not the last token), free the blocks past them and reserve
         the slots of the catch-up chunk and the k - 1 drafts after it; False if they do not fit."""
         st = self.state.setdefault(seq, _DraftSeq())
         actual = seq.token_slice(st.computed, st.computed + len(st.written))
         st.computed += next((j for j, (a, b) in enumerate(zip(st.written, actual)) if a != b), len(actual))
+        # the catch-up chunk holds the last token at least (its logits give d1): every token has draft
+        # K/V when the engine dropped the last proposal and then decoded d1 itself
+        st.computed = min(st.computed, seq.num_tokens - 1)
         st.written = []
         keep = blocks_for(st.computed, self.blocks.block_size)
         self.blocks.free(st.table[keep:])

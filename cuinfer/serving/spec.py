@@ -24,9 +24,14 @@ cost in plain decode steps of the same batch (measured: the engine times both ki
 runs a plain step to time it before the first verify step of a batch bucket and after every
 PROBE_EVERY), or when it had nothing to propose: one short run of accepted drafts among long ones
 is no miss. After m misses in a row the sequence decodes plainly for the next min(2**m,
-MAX_BACKOFF) tokens, through the pipelined CUDA-graph decode path, and starts its average afresh,
-so text the drafts do not predict, or drafts that cost more than they gain, do not slow decoding.
-A verify step that pays resets the count.
+(cost - 1) / PROBE_SHARE, MAX_BACKOFF) tokens, through the pipelined CUDA-graph decode path, and
+starts its average afresh, so text the drafts do not predict, or drafts that cost more than they
+gain, do not slow decoding: the verify step that ends a backoff, when it misses again, costs its
+cost - 1 extra plain steps once every (cost - 1) / PROBE_SHARE tokens or more, at most PROBE_SHARE
+of the sequence's decoding. Where verifying is cheap (ngram drafts at batch 1: 1.2-1.4 plain
+steps) that bound keeps backoffs short, so drafts are tried again soon after the text turns
+predictable; a costly draft model backs off up to MAX_BACKOFF tokens. A verify step that pays
+resets the count.
 
 A step verifies only when it should pay for the whole batch: the tokens the due sequences are
 expected to gain beyond their one (their averages; k / 2 + 1 before the first) exceed what the
@@ -50,6 +55,7 @@ from .sampling import graph_sampleable, token_probs
 
 MAX_SPECULATIVE_TOKENS = 16
 MAX_BACKOFF = 256  # output tokens decoded without drafts after repeated misses, at most
+PROBE_SHARE = 0.05  # the share of a backed-off sequence's decoding its failed verify steps may cost
 PROBE_EVERY = 32  # verify steps of a batch bucket after which a plain step is timed again
 PLAIN_SAMPLES = 8  # plain step times kept per batch bucket (their minimum is the estimate)
 SMOOTHING = 0.5  # weight of the newest gain in a sequence's moving average
@@ -249,14 +255,15 @@ class Speculator:
     def record(self, seq, proposed: int, accepted: int, cost: float = 1.0) -> None:
         """A due sequence's verify result: it proposed `proposed` drafts and kept `accepted` in a
         step that cost `cost` plain steps. A miss (nothing proposed, or its average gain, this step
-        included, no more than the cost) backs off."""
+        included, no more than the cost) backs off, for fewer tokens the cheaper the step was."""
         b = self._backoff.setdefault(seq, _Backoff())
         gain = accepted + 1 if not b.gain else SMOOTHING * (accepted + 1) + (1 - SMOOTHING) * b.gain
         if proposed and gain > cost:
             b.misses, b.resume_at, b.gain = 0, 0, gain
         else:  # when it is due again its gain is unknown again
             b.misses, b.gain = b.misses + 1, 0.0
-            b.resume_at = len(seq.output_ids) + min(2 ** b.misses, MAX_BACKOFF)
+            bound = max(1, int((cost - 1) / PROBE_SHARE))
+            b.resume_at = len(seq.output_ids) + min(2 ** b.misses, bound, MAX_BACKOFF)
 
 
 def verify(logits, seqs, drafts, seeds) -> list:
