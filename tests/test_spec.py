@@ -252,6 +252,20 @@ def test_backoff_stops_verifying_what_never_matches(cpu_model):
     assert not probe.wants([(live, 1)])
 
 
+def test_not_adaptive_verifies_every_step():
+    """Speculator(adaptive=False): every decoding step with a due sequence verifies (no plain step
+    timed first, whatever the cost) and misses never back off."""
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    always = spec.Speculator(spec.NgramProposer(), 4, adaptive=False)
+    seq = Sequence(0, [1, 2, 3], params)
+    seq.output_ids, seq.num_computed = [4], 3
+    assert always.wants([(seq, 1)])
+    for _ in range(5):
+        always.record(seq, 4, 0, cost=50.0)
+    assert always.due(seq) and always.wants([(seq, 1)])
+    assert not always.wants([(seq, 2)])  # a prompt chunk in the step
+
+
 def test_a_step_verifies_only_when_it_pays_for_the_batch():
     """The due sequences' expected extra tokens must exceed what a verify step costs the whole batch:
     (cost - 1) x batch, with cost the bucket's verify steps in plain steps."""

@@ -6,7 +6,9 @@ are the model's continuation of its own end, no longer grounded in the prompt). 
 - "grounded b=B <method>": the input-grounded prompts of benches/spec_prompts.json (repeat,
   summarize or edit a given passage, in the chat template) through one Engine with max_num_seqs=B
   (continuous batching at B), for the methods plain, ngram and draft (the --draft checkpoint, or the
-  target quantized to --draft-quant at load, e.g. its int4 copy), the last two at each --k. Each engine runs the set once to
+  target quantized to --draft-quant at load, e.g. its int4 copy), the last two at each --k; "draft
+  always" is the draft with Speculator.adaptive off (every step verifies: its acceptance and raw
+  cost, where the adaptive rows may turn a slow draft off). Each engine runs the set once to
   warm up (graphs captured), then once timed. ms: wall milliseconds per generated token, prefill
   included; peer_ms: plain's at the same B, so speedup = tok/s over plain decoding, measured in the
   same run. The shape column gives that tok/s, the decode phase's (tokens of decode and verify steps
@@ -81,15 +83,18 @@ def generation_rows(model, tok, draft, args, batches) -> tuple:
     sets = load_prompts(tok)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
     ks = [int(k) for k in str(args.k).split(",")]
-    methods = [("plain", None, 0)] + [(f"{m} k={k}", spec, k) for k in ks
-                                      for m, spec in (("ngram", "ngram"), ("draft", draft)) if spec is not None]
+    methods = [("plain", None, 0, True)] + [(f"{m} k={k}", spec, k, adaptive) for k in ks for m, spec, adaptive in
+                                            (("ngram", "ngram", True), ("draft", draft, True),
+                                             ("draft always", draft, False)) if spec is not None]
     kv_tokens = max(batches) * (max(len(p) for s in sets.values() for p in s) + args.new_tokens + 64)
     rows, gain = [], 0.0
     for name, prompts, bs in (("grounded", sets["grounded"], batches), ("open", sets["open"], [1])):
         for b in bs:
             base = None
-            for method, speculative, k in methods:
+            for method, speculative, k, adaptive in methods:
                 eng = engine_for(model, tok, speculative, k or 1, b, kv_tokens)
+                if speculative is not None:
+                    eng.spec.adaptive = adaptive
                 secs, outs = timed(eng, prompts, params)
                 n = sum(len(o.token_ids) for o in outs)
                 ms = 1000 * secs / n

@@ -193,10 +193,12 @@ class _Backoff:
 
 
 class Speculator:
-    def __init__(self, proposer, num_tokens: int):
+    def __init__(self, proposer, num_tokens: int, adaptive: bool = True):
+        """adaptive=False: every step in which a sequence may draft verifies, and nothing backs off
+        (the drafts' acceptance and raw cost, as `bench spec`'s "always" rows measure them)."""
         if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise CuinferError(f"num_speculative_tokens: got {num_tokens}, need 1..{MAX_SPECULATIVE_TOKENS}")
-        self.proposer, self.k = proposer, num_tokens
+        self.proposer, self.k, self.adaptive = proposer, num_tokens, adaptive
         self._backoff = {}  # Sequence -> _Backoff, while it runs
         self._plain = {}  # batch bucket -> _PlainTimes
 
@@ -210,6 +212,8 @@ class Speculator:
         """Whether the step `plan` ([(sequence, tokens)]) becomes a verify step: every sequence
         decodes and one is due."""
         decoding = all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
+        if not self.adaptive:
+            return decoding and any(self.due(s) for s, _ in plan)
         if not decoding or self._probe(len(plan)):
             return False
         extra = sum(self._gain(s) - 1 for s, _ in plan if self.due(s))
@@ -256,6 +260,8 @@ class Speculator:
         """A due sequence's verify result: it proposed `proposed` drafts and kept `accepted` in a
         step that cost `cost` plain steps. A miss (nothing proposed, or its average gain, this step
         included, no more than the cost) backs off, for fewer tokens the cheaper the step was."""
+        if not self.adaptive:
+            return
         b = self._backoff.setdefault(seq, _Backoff())
         gain = accepted + 1 if not b.gain else SMOOTHING * (accepted + 1) + (1 - SMOOTHING) * b.gain
         if proposed and gain > cost:
