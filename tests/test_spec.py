@@ -529,6 +529,8 @@ def test_step_shape():
     assert step_shape([([1, 2], 10, [0]), ([1, 2, 3], 250, list(range(16)))], 16) == (2, 3, 16)
     assert step_shape([([1], 300, list(range(19))), ([1], 0, [1]), ([1], 0, [2])], 16) == (4, 1, 32)
     assert step_shape([([1, 2], 254, list(range(17)))], 16) == (1, 2, 32)  # a table past the context
+    # q_len: the longest chunk rounded up to 1 + a power of two
+    assert [step_shape([([1] * n, 0, [0])], 16)[1] for n in range(1, 11)] == [1, 2, 3, 5, 5, 9, 9, 9, 9, 17]
 
 
 @pytest.mark.parametrize("source", ["ngram", "self"])
