@@ -28,7 +28,7 @@ is no miss. After m misses in a row the sequence decodes plainly for the next mi
 starts its average afresh, so text the drafts do not predict, or drafts that cost more than they
 gain, do not slow decoding: the verify step that ends a backoff, when it misses again, costs its
 cost - 1 extra plain steps once every (cost - 1) / PROBE_SHARE tokens or more, at most PROBE_SHARE
-of the sequence's decoding. Where verifying is cheap (ngram drafts at batch 1: 1.2-1.4 plain
+of the sequence's decoding. Where verifying is cheap (ngram drafts at batch 1: 1.5-1.7 plain
 steps) that bound keeps backoffs short, so drafts are tried again soon after the text turns
 predictable; a costly draft model backs off up to MAX_BACKOFF tokens. A verify step that pays
 resets the count.
