@@ -15,8 +15,8 @@ step runs the kernels a plain decode step runs, on k + 1 rows per sequence: the 
 once, and a greedy step ends in the fused lm_head argmax, whose kernel writes the tokens straight
 into pinned host memory (runner.mapped_pinned): an event after the step is all the host waits on,
 and no copy follows the step. Its shape
-is fixed once every chunk is padded to q_len (the longest chunk, rounded up to one plus a power of
-two), the number of sequences to a
+is fixed once every chunk is padded to q_len (the longest chunk, rounded up to 1, 2, 3, 5, 9 or 16
+rows: q_bucket), the number of sequences to a
 batch bucket (1, 2, 4, ...) and the block tables to a context bucket (256, 512, ... tokens, as
 DecodeGraph's); the inputs live in one static int32 device buffer, decoder.input_views' layout
 over T = b * q_len rows
@@ -41,15 +41,22 @@ from ..ops import runtime
 from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async, mapped_pinned
 
 
+Q_BUCKETS = (1, 2, 3, 5, 9, 16)  # rows a verify step gives each sequence (past 16: its longest chunk)
+
+
+def q_bucket(q: int) -> int:
+    """The rows of a verify step whose longest chunk has q tokens: the first of Q_BUCKETS that holds
+    them (k drafts, the last token and some padding; 16 fills the GEMV's rows), else q. Rounding keeps
+    the graphs of a k to a few per (batch bucket, context bucket): with q_len the longest chunk
+    itself, batch-4 ngram at k = 8 still captured graphs in the bench's timed pass (7.3 ms a verify
+    launch on average, 0.28x plain decoding)."""
+    return next((b for b in Q_BUCKETS if b >= q), q)
+
+
 def step_shape(chunks, block_size: int) -> tuple:
-    """(batch bucket, q_len, block-table width) of a verify step: q_len the longest chunk rounded up
-    to 1, 2, 3, 5, 9, 17 (one plus a power of two: k drafts, the last token and some padding), the
-    width a context bucket that covers every padded chunk and every block table. Rounding q_len
-    keeps the graphs of a k to ~log2 k per (batch bucket, context bucket): with q_len the longest
-    chunk itself, batch-4 ngram at k = 8 still captured graphs in the bench's timed pass (7.3 ms a
-    verify launch on average, 0.28x plain decoding)."""
-    q = max(len(t) for t, _, _ in chunks)
-    q = 1 + bucket(q - 1) if q > 1 else 1
+    """(batch bucket, q_len, block-table width) of a verify step: q_len the longest chunk's q_bucket,
+    the width a context bucket that covers every padded chunk and every block table."""
+    q = q_bucket(max(len(t) for t, _, _ in chunks))
     tokens = max(max(s + q, len(table) * block_size) for _, s, table in chunks)
     return bucket(len(chunks)), q, bucket(tokens, MIN_CONTEXT_BUCKET) // block_size
 
