@@ -390,19 +390,26 @@ def tensor_map(a, box) -> bytes:
     """A CUtensorMap (128 bytes) for TMA copies of `box`-shaped tiles (element counts, outermost
     first, as a shape) out of the C-contiguous 16-bit device array `a`, with the 128-byte swizzle
     (the innermost box side must be 64 elements) and zeros past the array's bounds. Passed to a
-    kernel by value (launch takes bytes) as a `const __grid_constant__ TensorMap`."""
+    kernel by value (launch takes bytes) as a `const __grid_constant__ TensorMap`. A map encodes
+    only the address, shape, strides and box, so maps are cached on those: a paged prefill's K and V
+    maps (of the cache's fixed buffers) are encoded once, not at every layer of every step."""
     if a.dtype.itemsize != 2 or not a.flags.c_contiguous or box[-1] * 2 != 128 or len(box) != a.ndim:
         raise ValueError(f"tensor_map: need a C-contiguous 16-bit array and a box of its rank ending in 64 "
                          f"(got {a.dtype}, shape {a.shape}, box {box})")
-    rank = a.ndim
-    dims = (ctypes.c_uint64 * rank)(*reversed(a.shape))
-    strides = (ctypes.c_uint64 * max(rank - 1, 1))(*reversed(a.strides[:-1]))
+    return _encoded_map(a.data.ptr, tuple(a.shape), tuple(a.strides), tuple(box))
+
+
+@functools.lru_cache(maxsize=1024)
+def _encoded_map(ptr: int, shape: tuple, strides: tuple, box: tuple) -> bytes:
+    rank = len(shape)
+    dims = (ctypes.c_uint64 * rank)(*reversed(shape))
+    steps = (ctypes.c_uint64 * max(rank - 1, 1))(*reversed(strides[:-1]))
     boxes = (ctypes.c_uint32 * rank)(*reversed(box))
     ones = (ctypes.c_uint32 * rank)(*([1] * rank))
     out = (ctypes.c_uint64 * 24)()  # 192 bytes: a 64-byte aligned 128-byte map inside
     addr = -(-ctypes.addressof(out) // 64) * 64
     # UINT16 data (bytes are bytes), no interleave, 128-byte swizzle, 256-byte L2 promotion, zero fill
-    _driver_call("cuTensorMapEncodeTiled", addr, 1, rank, a.data.ptr, dims, strides, boxes, ones, 0, 3, 3, 0)
+    _driver_call("cuTensorMapEncodeTiled", addr, 1, rank, ptr, dims, steps, boxes, ones, 0, 3, 3, 0)
     return ctypes.string_at(addr, 128)
 
 
