@@ -34,11 +34,11 @@ predictable; a costly draft model backs off up to MAX_BACKOFF tokens. A verify s
 resets the count.
 
 A step verifies only when it should pay for the whole batch: the tokens the due sequences are
-expected to gain beyond their one (their averages; k / 2 + 1 before the first) exceed what the
-step costs the others, (cost - 1) x batch, with cost the cheapest of the bucket's recent verify
-steps in plain steps (a step that met a new shape, and so captured a graph, is not timed:
-Engine._spec_step). One due sequence among many does not turn every step of the batch into a
-synchronous verify step.
+expected to gain beyond their one (their averages; k / 2 + 1 before the first, k as budgets cuts
+it) exceed what the step costs the others, (cost - 1) x batch, with cost the cheapest of the
+bucket's recent verify steps in plain steps (a step that met a new shape, and so captured a
+graph, is not timed: Engine._spec_step). One due sequence among many does not turn every step of
+the batch into a synchronous verify step.
 """
 from __future__ import annotations
 
@@ -231,13 +231,14 @@ class Speculator:
             return decoding and any(self.due(s) for s, _ in plan)
         if not decoding or self._probe(len(plan)):
             return False
-        extra = sum(self._gain(s) - 1 for s, _ in plan if self.due(s))
+        k = drafts_within_gemv(len(plan), self.k)
+        extra = sum(self._gain(s, k) - 1 for s, _ in plan if self.due(s))
         costs = self._plain[bucket(len(plan))].costs
         return extra > 0 and extra > (min(costs, default=1.0) - 1) * len(plan)
 
-    def _gain(self, seq) -> float:
+    def _gain(self, seq, k: int) -> float:
         b = self._backoff.get(seq)
-        return b.gain if b is not None and b.gain else self.k / 2 + 1
+        return b.gain if b is not None and b.gain else k / 2 + 1
 
     def budgets(self, seqs, max_len: int) -> list:
         """Draft tokens each sequence may take: drafts_within_gemv(batch, k), less what would pass
