@@ -107,13 +107,13 @@ def check(name, x, *, dtype=None, ndim=None, shape=None, contiguous=True, align=
     align: required alignment in bytes of the data pointer (device arrays only).
     """
     if dtype is not None:
-        allowed = tuple(np.dtype(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
+        allowed = _dtypes(dtype)
         if x.dtype not in allowed:
             need = " or ".join(str(d) for d in allowed)
             raise ValueError(f"{name}: got dtype {x.dtype}, need {need}")
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{name}: got {x.ndim} dimensions (shape {tuple(x.shape)}), need {ndim}")
-    if shape is not None:
+    if shape is not None and tuple(shape) != x.shape:  # equal: no axis left to compare
         if len(shape) != x.ndim or any(s is not None and s != g for s, g in zip(shape, x.shape)):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name}: got shape {tuple(x.shape)}, need {want}")
@@ -122,6 +122,12 @@ def check(name, x, *, dtype=None, ndim=None, shape=None, contiguous=True, align=
     if align is not None and is_device_array(x) and x.data.ptr % align:
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
     return x
+
+
+@functools.lru_cache(maxsize=None)
+def _dtypes(dtype) -> tuple:
+    """check's dtype argument as a tuple of np.dtype (cached: every launcher checks its arguments on every call)."""
+    return tuple(np.dtype(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
 
 
 def check_out(out, shape, dtype, like):
