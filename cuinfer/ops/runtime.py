@@ -94,7 +94,8 @@ def require_cupy():
 
 def on_device(*arrays) -> bool:
     """True when every array is a CuPy array, False when every one is NumPy; else ValueError."""
-    flags = {is_device_array(a) for a in arrays if a is not None}
+    cp = cupy_or_none()
+    flags = {cp is not None and isinstance(a, cp.ndarray) for a in arrays if a is not None}
     if len(flags) > 1:
         raise ValueError("arguments mix numpy and cupy arrays: pass all of one kind")
     return flags == {True}
