@@ -187,6 +187,7 @@ __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, c
   }
   __syncthreads();
 }
+
 template <typename T, int THREADS, bool ADD, int MAXM>
 __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
                                            int M, int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
