@@ -212,7 +212,7 @@ def test_backoff_stops_verifying_what_never_matches(cpu_model):
         eng.spec.proposer = type("Wrong", (), {"propose": lambda self, seqs, ks, seeds: [
             spec.Draft([never] * k) for k in ks]})()
         note = eng.spec.note_verify_step
-        eng.spec.note_verify_step = lambda num_seqs, seconds, c=cost: note(num_seqs, None) and c
+        eng.spec.note_verify_step = lambda num_seqs, seconds, c=cost, note=note: note(num_seqs, None) and c
         assert eng.generate([prompt], params)[0].token_ids == plain
         assert eng.stats.accepted_tokens == 0
         verify_rows[cost] = eng.stats.verify_rows
