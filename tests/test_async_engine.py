@@ -3,6 +3,7 @@ Engine.generate's; a stop string aborts the request in the engine; cut steps kee
 straight."""
 import asyncio
 
+import numpy as np
 import pytest
 from helpers import make_tiny_checkpoint
 
@@ -99,6 +100,33 @@ class Chars:
 
     def push(self, token):
         return chr(token)
+
+
+def test_request_text_finds_stop_strings_as_a_whole_text_search_does():
+    """RequestText searches only the tail a stop string can start in: against a search of the whole
+    text after every push, on random pieces of 1-3 characters over a small alphabet (stops spanning
+    pushes, overlapping stops, a stop inside one piece)."""
+    rng = np.random.default_rng(7)
+    pieces = ["a", "b", "c", "ab", "ba", "cab", "bc", "aa"]
+
+    class Pieces:
+        def stream(self):
+            return self
+
+        def push(self, token):
+            return pieces[token]
+
+    for _ in range(300):
+        stops = tuple("".join(rng.choice(list("abc"), rng.integers(1, 5))) for _ in range(rng.integers(1, 3)))
+        text, whole = RequestText(Pieces(), stop=stops), ""
+        for token in rng.integers(0, len(pieces), 30):
+            whole += pieces[token]
+            cut = min((i for i in (whole.find(s) for s in stops) if i >= 0), default=-1)
+            assert text.push(int(token)) == (cut >= 0)
+            if cut >= 0:
+                assert text.text == whole[:cut]
+                break
+            assert text.text == whole
 
 
 def test_with_text_cuts_a_step_of_several_tokens_at_its_stop_string():

@@ -23,10 +23,14 @@ class RequestText:
         self.emitted = 0  # characters already taken
 
     def push(self, token: int) -> bool:
-        """Append a token's text; True when that completes a stop string (the text then ends before it)."""
+        """Append a token's text; True when that completes a stop string (the text then ends before it).
+        A stop string found now ends in the new text, so only the tail it can start in is searched (a
+        search of the whole text made a long answer's stops quadratic)."""
+        old = len(self.text)
         if self.stream is not None:
             self.text += self.stream.push(token)
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut = min((i for i in (self.text.find(s, max(0, old - len(s) + 1)) for s in self.stop) if i >= 0),
+                  default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
             return True
