@@ -38,17 +38,17 @@ import numpy as np
 
 from ..model.decoder import input_views
 from ..ops import runtime
+from ..ops.linear import GEMV_ROWS
 from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async, mapped_pinned
 
-
-Q_BUCKETS = (1, 2, 3, 5, 9, 16)  # rows a verify step gives each sequence (past 16: its longest chunk)
+Q_BUCKETS = (1, 2, 3, 5, 9, GEMV_ROWS)  # rows a verify step gives each sequence (past them: its longest chunk)
 
 
 def q_bucket(q: int) -> int:
     """The rows of a verify step whose longest chunk has q tokens: the first of Q_BUCKETS that holds
-    them (k drafts, the last token and some padding; 16 fills the GEMV's rows), else q. Rounding keeps
-    the graphs of a k to a few per (batch bucket, context bucket): with q_len the longest chunk
-    itself, batch-4 ngram at k = 8 still captured graphs in the bench's timed pass (7.3 ms a verify
+    them (k drafts, the last token and some padding; the last fills the GEMV's rows), else q.
+    Rounding keeps the graphs of a k to a few per (batch bucket, context bucket): with q_len the
+    longest chunk itself, batch-4 ngram at k = 8 still captured graphs in the bench's timed pass (7.3 ms a verify
     launch on average, 0.28x plain decoding)."""
     return next((b for b in Q_BUCKETS if b >= q), q)
 
