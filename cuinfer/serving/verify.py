@@ -48,8 +48,8 @@ def q_bucket(q: int) -> int:
     """The rows of a verify step whose longest chunk has q tokens: the first of Q_BUCKETS that holds
     them (k drafts, the last token and some padding; the last fills the GEMV's rows), else q.
     Rounding keeps the graphs of a k to a few per (batch bucket, context bucket): with q_len the
-    longest chunk itself, batch-4 ngram at k = 8 still captured graphs in the bench's timed pass (7.3 ms a verify
-    launch on average, 0.28x plain decoding)."""
+    longest chunk itself, batch-4 ngram at k = 8 still captured graphs in the bench's timed pass
+    (7.3 ms a verify launch on average, 0.28x plain decoding)."""
     return next((b for b in Q_BUCKETS if b >= q), q)
 
 
