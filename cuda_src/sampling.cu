@@ -160,7 +160,8 @@ __device__ void histogram(const Src& src, int shift, unsigned long long prefix, 
     if (digit < 256u && lane == __ffs(peers) - 1) {
       atomicAdd(&sh.w[digit], (static_cast<unsigned long long>(hi) << 16) + lo);
       atomicAdd(&sh.c[digit], static_cast<unsigned>(__popc(peers)));
-      sh.key[digit] = key;  // read only where the bin holds one token: then no other writer
+      atomicExch(&sh.key[digit], key);  // read only where the bin holds one token (atomic: a bin of
+                                        // several has several writers, whichever lands is unused)
     }
   }
   __syncthreads();
