@@ -1,6 +1,6 @@
 """Serving workloads through the engine's online API: throughput, TTFT, time per output token.
 
-    python -m cuinfer.bench serve --workload mixed|shared-prefix|long|rate [--preset llama3-8b]
+    python -m cuinfer.bench serve --workload mixed|shared-prefix|long|rate [--preset llama3-8b] [--quant int4]
 
 Fixed-seed synthetic requests (random token ids, ignore_eos) arrive on a schedule; the loop adds
 each request when its time comes and steps the engine, stamping every token as it comes back:
@@ -33,6 +33,8 @@ def add_arguments(parser):
     parser.add_argument("--workload", default="mixed,shared-prefix,long", help=f"comma-separated: {WORKLOADS}")
     parser.add_argument("--preset", default="llama3-8b", help="a models/*.json preset (random weights)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
+                        help="the linear layers' format, quantized on the GPU as bench decode does")
     parser.add_argument("--budget", type=int, default=2048, help="max_batch_tokens of a step")
     parser.add_argument("--budgets", default="512,2048,8192", help="the long workload's step budgets")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -216,18 +218,23 @@ def run(args):
         return run_http(args)
     from ..convert import load_preset
     from ..model.decoder import Model, kernel_dtype
-    from .decode import random_weights
+    from .decode import quantized, random_weights
 
     cp = runtime.require_cupy()
     config = load_preset(args.preset)
-    model = Model(config, random_weights(cp, config, kernel_dtype(None, args.dtype)))
+    weights = random_weights(cp, config, kernel_dtype(None, args.dtype))
+    if args.quant != "none":
+        weights = quantized(weights, args.quant)
+        cp.get_default_memory_pool().free_all_blocks()  # the float copies: the KV cache sizes from free memory
+    model = Model(config, weights)
+    dtype = args.dtype if args.quant == "none" else f"{args.dtype} {args.quant}"
     rows = []
     for name in args.workload.split(","):
         for r in run_workload(cp, model, args, name.strip()):
-            rows.append({**r, "shape": args.preset, "dtype": args.dtype})
+            rows.append({**r, "shape": args.preset, "dtype": dtype})
             print(" · ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()),
                   flush=True)
-        if args.peer and name.strip() in ("mixed", "shared-prefix"):
+        if args.peer and args.quant == "none" and name.strip() in ("mixed", "shared-prefix"):
             from .. import bench
 
             torch = bench.torch_or_none()
