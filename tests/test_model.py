@@ -148,6 +148,43 @@ def test_batch_slots_follow_block_tables():
     np.testing.assert_array_equal(b.context_lens, [17, 1])
     np.testing.assert_array_equal(b.block_tables, [[4, 9], [2, 0]])
     assert b.max_seqlen_q == 3 and all(a.dtype == np.int32 for a in (b.positions, b.slot_mapping))
+    assert (b.decodes, b.decode_context) == (1, 1)  # the trailing one-token sequence
+    b = Batch.from_chunks([([7], 5, [2]), ([1, 2], 0, [4]), ([8], 9, [3]), ([9], 2, [5])], block_size=16)
+    assert (b.decodes, b.decode_context) == (2, 10) and (b.to(np).decodes, b.to(np).decode_context) == (2, 10)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_mixed_step_attends_its_decodes_with_the_decode_kernel(device, monkeypatch):
+    """A step of prefill chunks followed by one-token sequences sends the latter through
+    paged_attention (once a layer), and every row's logits equal those of the same step ordered so
+    that flash_attention_paged takes them all."""
+    import cuinfer.model.decoder as decoder
+
+    calls = []
+    paged = decoder.paged_attention
+    monkeypatch.setattr(decoder, "paged_attention", lambda q, *a, **kw: calls.append(len(q)) or paged(q, *a, **kw))
+    cfg = tiny_config()
+    model = Model.from_tensors(cfg, random_tensors(cfg), device, None if device == "cpu" else np.float16)
+    ids = prompts(cfg, [20, 9, 30, 5])
+    tables, done = [[0, 1], [2], [3, 4], [5]], [12, 8, 12, 4]  # sequences 1 and 3: one token left
+
+    def step(order):
+        cache = make_cache(cfg, model)
+        model.forward(Batch.from_chunks([(s[:d], 0, tb) for s, d, tb in zip(ids, done, tables)], 16).to(model.xp),
+                      cache)
+        calls.clear()
+        batch = Batch.from_chunks([(ids[i][done[i]:], done[i], tables[i]) for i in order], 16)
+        logits = model.forward(batch.to(model.xp), cache, all_logits=True)
+        logits = logits if model.xp is np else logits.get()
+        cu = batch.cu_seqlens_q
+        return batch.decodes, list(calls), {i: logits[cu[j]:cu[j + 1]] for j, i in enumerate(order)}
+
+    decodes, mixed_calls, mixed = step([0, 2, 1, 3])
+    assert decodes == 2 and mixed_calls == [2] * cfg.num_hidden_layers
+    decodes, flash_calls, flash = step([1, 3, 0, 2])
+    assert decodes == 0 and flash_calls == []
+    got, ref = np.concatenate([mixed[i] for i in range(4)]), np.concatenate([flash[i] for i in range(4)])
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-6 if device == "cpu" else 1e-2)
 
 
 def test_gpu_dtype_must_be_half():

@@ -2,9 +2,10 @@
 
 A preset with random weights on the GPU (default llama3-8b fp16). Each row is one step shape: P
 prompt chunks of L new tokens each (ending at context C, so a chunk attends over C - L cached
-tokens too; shapes with L > C are left out) and D decoding sequences at context C, all in one Model.forward (paged FlashAttention over
-every sequence, linear layers over all P * L + D rows: what the engine runs when chunked prefill
-meets running decodes). ms: the GPU time of that step (CUDA events, median); peer_ms: the same
+tokens too; shapes with L > C are left out) and D decoding sequences at context C, all in one
+Model.forward (paged FlashAttention over the chunks, the split-K decode kernel over the decodes,
+linear layers over all P * L + D rows: what the engine runs when chunked prefill meets running
+decodes). ms: the GPU time of that step (CUDA events, median); peer_ms: the same
 work as two steps, the P chunks alone plus the D decodes alone (a DecodeGraph replay, the engine's
 decode step); speedup = peer_ms / ms. The shape column gives the tokens the step processes and its
 tok/s. The KV cache holds random values: attention reads the same bytes whatever they are.

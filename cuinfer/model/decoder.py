@@ -129,6 +129,8 @@ class Batch:
     cu_seqlens_q: object  # [num_seqs + 1]
     context_lens: object  # [num_seqs], cached tokens including this step's
     max_seqlen_q: int
+    decodes: int = 0  # trailing sequences of one new token: attended by paged_attention (split-K)
+    decode_context: int = 0  # the longest context among them
 
     @classmethod
     def from_chunks(cls, chunks, block_size: int) -> Batch:
@@ -141,15 +143,20 @@ class Batch:
         for i, (_, _, b) in enumerate(chunks):
             tables[i, :len(b)] = b
         slots = slot_mapping(tables, np.repeat(np.arange(len(chunks)), q_lens), positions, block_size)
+        single = np.flatnonzero(q_lens != 1)
+        decodes = len(chunks) - (int(single[-1]) + 1 if len(single) else 0)
+        context_lens = (starts + q_lens).astype(np.int32)
         return cls(token_ids=np.concatenate([np.asarray(t, dtype=np.int32) for t, _, _ in chunks]),
                    positions=positions.astype(np.int32), slot_mapping=slots,
                    block_tables=tables,
                    cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
-                   context_lens=(starts + q_lens).astype(np.int32), max_seqlen_q=int(q_lens.max()))
+                   context_lens=context_lens, max_seqlen_q=int(q_lens.max()), decodes=decodes,
+                   decode_context=int(context_lens[len(chunks) - decodes:].max(initial=0)))
 
     def to(self, xp) -> Batch:
-        arrays = {f.name: xp.asarray(getattr(self, f.name)) for f in fields(self) if f.name != "max_seqlen_q"}
-        return Batch(**arrays, max_seqlen_q=self.max_seqlen_q)
+        host = ("max_seqlen_q", "decodes", "decode_context")
+        arrays = {f.name: xp.asarray(getattr(self, f.name)) for f in fields(self) if f.name not in host}
+        return Batch(**arrays, **{name: getattr(self, name) for name in host})
 
 
 def input_views(buf, b: int, width: int) -> DecodeInputs:
@@ -290,19 +297,31 @@ class Model:
 
     def prefill_attention(self, batch: Batch):
         """`forward`'s attend: write_kv (q/k norms, RoPE on q and k, k and v into the cache), then
-        flash_attention_paged over each sequence's cached prefix and new tokens."""
+        flash_attention_paged over each sequence's cached prefix and new tokens; the batch's trailing
+        one-token sequences (`Batch.decodes`: the decodes of a mixed step) through paged_attention,
+        the split-K decode kernel, instead (a prefill tile would hold one query row of each)."""
         freqs = None
         if self.longrope is not None:  # each token gets its sequence's context length
             xp, tokens = self.xp, len(batch.positions)
             seq = xp.searchsorted(xp.asarray(batch.cu_seqlens_q[1:]), xp.arange(tokens), side="right")
             freqs = self.step_inv_freq(xp.asarray(batch.context_lens)[seq])
 
+        chunks = batch.block_tables.shape[0] - batch.decodes  # sequences before the decodes
+        rows = len(batch.token_ids) - batch.decodes  # their tokens
+
         def attend(i, q, k, v, k_cache, v_cache):  # q, k, v: views of the qkv rows
             q = self.write_kv(i, q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, freqs,
                               out=self.xp.empty(q.shape, q.dtype))
-            return flash_attention_paged(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                         batch.context_lens, max_seqlen_q=batch.max_seqlen_q,
-                                         **self.attention_kwargs(i))
+            kw = self.attention_kwargs(i)
+            out = self.xp.empty(q.shape, q.dtype)
+            if chunks:
+                flash_attention_paged(q[:rows], k_cache, v_cache, batch.block_tables[:chunks],
+                                      batch.cu_seqlens_q[:chunks + 1], batch.context_lens[:chunks], out=out[:rows],
+                                      max_seqlen_q=batch.max_seqlen_q, **kw)
+            if batch.decodes:
+                paged_attention(q[rows:], k_cache, v_cache, batch.block_tables[chunks:], batch.context_lens[chunks:],
+                                out=out[rows:], max_context_len=batch.decode_context, **kw)
+            return out
         return attend
 
     def write_kv(self, i, q, k, v, positions, k_cache, v_cache, slots, freqs, out):

@@ -502,15 +502,20 @@ class Engine:
                 return self._decode_tokens(seqs, token_ids).get(), None
             return None, self.decoder.run(token_ids, [s.num_computed for s in seqs], [s.block_table for s in seqs],
                                           False)
+        # prefill chunks first, one-token sequences last (Batch.decodes: the decode kernel attends them)
+        order = sorted(range(len(plan)), key=lambda i: plan[i][1] == 1)
+        inv = np.argsort(order)  # plan[i] is the step's sequence inv[i]
+        plan, want = [plan[i] for i in order], [int(inv[i]) for i in want]
         chunks = [(s.token_slice(s.num_computed, s.num_computed + n), s.num_computed, s.block_table)
                   for s, n in plan]
         batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
         if not want:
-            return None, self.model.forward(batch, self.kv_cache)
+            logits = self.model.forward(batch, self.kv_cache)
+            return None, logits if order == sorted(order) else logits[self.model.xp.asarray(inv)]
         logits = self.model.forward(batch, self.kv_cache, all_logits=True)  # logits: [tokens, vocab]
         ends = np.cumsum([n for _, n in plan])
         self._prompt_logprobs([plan[i] for i in want], ends[want] - [plan[i][1] for i in want], logits)
-        return None, logits[self.model.xp.asarray(ends - 1)]
+        return None, logits[self.model.xp.asarray((ends - 1)[inv])]
 
     def _wants_prompt_logprobs(self, seq, n: int) -> bool:
         """Whether seq's chunk of n tokens predicts prompt tokens whose logprobs it still lacks."""
