@@ -130,7 +130,7 @@ class Batch:
     context_lens: object  # [num_seqs], cached tokens including this step's
     max_seqlen_q: int
     decodes: int = 0  # trailing sequences of one new token: attended by paged_attention (split-K)
-    decode_context: int = 0  # a power of two >= their longest context (paged_attention's bound)
+    decode_context: int = 0  # the longest context among them
 
     @classmethod
     def from_chunks(cls, chunks, block_size: int) -> Batch:
@@ -151,7 +151,7 @@ class Batch:
                    block_tables=tables,
                    cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
                    context_lens=context_lens, max_seqlen_q=int(q_lens.max()), decodes=decodes,
-                   decode_context=1 << int(context_lens[len(chunks) - decodes:].max(initial=1) - 1).bit_length())
+                   decode_context=int(context_lens[len(chunks) - decodes:].max(initial=0)))
 
     def to(self, xp) -> Batch:
         host = ("max_seqlen_q", "decodes", "decode_context")

@@ -149,7 +149,7 @@ def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count:
     return -(-ctx // partition), partition
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=4096)  # bounded: a mixed step's decodes bring their exact longest context
 def split_bound(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int, group: int = 4) -> int:
     """The split count (flash-decoding): the fewest splits of 32..1024 tokens whose grid, at its best
     warp count, keeps FULL_WAVE of the resident warps busy (each split adds a merge), else the count
