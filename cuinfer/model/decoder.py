@@ -143,8 +143,8 @@ class Batch:
         for i, (_, _, b) in enumerate(chunks):
             tables[i, :len(b)] = b
         slots = slot_mapping(tables, np.repeat(np.arange(len(chunks)), q_lens), positions, block_size)
-        single = np.flatnonzero(q_lens != 1)
-        decodes = len(chunks) - (int(single[-1]) + 1 if len(single) else 0)
+        longer = np.flatnonzero(q_lens != 1)  # sequences of more than one new token
+        decodes = len(chunks) - (int(longer[-1]) + 1 if len(longer) else 0)
         context_lens = (starts + q_lens).astype(np.int32)
         return cls(token_ids=np.concatenate([np.asarray(t, dtype=np.int32) for t, _, _ in chunks]),
                    positions=positions.astype(np.int32), slot_mapping=slots,
