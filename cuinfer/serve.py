@@ -307,7 +307,9 @@ def main(argv=None) -> int:
         return 2
     name = args.served_model_name or path.name
     app = build_app(aengine, name, args.api_key, args.max_waiting)
-    print(f"cuinfer serving {name} on {device} at http://{args.host}:{args.port}/v1",
+    warm = aengine.warm_up
+    print(f"cuinfer serving {name} on {device} at http://{args.host}:{args.port}/v1 (warm-up "
+          f"{warm['seconds']:.1f} s, {warm['graphs']} decode graphs, {warm['graph_mib']:.0f} MiB)",
           file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.aengine = app.state.aengine

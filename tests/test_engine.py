@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 from test_model import random_tensors, tiny_config
 
+from cuinfer.errors import CuinferError
 from cuinfer.model.decoder import Model, input_views, pack_inputs
 from cuinfer.model.kv_cache import CacheShape, KVCache
 from cuinfer.ops import runtime
 from cuinfer.ops.sampling import sampling as sampling_op
-from cuinfer.serving.engine import Engine, PromptTooLongError
+from cuinfer.serving.engine import Engine, PromptTooLongError, warm_up_rows
 from cuinfer.serving.runner import MIN_CONTEXT_BUCKET, bucket
 from cuinfer.serving.sampling import SamplingParams
 from cuinfer.serving.scheduler import PENDING
@@ -152,6 +153,9 @@ class DeviceTokens:
     def get(self):
         return self._values.copy()
 
+    def __getitem__(self, rows):  # the engine gathers the rows a pipelined step keeps
+        return DeviceTokens(self._values[rows], self.step)
+
 
 class NumpyDecoder:
     """DecodeGraph's interface (run, read_async) on the numpy backend, so that the engine's
@@ -161,6 +165,7 @@ class NumpyDecoder:
 
     def __init__(self, model, kv_cache, scratch):
         self.model, self.kv_cache, self.scratch = model, kv_cache, scratch
+        self.steps = {}  # DecodeGraph's captured steps: none here
         self.log = []
         self.rows = 0  # rows of greedy and sampled token steps computed
         self.sampled_rows = 0  # of those, rows of sampled steps
@@ -186,6 +191,9 @@ class NumpyDecoder:
         self.log.append(("run", step, n, device_tokens is not None))
         self.rows += n
         return DeviceTokens(out, step)
+
+    def graph_bytes(self):
+        return 0
 
     def read_async(self, tokens):
         log = self.log
@@ -277,6 +285,22 @@ def test_pipelined_decode_wastes_nothing_on_known_stops(cpu_model):
     assert got == want
     assert len(got[0][2][0]) == 240 - 225 and [len(o) for o, _, _ in got[0]] == [9, 4, 15, 1]
     assert eng.stats.pipelined_steps > 0 and eng.stats.preemptions == 0
+    assert eng.decoder.rows == eng.stats.decode_tokens
+
+
+def test_pipelined_decode_goes_on_past_a_length_finish(cpu_model):
+    """Nothing waiting: a sequence whose pending token is its last (max_new_tokens) gets no row in
+    the step pipelined after it, and the others' tokens are gathered on the device, so every decode
+    step after the first is launched before the previous one is read, the batch shrinking 3, 2, 1;
+    the outputs equal the synchronous engine's and no row is wasted."""
+    rng = np.random.default_rng(6)
+    ids = [rng.integers(0, 97, n).tolist() for n in (4, 9, 6)]
+    requests = [(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ids, (3, 7, 5))]
+    eng, got, want = pipelined_and_not(cpu_model, requests, kv_tokens=1024)
+    assert got == want
+    runs = [e for e in eng.decoder.log if e[0] == "run"]
+    assert [pipelined for *_, pipelined in runs] == [False] + [True] * (len(runs) - 1)
+    assert [rows for _, _, rows, _ in runs] == [3, 3, 2, 2, 1, 1]
     assert eng.decoder.rows == eng.stats.decode_tokens
 
 
@@ -391,6 +415,43 @@ def test_pipelined_stream_equals_synchronous(cpu_model):
         runs.append((pieces, [(o.token_ids, o.text, o.finish_reason) for o in eng.outputs],
                      eng.stats.decode_tokens, eng.stats.generated_tokens))
     assert runs[0] == runs[1]
+
+
+def test_warm_up_runs_every_step_kind_and_leaves_the_engine_as_new(cpu_model):
+    """warm_up runs a forward of every row count warm_up_rows names and a mixed step, a decode of
+    every batch bucket up to max_num_seqs and requests through step(); then the engine is as new:
+    every block free and uncached, no stats, the same outputs as an engine that never warmed up."""
+    rows, mixed = [], []
+    forward = cpu_model.forward
+
+    def counting(batch, kv_cache, all_logits=False):
+        rows.append(len(batch.token_ids))
+        mixed.append(0 < batch.decodes < len(batch.token_ids))
+        return forward(batch, kv_cache, all_logits)
+
+    prompts = mixed_prompts(cpu_model.config.vocab_size, n=12, seed=5)
+    params = SamplingParams(max_new_tokens=6)
+    eng = make_engine(cpu_model, 2048, max_batch_tokens=100, decoder=NumpyDecoder, max_num_seqs=20)
+    cpu_model.forward = counting
+    try:
+        report = eng.warm_up()
+    finally:
+        del cpu_model.forward
+    assert report["graphs"] == 0 and report["seconds"] > 0
+    assert set(warm_up_rows(100)) <= set(rows) and any(mixed)
+    assert warm_up_rows(100)[-1] == 100 and len(set(warm_up_rows(100))) == len(warm_up_rows(100))
+    decoded = [e[2] for e in eng.decoder.log if e[0] == "run"]
+    assert {1, 2, 4, 8, 16, 24} <= set(decoded)  # every bucket up to batch_bucket(20)
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.blocks._block_of
+    assert eng.stats.prompt_tokens == 0 and eng.stats.generated_tokens == 0
+    assert eng.add_request([1, 2, 3], params) == "0"  # warm-up's requests took no id
+    with pytest.raises(CuinferError, match="before the first request"):
+        eng.warm_up()
+    eng.abort_request("0")
+    outs = eng.generate(prompts, params)
+    fresh = make_engine(cpu_model, 2048, max_batch_tokens=100, decoder=NumpyDecoder, max_num_seqs=20)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh.generate(prompts, params)]
+    assert eng.blocks.hit_tokens == fresh.blocks.hit_tokens
 
 
 @pytest.mark.gpu

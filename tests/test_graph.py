@@ -126,6 +126,24 @@ def test_gpu_every_batch_bucket_replays_the_eager_tokens(quant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_gpu_warm_up_captures_every_bucket_and_changes_no_token(quant):
+    """Engine.warm_up captures a greedy graph of every batch bucket to max_num_seqs; the requests
+    after it (on a NaN-poisoned cache: the warm-up's writes must not leak into them) give the
+    tokens of an engine that never warmed up."""
+    cfg, t = gpu_case("llama3-gqa")
+    model = Model.from_tensors(cfg, t, "gpu", np.float16, quant=quant)
+    ids = prompts(cfg, [5 + 37 * i % 300 for i in range(40)], seed=4)
+    lengths = [1 + 3 * i for i in range(40)]
+    warm = gpu_engine(model, True, kv_tokens=40 * 512)
+    report = warm.warm_up()
+    assert {b for b, _, _ in warm.decoder.steps} == set(BATCH_BUCKETS)
+    assert report["graphs"] == len(warm.decoder.steps) and report["graph_mib"] > 0
+    cold = gpu_engine(model, True, kv_tokens=40 * 512)
+    assert run_requests(warm, ids, lengths) == run_requests(cold, ids, lengths)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
 def test_gpu_graph_tokens_equal_eager(dtype):
     """Greedy and seeded sampling: replayed graphs give exactly the eager step's tokens, across

@@ -140,11 +140,13 @@ def test_reserve_decodes_refuses_what_would_preempt_or_exceed_the_budget():
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(4, 30), st.sampled_from([4, 16]),
-       st.integers(1, 64), st.integers(1, 6), st.integers(0, 30), st.integers(0, 3))
-def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budget, max_seqs, steps, late):
-    """Wherever reserve_decodes says yes, schedule() on the same state returns exactly the running
-    sequences with one token each, preempting nothing and admitting nothing, and reserves the same
-    blocks; wherever it says no, schedule() does something else and reserve_decodes changed nothing."""
+       st.integers(1, 64), st.integers(1, 6), st.integers(0, 30), st.integers(0, 3), st.integers(0, 2))
+def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budget, max_seqs, steps, late, leave):
+    """Wherever reserve_decodes says yes, schedule() on the same state (the `leave` first running
+    sequences finished first) returns exactly the other running sequences with one token each,
+    preempting nothing and admitting nothing, and reserves the same blocks; wherever it says no,
+    schedule() does something else, or sequences leave while others wait, and reserve_decodes
+    changed nothing."""
     import copy
 
     sched = Scheduler(BlockManager(num_blocks, bs, enable_prefix_caching=False), max_batch_tokens=budget,
@@ -160,16 +162,20 @@ def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budge
             break
         simulate_step(sched, sched.schedule())
     said = copy.deepcopy(sched)
-    yes = said.reserve_decodes(list(said.running))
+    yes = said.reserve_decodes(said.running[leave:], said.running[:leave])
     ref = copy.deepcopy(sched)
+    released = sum(len(s.block_table) for s in ref.running[:leave])
+    for s in ref.running[:leave]:
+        ref.finish(s, "length")
     plan = ref.schedule()
-    steady = (all(s.remaining == 1 for s in sched.running)  # decodes, not 1-token prefill chunks
-              and [(s.seq_id, n) for s, n in plan] == [(s.seq_id, 1) for s in sched.running]
+    rest = sched.running[leave:]
+    steady = (all(s.remaining == 1 for s in rest)  # decodes, not 1-token prefill chunks
+              and [(s.seq_id, n) for s, n in plan] == [(s.seq_id, 1) for s in rest]
               and ref.num_preemptions == sched.num_preemptions and len(ref.waiting) == len(sched.waiting))
-    assert yes == steady
+    assert yes == (steady and not (sched.running[:leave] and sched.waiting))
     if yes:
-        assert [s.block_table for s in said.running] == [s.block_table for s, _ in plan]
-        assert said.blocks.num_free == ref.blocks.num_free
+        assert [s.block_table for s in said.running[leave:]] == [s.block_table for s, _ in plan]
+        assert said.blocks.num_free + released == ref.blocks.num_free
     else:
         assert [s.block_table for s in said.running] == [s.block_table for s in sched.running]
         assert said.blocks.num_free == sched.blocks.num_free

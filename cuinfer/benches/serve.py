@@ -13,7 +13,8 @@ each request when its time comes and steps the engine, stamping every token as i
 - rate: --num-requests mixed-shape requests with Poisson arrivals at --rate per second.
 --http URL sends the same workloads to an OpenAI-compatible server (benches/serve_http.py).
 Rows: output and total tok/s, TTFT and TPOT (a request's time per token after its first) p50/p99,
-peak KV usage, prefix-cache hit rate, preemptions. --peer runs the same prompts through
+peak KV usage, prefix-cache hit rate, preemptions. Each engine runs Engine.warm_up before its clock
+starts, as the server does before it listens. --peer runs the same prompts through
 transformers' continuous batching (generate_batch; one max_new_tokens for all: the workload's mean).
 """
 from __future__ import annotations
@@ -134,8 +135,10 @@ def make_engine(cp, model, args, budget, caching=True):
     cfg = model.config
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     cache = KVCache.allocate(shape, model.dtype, cp, memory_fraction=0.7)
-    return Engine(model, cache, max_batch_tokens=budget, max_num_seqs=args.max_num_seqs,
-                  enable_prefix_caching=caching)
+    engine = Engine(model, cache, max_batch_tokens=budget, max_num_seqs=args.max_num_seqs,
+                    enable_prefix_caching=caching)
+    engine.warm_up()  # as a server starts: nothing compiled or captured on the clock
+    return engine
 
 
 def fresh(requests):
@@ -145,9 +148,6 @@ def fresh(requests):
 def run_workload(cp, model, args, name) -> list:
     vocab = model.config.vocab_size
     reqs = workload(name, vocab, args.scale, args.rate, args.num_requests)
-    warm = make_engine(cp, model, args, args.budget)
-    drive(warm, fresh(reqs[:8]))  # compiles the kernels, captures the small graphs
-    del warm
     rows = []
     if name == "long":
         alone = fresh([r for r in reqs if r.group == "short"])
@@ -198,7 +198,7 @@ def run_http(args) -> list:
     rows = []
     for name in args.workload.split(","):
         reqs = workload(name.strip(), args.vocab, args.scale, args.rate, args.num_requests)
-        # as the engine's runs warm up on 8 of their requests (kernels compiled before the clock starts)
+        # the server warmed up at start (Engine.warm_up); 8 requests first open the client's connections
         drive_http(args.http, args.model, [replace(r, arrival=0.0) for r in fresh(reqs[:8])],
                    args.concurrency, args.api_key)
         totals = drive_http(args.http, args.model, reqs, args.concurrency, args.api_key)

@@ -140,6 +140,17 @@ INSTANTIATIONS = [instantiation(dt, d, g, u, f, w) for dt in (np.float16, runtim
                   for u in sorted({rows_in_flight(g, d, p, w) for p in (MIN_PARTITION, MAX_PARTITION)})]
 
 
+def precompile(dtype, head_dim: int, n_heads: int, n_kv_heads: int) -> int:
+    """Compile, or load from the disk cache, every instantiation a launch for these heads may pick
+    at any batch and context (the warps and rows in flight follow the split), so that no step waits
+    on NVRTC (Engine.warm_up); the count."""
+    g = padded_group(n_heads, n_kv_heads)
+    exprs = [e for e in INSTANTIATIONS if e.startswith(f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {g},")]
+    for e in exprs:
+        runtime.kernel("paged_attention", e)
+    return len(exprs)
+
+
 def split_config(num_seqs: int, n_kv_heads: int, max_context_len: int, sm_count: int, group: int = 4) -> tuple:
     """(n_splits, partition): split_bound's count, with partitions rounded up to a multiple of 32
     (which may take fewer splits to cover the context)."""

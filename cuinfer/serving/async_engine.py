@@ -37,6 +37,7 @@ class AsyncEngine:
     def __init__(self, conn, process, tokenizer, info: dict):
         """Use start(); conn: this end of the pipe to the engine process, info: its "ready" message."""
         self.tokenizer, self.max_len = tokenizer, info["max_len"]
+        self.warm_up = info["warm_up"]  # Engine.warm_up's report
         self._conn, self._process = conn, process
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _streams and _stats (event loops and the reader thread)
@@ -201,11 +202,12 @@ def _engine_main(conn, path: str, engine_args: dict):
 
     try:
         engine = Engine.from_pretrained(path, **engine_args)
+        warm = engine.warm_up()
     except (CuinferError, ValueError) as e:
         conn.send(("error", str(e)))
         return
     engine.detokenize = False  # the server makes the text, in its own process
-    conn.send(("ready", {"max_len": engine.max_len, "stats": _stats(engine)}))
+    conn.send(("ready", {"max_len": engine.max_len, "stats": _stats(engine), "warm_up": warm}))
     live = set()
     while True:
         drained = False  # block for the first message when idle, then take what is there

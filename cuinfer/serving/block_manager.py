@@ -127,6 +127,11 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_slice(i * bs, (i + 1) * bs)))
         return hashes[i]
 
+    def forget_cached(self) -> None:
+        """Drop every block's hash: no later sequence takes a block cached so far (Engine.warm_up's)."""
+        self._hash_of.clear()
+        self._block_of.clear()
+
     def check(self) -> None:
         """Internal consistency (tests): the free list is exactly the blocks without owners, and
         the hash maps are inverse to each other."""

@@ -30,9 +30,10 @@ from ..errors import CuinferError
 from ..model.decoder import Batch, Model
 from ..model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_memory
 from ..ops import runtime
-from .block_manager import BlockManager
+from ..ops.paged_attention import precompile as precompile_attention
+from .block_manager import BlockManager, blocks_for
 from .detokenizer import RequestText
-from .runner import DecodeGraph
+from .runner import DecodeGraph, batch_bucket
 from .sampling import SamplingParams, draw_uniforms, graph_sampleable, sample, sampling_columns, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
 from .spec import NO_DRAFT, accept_greedy, make_speculator, verify
@@ -44,6 +45,16 @@ DEFAULT_PARAMS = SamplingParams()
 
 class PromptTooLongError(CuinferError):
     pass
+
+
+def warm_up_rows(budget: int) -> list:
+    """The token counts Engine.warm_up runs a forward of: 1-16 (the GEMV's row counts), the GEMM's
+    buckets to 128, then steps of 1.5x to the budget (cuBLAS picks its kernel by shape)."""
+    rows, n = list(range(1, 17)) + [24, 32, 48, 64, 96, 128], 192
+    while n < budget:
+        rows.append(n)
+        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
+    return [r for r in rows if r < budget] + [budget]
 
 
 def encode_prompt(tokenizer, prompt) -> list:
@@ -202,6 +213,53 @@ class Engine:
                    use_graphs=use_graphs, async_decode=async_decode, enable_prefix_caching=enable_prefix_caching,
                    speculative=speculative, num_speculative_tokens=num_speculative_tokens)
 
+    def warm_up(self) -> dict:
+        """Run every kind of step once before the first request, as a server does at start: a
+        request must not wait on a kernel's compilation (seconds each on a fresh machine; CuPy keeps
+        them on disk after), on a cuBLAS kernel's first load (lazy loading synchronizes the device)
+        or on a graph capture. Eager forwards of every row count in warm_up_rows (the GEMV, GEMM
+        and cuBLAS kernels they pick), a mixed step (a chunk and decodes), the greedy decode graph
+        of every batch bucket up to max_num_seqs at the smallest context bucket (a longer context
+        captures its graph on first use, ~50 ms, compiling nothing), then a few requests through
+        step(): a prompt over the step budget, a sampled one and one with logprobs. The prefix
+        cache forgets their blocks. Nothing on the CPU. Returns {"seconds", "graphs", "graph_mib"}."""
+        if self.scheduler.has_work() or self._requests:
+            raise CuinferError("warm_up: call it before the first request")
+        t0 = time.perf_counter()
+        if self.decoder is None:
+            return {"seconds": 0.0, "graphs": 0, "graph_mib": 0.0}
+        xp, bs = self.model.xp, self.kv_cache.block_size
+        budget = min(self.scheduler.max_batch_tokens, self.max_len - 1, self.blocks.num_free * bs - 1)
+        m = self.model
+        if xp is not np:
+            precompile_attention(m.dtype, m.head_dim, m.n_heads, m.n_kv_heads)
+        blocks = self.blocks.allocate(blocks_for(budget + 1, bs))
+        try:
+            for rows in warm_up_rows(budget):  # one chunk: FlashAttention, the lm_head on one row
+                m.forward(Batch.from_chunks([([0] * rows, 0, blocks)], bs).to(xp), self.kv_cache)
+            for seqs in warm_up_rows(min(budget // 2, self.scheduler.max_num_seqs))[1:]:
+                # a chunk and seqs - 1 decodes: the lm_head on seqs rows, the decodes' paged attention
+                chunks = [([0] * (budget // 2), 0, blocks)] + [([0], budget // 2, blocks)] * (seqs - 1)
+                m.forward(Batch.from_chunks(chunks, bs).to(xp), self.kv_cache)
+            b = 1
+            while b <= batch_bucket(self.scheduler.max_num_seqs):
+                self.decoder.run([0] * b, [0] * b, [blocks[:1]] * b, True).get()
+                b = batch_bucket(b + 1)
+        finally:
+            self.blocks.free(blocks)
+        vocab = self.model.config.vocab_size
+        rng = np.random.default_rng(0)
+        longest = min(self.scheduler.max_batch_tokens + 17, self.max_len - 5, self.blocks.num_blocks * bs // 2)
+        lengths = [max(1, min(n, longest)) for n in (5, 9, longest)]  # a step with decodes before a chunk
+        params = [SamplingParams(max_new_tokens=4, temperature=0.8, top_k=40, top_p=0.9, seed=0, ignore_eos=True),
+                  SamplingParams(max_new_tokens=4, logprobs=2, ignore_eos=True),
+                  SamplingParams(max_new_tokens=4, ignore_eos=True)]
+        self.generate([rng.integers(0, vocab, n).tolist() for n in lengths], params)
+        self.stats, self.outputs, self._ids = Stats(), [], itertools.count()
+        self.blocks.forget_cached()
+        return {"seconds": time.perf_counter() - t0, "graphs": len(self.decoder.steps),
+                "graph_mib": self.decoder.graph_bytes() / 2 ** 20}
+
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt) -> list:
@@ -268,8 +326,12 @@ class Engine:
             self._inflight = self._launch([s for s, _ in plan], None)
             self._begin(self._inflight)
         current, following = self._inflight, None
-        if self._may_pipeline(current.seqs):  # the next step's KV slots are now reserved
-            following = self._launch(current.seqs, current.tokens)
+        keep = self._pipelined_rows(current.seqs)
+        if keep is not None:  # the next step's KV slots are now reserved
+            tokens = current.tokens
+            if len(keep) < len(current.seqs):  # its rows' tokens, gathered on the device
+                tokens = tokens[self.model.xp.asarray(np.asarray(keep, dtype=np.int32))]
+            following = self._launch([current.seqs[i] for i in keep], tokens)
             self.stats.pipelined_steps += 1
             self._note_kv_blocks()
         self._inflight = None
@@ -297,21 +359,28 @@ class Engine:
                 and all(n == 1 and s.remaining == 1 and s.num_computed >= len(s.prompt_ids) for s, n in plan)
                 and all(graph_sampleable(s.params) for s, _ in plan))
 
-    def _may_pipeline(self, seqs) -> bool:
-        """Whether the step after `seqs`' in-flight step may be launched before its tokens are read
-        (docs/serving.md); if so, the scheduler has reserved its KV slots. Host logic only."""
+    def _pipelined_rows(self, seqs):
+        """The rows (indices into `seqs`) of the step after `seqs`' in-flight step, if it may be
+        launched before that step's tokens are read (docs/serving.md), its KV slots then reserved;
+        else None. While nothing waits for admission, a sequence whose pending token is its last
+        (max_new_tokens, the context) or that was aborted meanwhile gets no row. Host logic only."""
         if self._verifies([(s, 1) for s in seqs]):
-            return False  # the next step verifies drafts: it is built from the real tokens
+            return None  # the next step verifies drafts: it is built from the real tokens
         waiting = bool(self.scheduler.waiting)
-        for s in seqs:
-            if s.finish_reason is not None:
-                return False
+        keep, leaving = [], []
+        for i, s in enumerate(seqs):
             p = s.params
+            if s.finish_reason is not None:
+                continue
             if len(s.output_ids) >= p.max_new_tokens or s.num_tokens >= self.max_len:
-                return False  # the pending token is its last: no step after it
-            if waiting and (p.stop_token_ids or p.stop or (self.eos_token_ids and not p.ignore_eos)):
-                return False  # its finish could admit a waiting request: decide on the real tokens
-        return self.scheduler.reserve_decodes(seqs)
+                leaving.append(s)
+            elif waiting and (p.stop_token_ids or p.stop or (self.eos_token_ids and not p.ignore_eos)):
+                return None  # its finish could admit a waiting request: decide on the real tokens
+            else:
+                keep.append(i)
+        if not keep or (waiting and len(keep) < len(seqs)):
+            return None  # a finish frees the room that admits a waiting request: decide after it
+        return keep if self.scheduler.reserve_decodes([seqs[i] for i in keep], leaving) else None
 
     def _launch(self, seqs, device_tokens) -> _Launched:
         """Launch a decode step of `seqs` (greedy or graph-sampled) at their num_computed positions;

@@ -129,14 +129,20 @@ class Scheduler:
             budget -= n
         return list(plan.items())
 
-    def reserve_decodes(self, seqs: list) -> bool:
+    def reserve_decodes(self, seqs: list, leaving=()) -> bool:
         """Whether the next schedule() would return exactly `seqs`, in this order, one decode token
         each: every running sequence decodes, the budget holds them all, their next slots fit in the
         free blocks (nothing preempted) and no waiting sequence is admitted. If so, reserve those
         slots as schedule() would and return True; else change nothing and return False. The
         engine's pipelined decode asks this before the previous step's tokens are known: none of
-        it depends on token values."""
-        if self.running != seqs or any(s.remaining != 1 for s in seqs) or len(seqs) > self.max_batch_tokens:
+        it depends on token values. leaving: running sequences that finish before that step (their
+        pending token is their last); allowed only while nothing waits, since the blocks they
+        free could admit a waiting sequence."""
+        gone = {id(s) for s in leaving}
+        if leaving and self.waiting:
+            return False
+        if ([s for s in self.running if id(s) not in gone] != seqs or any(s.remaining != 1 for s in seqs)
+                or len(seqs) > self.max_batch_tokens):
             return False
         need = sum(max(0, blocks_for(s.num_computed + 1, self.block_size) - len(s.block_table)) for s in seqs)
         free = self.blocks.num_free - need
