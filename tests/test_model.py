@@ -153,6 +153,30 @@ def test_batch_slots_follow_block_tables():
     assert (b.decodes, b.decode_context) == (2, 10) and (b.to(np).decodes, b.to(np).decode_context) == (2, 10)
 
 
+def test_batch_equals_its_chunks_one_by_one():
+    """from_chunks' whole-array construction against each chunk laid out on its own: tokens, positions,
+    block tables (padded with 0), slots, q lengths, contexts; random chunks and block sizes."""
+    rng = np.random.default_rng(9)
+    for _ in range(200):
+        bs = int(rng.choice([4, 16]))
+        chunks = []
+        for _ in range(int(rng.integers(1, 12))):
+            q, start = int(rng.integers(1, 40)), int(rng.integers(0, 100))
+            table = rng.integers(0, 500, -(-(start + q) // bs) + int(rng.integers(0, 3))).tolist()
+            chunks.append((rng.integers(0, 1000, q).tolist(), start, table))
+        b = Batch.from_chunks(chunks, bs)
+        width = max(len(t) for _, _, t in chunks)
+        np.testing.assert_array_equal(b.token_ids, [x for c, _, _ in chunks for x in c])
+        np.testing.assert_array_equal(b.positions, [p for c, s, _ in chunks for p in range(s, s + len(c))])
+        np.testing.assert_array_equal(b.block_tables, [t + [0] * (width - len(t)) for _, _, t in chunks])
+        np.testing.assert_array_equal(b.slot_mapping, [t[p // bs] * bs + p % bs for c, s, t in chunks
+                                                       for p in range(s, s + len(c))])
+        np.testing.assert_array_equal(b.cu_seqlens_q, np.cumsum([0] + [len(c) for c, _, _ in chunks]))
+        np.testing.assert_array_equal(b.context_lens, [s + len(c) for c, s, _ in chunks])
+        assert all(a.dtype == np.int32 for a in (b.token_ids, b.positions, b.block_tables, b.slot_mapping,
+                                                 b.cu_seqlens_q, b.context_lens))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_mixed_step_attends_its_decodes_with_the_decode_kernel(device, monkeypatch):
     """A step of prefill chunks followed by one-token sequences sends the latter through

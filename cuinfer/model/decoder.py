@@ -31,6 +31,7 @@ paged_attention over static inputs, and can end in the argmax (greedy) instead o
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -134,22 +135,25 @@ class Batch:
 
     @classmethod
     def from_chunks(cls, chunks, block_size: int) -> Batch:
-        """chunks: [(new token ids, position of the first, block table)] per sequence."""
-        q_lens = np.array([len(t) for t, _, _ in chunks], dtype=np.int64)
-        starts = np.array([s for _, s, _ in chunks], dtype=np.int64)
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
-        max_blocks = max(len(b) for _, _, b in chunks)
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-        for i, (_, _, b) in enumerate(chunks):
-            tables[i, :len(b)] = b
-        slots = slot_mapping(tables, np.repeat(np.arange(len(chunks)), q_lens), positions, block_size)
+        """chunks: [(new token ids, position of the first, block table)] per sequence. Built with a
+        few whole-array operations: a step holds up to max_num_seqs chunks, and its host work
+        between two eager forwards leaves the GPU idle."""
+        q_lens = np.fromiter((len(t) for t, _, _ in chunks), np.int64, len(chunks))
+        starts = np.fromiter((s for _, s, _ in chunks), np.int64, len(chunks))
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        seq_of = np.repeat(np.arange(len(chunks)), q_lens)
+        positions = starts[seq_of] + np.arange(cu[-1]) - cu[:-1][seq_of]
+        widths = np.fromiter((len(b) for _, _, b in chunks), np.int64, len(chunks))
+        tables = np.zeros((len(chunks), widths.max()), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(b for _, _, b in chunks), np.int32, int(widths.sum()))
+        slots = slot_mapping(tables, seq_of, positions, block_size)
         longer = np.flatnonzero(q_lens != 1)  # sequences of more than one new token
         decodes = len(chunks) - (int(longer[-1]) + 1 if len(longer) else 0)
         context_lens = (starts + q_lens).astype(np.int32)
-        return cls(token_ids=np.concatenate([np.asarray(t, dtype=np.int32) for t, _, _ in chunks]),
-                   positions=positions.astype(np.int32), slot_mapping=slots,
-                   block_tables=tables,
-                   cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        tokens = np.fromiter(itertools.chain.from_iterable(t for t, _, _ in chunks), np.int32, int(cu[-1]))
+        return cls(token_ids=tokens, positions=positions.astype(np.int32), slot_mapping=slots,
+                   block_tables=tables, cu_seqlens_q=cu.astype(np.int32),
                    context_lens=context_lens, max_seqlen_q=int(q_lens.max()), decodes=decodes,
                    decode_context=int(context_lens[len(chunks) - decodes:].max(initial=0)))
 

@@ -29,6 +29,8 @@ class RequestText:
         old = len(self.text)
         if self.stream is not None:
             self.text += self.stream.push(token)
+        if not self.stop:
+            return False
         cut = min((i for i in (self.text.find(s, max(0, old - len(s) + 1)) for s in self.stop) if i >= 0),
                   default=-1)
         if cut >= 0:

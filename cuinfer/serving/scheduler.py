@@ -53,7 +53,8 @@ class Sequence:
     @property
     def num_known(self) -> int:
         """Tokens whose ids the host knows (all but a pending one)."""
-        return self.num_tokens - (1 if self.output_ids and self.output_ids[-1] == PENDING else 0)
+        out = self.output_ids
+        return len(self.prompt_ids) + len(out) - (1 if out and out[-1] == PENDING else 0)
 
     def token_slice(self, start: int, stop: int) -> list:
         """token_ids[start:stop] without building the whole list."""
@@ -104,16 +105,16 @@ class Scheduler:
         """[(sequence, number of new tokens)] for the next step, decodes first."""
         budget = self.max_batch_tokens
         plan = {}
-        preempted = False
+        preempted = set()  # ids of the sequences preempted in this loop (a set: 256 running in O(n))
         for seq in sorted(self.running, key=lambda s: s.remaining > 1):  # decodes, then prefills
-            if seq not in self.running or budget == 0:
+            if id(seq) in preempted or budget == 0:
                 continue
             n = min(seq.remaining, budget)
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 budget += plan.pop(victim, 0)
                 self._preempt(victim)
-                preempted = True
+                preempted.add(id(victim))
                 if victim is seq:
                     break
             else:
