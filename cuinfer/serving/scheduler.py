@@ -105,16 +105,16 @@ class Scheduler:
         """[(sequence, number of new tokens)] for the next step, decodes first."""
         budget = self.max_batch_tokens
         plan = {}
-        preempted = set()  # ids of the sequences preempted in this loop (a set: 256 running in O(n))
+        preempted = set()  # the sequences preempted in this loop (Sequence hashes by identity)
         for seq in sorted(self.running, key=lambda s: s.remaining > 1):  # decodes, then prefills
-            if id(seq) in preempted or budget == 0:
+            if seq in preempted or budget == 0:
                 continue
             n = min(seq.remaining, budget)
             while not self._reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 budget += plan.pop(victim, 0)
                 self._preempt(victim)
-                preempted.add(id(victim))
+                preempted.add(victim)
                 if victim is seq:
                     break
             else:
@@ -139,10 +139,10 @@ class Scheduler:
         it depends on token values. leaving: running sequences that finish before that step (their
         pending token is their last); allowed only while nothing waits, since the blocks they
         free could admit a waiting sequence."""
-        gone = {id(s) for s in leaving}
         if leaving and self.waiting:
             return False
-        if ([s for s in self.running if id(s) not in gone] != seqs or any(s.remaining != 1 for s in seqs)
+        gone = set(leaving)
+        if ([s for s in self.running if s not in gone] != seqs or any(s.remaining != 1 for s in seqs)
                 or len(seqs) > self.max_batch_tokens):
             return False
         need = sum(max(0, blocks_for(s.num_computed + 1, self.block_size) - len(s.block_table)) for s in seqs)
