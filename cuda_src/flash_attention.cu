@@ -46,10 +46,11 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   static_assert(MT >= 1 && BM == MT * 16 * WARPS, "BM must be a multiple of 16 * WARPS");
   static_assert(BN % 16 == 0 && D % 16 == 0, "BN and D must be multiples of 16");
 
-  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
-                                         cap_out);
+  // x reversed: the heaviest causal blocks start first
+  const Tile t = tile_of<BM, BN, PAGED>((gridDim.x - 1 - blockIdx.x) * BM, blockIdx.y, blockIdx.z, cu_seqlens_q,
+                                         context_lens, n_heads, n_kv_heads, causal, window, cap_in, cap_out);
   if (t.empty) return;
-  const int head = blockIdx.y, m0 = t.m0;
+  const int head = t.head, m0 = t.m0;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [BM][STRIDE]; reused for the output tile
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + col;
     cp_async16(smem_u32(sQ + r * STRIDE + col), src, ok);
   }
-  const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
+  const int* table = PAGED ? block_tables + (size_t)t.seq * max_blocks : nullptr;
   auto load_kv = [&](int tile, int stage) {
     for (int c = tid; c < BN * CHUNKS; c += THREADS) {
       const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
@@ -202,8 +203,13 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 // (zero fill past the context), wait for their own copies, fence the proxy and arrive on full.
 // Block: 128 * (WG + 1) threads: warpgroup 0 loads, warpgroups 1..WG (WG <= 2) compute 64 query rows
 // each. Shared memory, 128-byte swizzled: Q [D/64][64 * WG][64] and a ring of 3 tiles, K [3][D/64][BN][64]
-// and V [3][D/64][BN][64], then mbarriers full[3], empty[3], landed[3]; every consumer warp arrives on
-// empty once done with a tile.
+// and V [3][D/64][BN][64], then mbarriers full[3], empty[3], landed[3], q_full and q_free; every consumer
+// warp arrives on empty once done with a tile, and on q_free once its last S = Q K^T of a work item is
+// done. Persistent: a CTA runs work items blockIdx.x, + gridDim.x, ... (work_item), the ring's tiles
+// counted across them, so the producer loads the next item's K/V while the consumers finish this one,
+// and its Q (on q_full) as soon as they have freed sQ; the consumers store O from registers. A single
+// thread group waits on q_free, one phase after another (the TMA warp, the cp.async producer's half 0):
+// a parity wait cannot tell a phase from the one two later.
 // Consumer iteration j issues S_{j+1} = Q K_{j+1}^T and O += P_j V_j back to back and runs the softmax
 // of S_{j+1} under P_j V_j. Two consumer warpgroups take turns to issue (named barriers, "pingpong"),
 // so one's softmax runs while the tensor cores multiply for the other.
@@ -212,8 +218,8 @@ __device__ __forceinline__ void flash_attention_wgmma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads, int n_kv_heads,
-    float scale_log2, int causal, int window, float cap_in, float cap_out, const cuinfer::TensorMap* q_map,
-    const cuinfer::TensorMap* k_map,
+    float scale_log2, int causal, int window, float cap_in, float cap_out, int num_seqs, int m_blocks,
+    const cuinfer::TensorMap* q_map, const cuinfer::TensorMap* k_map,
     const cuinfer::TensorMap* v_map) {  // the kernel parameters themselves, when TMA
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   cuinfer::pdl_wait();  // every input of this kernel may come from the previous one
@@ -226,215 +232,279 @@ __device__ __forceinline__ void flash_attention_wgmma(
   static_assert(WG == 1 || WG == 2, "one or two consumer warpgroups");
   static_assert(64 % CHUNKS == 0 && BN % RSTEP == 0, "a producer half copies whole rows");
 
-  const Tile t = tile_of<BM, BN, PAGED>(cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
-                                         cap_out);
-  if (t.empty) return;
-  const int head = blockIdx.y, m0 = t.m0;
+  // Work item w: the query heads of one KV head fastest, then query blocks from the last (the heaviest
+  // causal blocks first), then KV heads, then sequences, so that the CTAs running at once read the K/V
+  // of one or a few KV heads (L2 holds them); producer and consumers walk the same items and agree on
+  // each one's tiles.
+  const int group = n_heads / n_kv_heads, per_kv = group * m_blocks, per_seq = per_kv * n_kv_heads;
+  const int n_work = per_seq * num_seqs;
+  auto work_item = [&](int w) {
+    const int rest = w % per_seq, in_kv = rest % per_kv;
+    return tile_of<BM, BN, PAGED>((m_blocks - 1 - in_kv / group) * BM, rest / per_kv * group + in_kv % group,
+                                  w / per_seq, cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
+                                  cap_out);
+  };
+  auto prefetch_item = [&](int w) {  // the lengths the CTA's next item reads, into L1 ahead of time
+    if (w >= n_work) return;
+    prefetch_l1(cu_seqlens_q + w / per_seq);
+    if (PAGED) prefetch_l1(context_lens + w / per_seq);
+  };
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw), sQ = (raw + 1023) & ~1023u;  // swizzle atoms: 1024-aligned
   const unsigned sK = sQ + BM * D * 2, sV = sK + STAGES * KV_STAGE, bars = sV + STAGES * KV_STAGE;
-  auto full = [&](int tile) { return bars + 8 * (tile % STAGES); };
-  auto empty = [&](int tile) { return bars + 8 * (STAGES + tile % STAGES); };
-  auto landed = [&](int tile) { return bars + 8 * (2 * STAGES + tile % STAGES); };  // paged TMA: last tile
+  // ring barriers of the it-th tile a CTA loads (counted over all its work items)
+  auto full = [&](int it) { return bars + 8 * (it % STAGES); };
+  auto empty = [&](int it) { return bars + 8 * (STAGES + it % STAGES); };
+  auto landed = [&](int it) { return bars + 8 * (2 * STAGES + it % STAGES); };  // paged TMA: an item's last tile
+  const unsigned q_full = bars + 8 * 3 * STAGES, q_free = q_full + 8;
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   auto at = [](unsigned tile, unsigned block_bytes, int r, int c) {  // chunk c of row r of a tile
     return tile + (c / 8) * block_bytes + wgmma::swizzle128(r, c % 8);
   };
-  if (tid == 0)
+  if (tid == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(full(i), TMA ? 1 : 64);
       mbar_init(empty(i), 4 * WG);
       mbar_init(landed(i), 1);
     }
+    mbar_init(q_full, TMA ? 1 : 64);
+    mbar_init(q_free, 4 * WG);
+  }
   __syncthreads();  // barriers initialised; the only CTA-wide barrier
 
-  if (wg == 0 && TMA) {  // producer: one warp, Q with tile 0 (BN / block_size <= 32 pages a tile)
+  if (wg == 0 && TMA) {  // producer: one warp, an item's Q after its tile 0 (BN / block_size <= 32 pages a tile)
     if constexpr (WG > 1) regs_dec<40>();
     if (tid < 32) {
       const int block_size = 1 << block_shift;
-      const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
-      for (int tile = 0; tile < t.n_tiles; ++tile) {
-        const int s = tile % STAGES, key0 = (t.tile0 + tile) * BN;
-        // paged: the pages holding keys of the context (none past its last block); the last tile, when
-        // it runs past the context, completes on landed[s] so that its V rows past the end can be zeroed
-        const int pages = PAGED ? min(BN, t.kv_len - key0 + block_size - 1) >> block_shift : 0;
-        const bool fix = PAGED && key0 + BN > t.kv_len;
-        const unsigned bar = fix ? landed(tile) : full(tile);
-        // paged: lane i reads the tile's i-th block-table entry (all in one round trip) and copies that page
-        const int blk = PAGED && lane < pages ? table[(key0 >> block_shift) + lane] : 0;
-        if (tile >= STAGES) mbar_wait(empty(tile), (tile / STAGES - 1) & 1);
-        if (lane == 0) {
-          const unsigned kv_bytes = PAGED ? 2 * pages * block_size * 128 * (D / 64) : 2 * KV_STAGE;
-          mbar_expect_tx(bar, kv_bytes + (tile == 0 ? BM * D * 2 : 0));
-          for (int b = 0; b < D / 64; ++b) {
-            if (tile == 0) tma_load_3d(sQ + b * Q_BLOCK, q_map, 64 * b, head, t.q_start + m0, bar);
-            if (!PAGED) {
-              const unsigned off = s * KV_STAGE + b * KV_BLOCK;
-              tma_load_3d(sK + off, k_map, 64 * b, t.kv_head, t.q_start + key0, bar);
-              tma_load_3d(sV + off, v_map, 64 * b, t.kv_head, t.q_start + key0, bar);
+      int it = 0, items = 0;
+      unsigned landed_parity = 0;  // bit s: the parity of landed[s]'s next phase
+      for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
+        const Tile t = work_item(w);
+        prefetch_item(w + gridDim.x);
+        if (t.empty || t.n_tiles == 0) continue;
+        const int* table = PAGED ? block_tables + (size_t)t.seq * max_blocks : nullptr;
+        for (int tile = 0; tile < t.n_tiles; ++tile, ++it) {
+          const int s = it % STAGES, key0 = (t.tile0 + tile) * BN;
+          // paged: the pages holding keys of the context (none past its last block); the last tile, when
+          // it runs past the context, completes on landed[s] so that its V rows past the end can be zeroed
+          const int pages = PAGED ? min(BN, t.kv_len - key0 + block_size - 1) >> block_shift : 0;
+          const bool fix = PAGED && key0 + BN > t.kv_len;
+          const unsigned bar = fix ? landed(it) : full(it);
+          // paged: lane i reads the tile's i-th block-table entry (all in one round trip) and copies that page
+          const int blk = PAGED && lane < pages ? table[(key0 >> block_shift) + lane] : 0;
+          if (it >= STAGES) mbar_wait(empty(it), (it / STAGES - 1) & 1);
+          if (lane == 0) {
+            const unsigned kv_bytes = PAGED ? 2 * pages * block_size * 128 * (D / 64) : 2 * KV_STAGE;
+            mbar_expect_tx(bar, kv_bytes);
+            if (!PAGED)
+              for (int b = 0; b < D / 64; ++b) {
+                const unsigned off = s * KV_STAGE + b * KV_BLOCK;
+                tma_load_3d(sK + off, k_map, 64 * b, t.kv_head, t.q_start + key0, bar);
+                tma_load_3d(sV + off, v_map, 64 * b, t.kv_head, t.q_start + key0, bar);
+              }
+          }
+          if constexpr (PAGED) {
+            __syncwarp();  // the expected bytes are armed before any page lands
+            if (lane < pages)
+              for (int b = 0; b < D / 64; ++b) {
+                const unsigned off = s * KV_STAGE + b * KV_BLOCK + lane * block_size * 128;
+                tma_load_4d(sK + off, k_map, 64 * b, t.kv_head, 0, blk, bar);
+                tma_load_4d(sV + off, v_map, 64 * b, t.kv_head, 0, blk, bar);
+              }
+          }
+          if (tile == 0) {  // Q once the consumers are done with the previous item's
+            if (items > 0) mbar_wait(q_free, (items - 1) & 1);
+            if (lane == 0) {
+              mbar_expect_tx(q_full, BM * D * 2);
+              for (int b = 0; b < D / 64; ++b)
+                tma_load_3d(sQ + b * Q_BLOCK, q_map, 64 * b, t.head, t.q_start + t.m0, q_full);
             }
           }
-        }
-        if constexpr (PAGED) {
-          __syncwarp();  // the expected bytes are armed before any page lands
-          if (lane < pages)
-            for (int b = 0; b < D / 64; ++b) {
-              const unsigned off = s * KV_STAGE + b * KV_BLOCK + lane * block_size * 128;
-              tma_load_4d(sK + off, k_map, 64 * b, t.kv_head, 0, blk, bar);
-              tma_load_4d(sV + off, v_map, 64 * b, t.kv_head, 0, blk, bar);
+          if (fix) {  // zero the V rows past the context (an unwritten slot may hold NaN; P is 0 there)
+            mbar_wait(bar, (landed_parity >> s) & 1);
+            landed_parity ^= 1u << s;
+            unsigned char* gv = smem_raw + (sV - raw) + s * KV_STAGE;
+            for (int c = lane; c < BN * 8 * (D / 64); c += 32) {
+              const int b = c / (BN * 8), r = (c / 8) % BN;  // 16-byte chunk c % 8 of row r, column block b
+              if (r >= t.kv_len - key0)
+                *reinterpret_cast<uint4*>(gv + b * KV_BLOCK + r * 128 + (c % 8) * 16) = uint4{};
             }
-        }
-        if (fix) {  // zero the V rows past the context (an unwritten slot may hold NaN; P is 0 there)
-          mbar_wait(bar, 0);  // a CTA has one such tile: landed[s] completes once
-          unsigned char* gv = smem_raw + (sV - raw) + s * KV_STAGE;
-          for (int c = lane; c < BN * 8 * (D / 64); c += 32) {
-            const int b = c / (BN * 8), r = (c / 8) % BN;  // 16-byte chunk c % 8 of row r, column block b
-            if (r >= t.kv_len - key0)
-              *reinterpret_cast<uint4*>(gv + b * KV_BLOCK + r * 128 + (c % 8) * 16) = uint4{};
+            wgmma::fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(full(it));
           }
-          wgmma::fence_proxy_async();
-          __syncwarp();
-          if (lane == 0) mbar_arrive(full(tile));
         }
+        ++items;
       }
     }
     return;
   }
-  if (wg == 0) {  // producer: two halves of 64 threads take alternate tiles (half 0: Q with tile 0)
+  if (wg == 0) {  // producer: two halves of 64 threads take alternate tiles; half 0 loads each item's Q first
     if constexpr (WG > 1) regs_dec<40>();
     const int half = tid / 64, pt = tid % 64;
-    if (half == 0 && t.n_tiles > 0)  // Q lands with tile 0; without tiles the consumers stage their zeros
-      for (int c = pt; c < BM * CHUNKS; c += 64) {  // in sQ, which no copy may then overwrite
-        const int r = c / CHUNKS, ch = c % CHUNKS;
-        const bool ok = m0 + r < t.q_len;
-        const T* src = q + ((size_t)(t.q_start + (ok ? m0 + r : 0)) * n_heads + head) * D + ch * 8;
-        cp_async16(at(sQ, Q_BLOCK, r, ch), src, ok);
-      }
-    const int* table = PAGED ? block_tables + (size_t)blockIdx.z * max_blocks : nullptr;
     const int ch = pt % CHUNKS, r0 = pt / CHUNKS;  // chunk ch of rows r0, r0 + RSTEP, ...
-    for (int tile = half; tile < t.n_tiles; tile += 2) {
-      if (tile >= STAGES) mbar_wait(empty(tile), (tile / STAGES - 1) & 1);
-      const unsigned ks = sK + (tile % STAGES) * KV_STAGE, vs = sV + (tile % STAGES) * KV_STAGE;
-#pragma unroll 4
-      for (int i = 0; i < BN / RSTEP; ++i) {
-        const int r = r0 + i * RSTEP;
-        size_t off;
-        const bool ok = kv_chunk<D, PAGED>(t, (t.tile0 + tile) * BN + r, ch * 8, table, block_shift, n_kv_heads, off);
-        cp_async16(at(ks, KV_BLOCK, r, ch), k + off, ok);
-        cp_async16(at(vs, KV_BLOCK, r, ch), v + off, ok);
+    int it = 0, items = 0;
+    for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
+      const Tile t = work_item(w);
+      prefetch_item(w + gridDim.x);
+      if (t.empty || t.n_tiles == 0) continue;
+      const int* table = PAGED ? block_tables + (size_t)t.seq * max_blocks : nullptr;
+      if (half == 0) {
+        if (items > 0) mbar_wait(q_free, (items - 1) & 1);
+        for (int c = pt; c < BM * CHUNKS; c += 64) {
+          const int r = c / CHUNKS, qc = c % CHUNKS;
+          const bool ok = t.m0 + r < t.q_len;
+          const T* src = q + ((size_t)(t.q_start + (ok ? t.m0 + r : 0)) * n_heads + t.head) * D + qc * 8;
+          cp_async16(at(sQ, Q_BLOCK, r, qc), src, ok);
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+        wgmma::fence_proxy_async();
+        mbar_arrive(q_full);
       }
-      cp_async_commit();
-      cp_async_wait_all();         // this half's copies of the tile have landed
-      wgmma::fence_proxy_async();  // visible to the tensor cores
-      mbar_arrive(full(tile));
+      for (int tile = 0; tile < t.n_tiles; ++tile, ++it) {
+        if (it % 2 != half) continue;
+        if (it >= STAGES) mbar_wait(empty(it), (it / STAGES - 1) & 1);
+        const unsigned ks = sK + (it % STAGES) * KV_STAGE, vs = sV + (it % STAGES) * KV_STAGE;
+#pragma unroll 4
+        for (int i = 0; i < BN / RSTEP; ++i) {
+          const int r = r0 + i * RSTEP;
+          size_t off;
+          const bool ok = kv_chunk<D, PAGED>(t, (t.tile0 + tile) * BN + r, ch * 8, table, block_shift, n_kv_heads, off);
+          cp_async16(at(ks, KV_BLOCK, r, ch), k + off, ok);
+          cp_async16(at(vs, KV_BLOCK, r, ch), v + off, ok);
+        }
+        cp_async_commit();
+        cp_async_wait_all();         // this half's copies of the tile have landed
+        wgmma::fence_proxy_async();  // visible to the tensor cores
+        mbar_arrive(full(it));
+      }
+      ++items;
     }
     return;
   }
 
   if constexpr (WG > 1) regs_inc<232>();
   const int cw = wg - 1, warp = (tid / 32) % 4;
-  const int warp_row0 = m0 + cw * 64 + warp * 16;  // first query row (in the chunk) of this warp
-  const unsigned q_rows = sQ + cw * 64 * 128;      // this warpgroup's 64 rows of each Q column block
-  // Turns: warpgroup cw issues after the other's previous issue (barrier 1 + cw), then lets it go.
+  const unsigned q_rows = sQ + cw * 64 * 128;  // this warpgroup's 64 rows of each Q column block
+  // Turns: warpgroup cw issues after the other's previous issue (barrier 1 + cw), then lets it go; from
+  // one work item to the next too, so that warpgroup 0 starts the next item while warpgroup 1 finishes
+  // this one. Warpgroup 1 lets warpgroup 0 take the first turn, and warpgroup 0 takes up its last leave.
   auto turn_begin = [&]() { if constexpr (WG > 1) named_sync(1 + cw, 256); };
-  auto turn_end = [&](bool last) { if constexpr (WG > 1) if (!(last && cw == 1)) named_arrive(2 - cw, 256); };
+  auto turn_end = [&]() { if constexpr (WG > 1) named_arrive(2 - cw, 256); };
+  if (WG > 1 && cw == 1) named_arrive(1, 256);
   float s[BN / 2], alpha[2], o[D / 2];
-  auto issue_s = [&](int tile) {  // S = Q K_tile^T: 64 rows x BN keys, D / 16 k-steps
-    const unsigned kt = sK + (tile % STAGES) * KV_STAGE;
+  auto issue_s = [&](int it) {  // S = Q K^T of ring tile it: 64 rows x BN keys, D / 16 k-steps
+    const unsigned kt = sK + (it % STAGES) * KV_STAGE;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
       wgmma::mma_ss<BN, T>(s, wgmma::desc128(q_rows + (ks / 4) * Q_BLOCK + (ks % 4) * 32, 16, 1024),
                            wgmma::desc128(kt + (ks / 4) * KV_BLOCK + (ks % 4) * 32, 16, 1024), ks);
     wgmma::commit();
   };
-  auto issue_pv = [&](const unsigned (&p)[BN / 16][4], int tile) {  // O += P V_tile, V as the transposed B
-    const unsigned vt = sV + (tile % STAGES) * KV_STAGE;
+  auto issue_pv = [&](const unsigned (&p)[BN / 16][4], int it) {  // O += P V, V as the transposed B
+    const unsigned vt = sV + (it % STAGES) * KV_STAGE;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       wgmma::mma_rs<D, T>(o, p[kk], wgmma::desc128(vt + kk * 16 * 128, KV_BLOCK, 1024));
     wgmma::commit();
   };
 
+  int it = 0, items = 0;  // the ring tile of this item's tile 0; items with tiles before this one
+  for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
+    const Tile t = work_item(w);
+    prefetch_item(w + gridDim.x);
+    if (t.empty) continue;
+    const int warp_row0 = t.m0 + cw * 64 + warp * 16;  // first query row (in the chunk) of this warp
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  float row_max[2] = {Max::identity(), Max::identity()}, row_sum[2] = {0.0f, 0.0f};
-  if (t.n_tiles > 0) {
-    if (WG > 1 && cw == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
-    mbar_wait(full(0), 0);
-    turn_begin();
-    wgmma::fence();
-    issue_s(0);
-    turn_end(false);
-    wgmma::wait<0>();
-    wgmma::fence_regs(s);
-    online_softmax<BN / 8>(s, row_max, row_sum, alpha, t.tile0 * BN, warp_row0, t, causal, scale_log2, lane);
-    unsigned p[BN / 16][4];  // P of the tile whose P V is next
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    float row_max[2] = {Max::identity(), Max::identity()}, row_sum[2] = {0.0f, 0.0f};
+    if (t.n_tiles > 0) {
+      const int n = t.n_tiles;
+      mbar_wait(q_full, items & 1);
+      mbar_wait(full(it), (it / STAGES) & 1);
+      turn_begin();
+      wgmma::fence();
+      issue_s(it);
+      turn_end();
+      wgmma::wait<0>();
+      wgmma::fence_regs(s);
+      if (n == 1 && lane == 0) mbar_arrive(q_free);  // this warp's last read of sQ
+      online_softmax<BN / 8>(s, row_max, row_sum, alpha, t.tile0 * BN, warp_row0, t, causal, scale_log2, lane);
+      unsigned p[BN / 16][4];  // P of the tile whose P V is next
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
+      for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
 
-    for (int j = 0; j + 1 < t.n_tiles; ++j) {
-      mbar_wait(full(j + 1), ((j + 1) / STAGES) & 1);
+      for (int j = 0; j + 1 < n; ++j) {
+        mbar_wait(full(it + j + 1), ((it + j + 1) / STAGES) & 1);
+        wgmma::fence_regs(o);
+        turn_begin();
+        wgmma::fence();
+        issue_s(it + j + 1);
+        issue_pv(p, it + j);
+        turn_end();
+        wgmma::wait<1>();  // S_{j+1} done: its softmax runs while P_j V_j is multiplied
+        wgmma::fence_regs(s);
+        if (j + 2 == n && lane == 0) mbar_arrive(q_free);  // S_{j+1} was the last read of Q
+        online_softmax<BN / 8>(s, row_max, row_sum, alpha, (t.tile0 + j + 1) * BN, warp_row0, t, causal,
+                               scale_log2, lane);
+        wgmma::wait<0>();
+        wgmma::fence_regs(o);
+        if (lane == 0) mbar_arrive(empty(it + j));  // K_j and V_j are no longer read
+        rescale<D / 8>(o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
+      }
       wgmma::fence_regs(o);
       turn_begin();
       wgmma::fence();
-      issue_s(j + 1);
-      issue_pv(p, j);
-      turn_end(false);
-      wgmma::wait<1>();  // S_{j+1} done: its softmax runs while P_j V_j is multiplied
-      wgmma::fence_regs(s);
-      online_softmax<BN / 8>(s, row_max, row_sum, alpha, (t.tile0 + j + 1) * BN, warp_row0, t, causal, scale_log2,
-                             lane);
+      issue_pv(p, it + n - 1);
+      turn_end();
       wgmma::wait<0>();
       wgmma::fence_regs(o);
-      if (lane == 0) mbar_arrive(empty(j));  // K_j and V_j are no longer read
-      rescale<D / 8>(o, alpha);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) p_fragment<T>(s, kk, p[kk]);
+      if (lane == 0) mbar_arrive(empty(it + n - 1));
+      it += n;
+      ++items;
     }
-    wgmma::fence_regs(o);
-    turn_begin();
-    wgmma::fence();
-    issue_pv(p, t.n_tiles - 1);
-    turn_end(true);
-    wgmma::wait<0>();
-    wgmma::fence_regs(o);
-  }
 
-  // normalise; stage this warpgroup's rows in its own rows of sQ (same swizzle), store 16-byte rows
-  unsigned char* gQ = smem_raw + (sQ - raw);  // generic pointer to sQ
-  float inv[2];
-  row_inverse(row_sum, inv);
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt)
+    // normalise and store from registers: a quad's lanes hold 8 consecutive columns of a row; after
+    // quad_transpose, lane i of the quad holds all 8 of the group's i-th n8 tile, one 16-byte store
+    float inv[2];
+    row_inverse(row_sum, inv);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = cw * 64 + warp * 16 + lane / 4 + 8 * h;
-      *reinterpret_cast<unsigned*>(gQ + (at(0, Q_BLOCK, r, dt) + 4 * (lane % 4))) =
-          pack2<T>(o[4 * dt + 2 * h] * inv[h], o[4 * dt + 2 * h + 1] * inv[h]);
+      const int row = warp_row0 + lane / 4 + 8 * h;
+      T* dst = out + ((size_t)(t.q_start + row) * n_heads + t.head) * D;
+#pragma unroll
+      for (int g = 0; g < D / 32; ++g) {
+        unsigned a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = pack2<T>(o[16 * g + 4 * i + 2 * h] * inv[h], o[16 * g + 4 * i + 2 * h + 1] * inv[h]);
+        quad_transpose(a, lane % 4);
+        if (row < t.q_len) *reinterpret_cast<uint4*>(dst + 32 * g + 8 * (lane % 4)) = make_uint4(a[0], a[1], a[2], a[3]);
+      }
     }
-  named_sync(3 + cw, 128);  // this warpgroup's staging is complete
-  for (int c = tid % 128; c < 64 * CHUNKS; c += 128) {
-    const int r = c / CHUNKS, ch = c % CHUNKS, row = m0 + cw * 64 + r;
-    if (row < t.q_len)
-      *reinterpret_cast<uint4*>(out + ((size_t)(t.q_start + row) * n_heads + head) * D + ch * 8) =
-          *reinterpret_cast<const uint4*>(gQ + at(0, Q_BLOCK, cw * 64 + r, ch));
   }
+  if (WG > 1 && cw == 0) named_sync(1, 256);
 #endif
 }
 
-// grid: (ceil(max_q_len / (64 * WG)), n_heads, num_seqs), as flash_attention_kernel · block: 128 * (WG + 1)
-//   · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024 (alignment) + 128 (barriers)
+// grid: (min(work items, SMs)), work items ceil(max_q_len / (64 * WG)) * n_heads * num_seqs (m_blocks
+//   = the first factor) · block: 128 * (WG + 1) · smem: (64 * WG + 6 * BN) * D * sizeof(T) + 1024
+//   (alignment) + 128 (barriers)
 // Arguments, layouts and results as flash_attention_kernel (K/V by cp.async: any power-of-two page).
 template <typename T, int D, int BN, int WG, bool PAGED>
 __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_wgmma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out) {
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out, int num_seqs,
+    int m_blocks) {
   flash_attention_wgmma<T, D, BN, WG, PAGED, false>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
                                                    max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
-                                                   causal, window, cap_in, cap_out, nullptr, nullptr, nullptr);
+                                                   causal, window, cap_in, cap_out, num_seqs, m_blocks, nullptr,
+                                                   nullptr, nullptr);
 }
 
 // As flash_attention_wgmma_kernel, K/V loaded by TMA through tensor maps (runtime.tensor_map): q [tokens,
@@ -445,10 +515,11 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_tma_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
-    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out,
-    const __grid_constant__ cuinfer::TensorMap q_map,
-    const __grid_constant__ cuinfer::TensorMap k_map, const __grid_constant__ cuinfer::TensorMap v_map) {
+    int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out, int num_seqs,
+    int m_blocks, const __grid_constant__ cuinfer::TensorMap q_map, const __grid_constant__ cuinfer::TensorMap k_map,
+    const __grid_constant__ cuinfer::TensorMap v_map) {
   flash_attention_wgmma<T, D, BN, WG, PAGED, true>(q, k, v, out, cu_seqlens_q, context_lens, block_tables,
                                                   max_blocks, block_shift, n_heads, n_kv_heads, scale_log2,
-                                                  causal, window, cap_in, cap_out, &q_map, &k_map, &v_map);
+                                                  causal, window, cap_in, cap_out, num_seqs, m_blocks, &q_map,
+                                                  &k_map, &v_map);
 }

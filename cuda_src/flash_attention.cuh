@@ -6,29 +6,31 @@
 namespace cuinfer {
 namespace fa {
 
-// What a CTA works on: the BM query rows from m0 of one head of one sequence, and its key range:
+// A work item: the BM query rows from m0 of one head of one sequence, and its key range:
 // the n_tiles key tiles from tile0 (with a sliding window the tiles wholly before the window of the
 // CTA's first row are skipped: never read). cap_in > 0: scores s become cap_out * tanh(s * cap_in)
 // (a softcap c: cap_in = scale / c, cap_out = c log2 e, and the kernel's scale_log2 is 1).
 struct Tile {
-  int m0, q_start, q_len, kv_len, offset, kv_head, tile0, n_tiles, window;
+  int m0, head, seq, q_start, q_len, kv_len, offset, kv_head, tile0, n_tiles, window;
   float cap_in, cap_out;
-  bool empty;  // no query rows: the CTA returns (uniformly, before any barrier)
+  bool empty;  // no query rows: nothing to compute or store
 };
 template <int BM, int BN, bool PAGED>
-__device__ __forceinline__ Tile tile_of(const int* cu_seqlens_q, const int* context_lens, int n_heads,
-                                        int n_kv_heads, int causal, int window, float cap_in, float cap_out) {
+__device__ __forceinline__ Tile tile_of(int m0, int head, int seq, const int* cu_seqlens_q, const int* context_lens,
+                                        int n_heads, int n_kv_heads, int causal, int window, float cap_in,
+                                        float cap_out) {
   Tile t;
   t.cap_in = cap_in;
   t.cap_out = cap_out;
-  const int seq = blockIdx.z;
-  t.m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // x reversed: the heaviest causal blocks start first
+  t.m0 = m0;
+  t.head = head;
+  t.seq = seq;
   t.q_start = cu_seqlens_q[seq];
   t.q_len = cu_seqlens_q[seq + 1] - t.q_start;
   t.empty = t.m0 >= t.q_len;
   t.kv_len = PAGED ? context_lens[seq] : t.q_len;
   t.offset = t.kv_len - t.q_len;  // query i sees keys <= i + offset
-  t.kv_head = blockIdx.y / (n_heads / n_kv_heads);
+  t.kv_head = head / (n_heads / n_kv_heads);
   const int n_end = causal ? min(t.kv_len, t.m0 + BM + t.offset) : t.kv_len;
   t.window = causal ? window : 0;  // query i sees keys > i + offset - window (0: no window)
   t.tile0 = t.window > 0 ? max(0, t.m0 + t.offset - t.window + 1) / BN : 0;
@@ -129,6 +131,22 @@ __device__ __forceinline__ void row_inverse(const float (&row_sum)[2], float (&i
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
+  }
+}
+
+// A 4 x 4 transpose over the lanes of a quad (q = lane % 4): lane q's a[i] becomes lane i's a[q] (two
+// butterfly rounds of two shuffles each).
+__device__ __forceinline__ void quad_transpose(unsigned (&a)[4], int q) {
+#pragma unroll
+  for (int bit = 1; bit <= 2; bit *= 2) {  // round 1: pairs (0, 1), (2, 3); round 2: (0, 2), (1, 3)
+    const bool upper = q & bit;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i & bit) continue;
+      const unsigned got = __shfl_xor_sync(0xffffffffu, upper ? a[i] : a[i + bit], bit);
+      if (upper) a[i] = got;
+      else a[i + bit] = got;
+    }
   }
 }
 

@@ -12,9 +12,9 @@ the K/V tiles wholly before every window of a CTA's rows, so a key outside is ne
 counted. softcap c: scaled scores x -> c * tanh(x / c) before the softmax (Gemma 2).
 
 numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
-cuda_src/flash_attention.cu: on sm_90 with head_dim 64 / 128 / 256 a warp-specialized wgmma
-kernel (a producer warpgroup filling a ring of K/V tiles by TMA, or cp.async for pages under 8 rows;
-consumer warpgroups taking turns on the tensor cores), elsewhere a FlashAttention-2 kernel on
+cuda_src/flash_attention.cu: on sm_90 with head_dim 64 / 128 / 256 a persistent warp-specialized
+wgmma kernel (a CTA an SM walking the work items; a producer warpgroup filling a ring of K/V tiles
+by TMA, or cp.async for pages under 8 rows; consumer warpgroups taking turns on the tensor cores), elsewhere a FlashAttention-2 kernel on
 mma.sync m16n8k16 with cp.async double-buffered K/V tiles. Online softmax in fp32. GQA is
 native: the kernel maps query head h to KV head h // (n_heads // n_kv_heads).
 
@@ -42,8 +42,8 @@ def tile_config(head_dim: int, arch: int = 80, block_size: int = 0) -> tuple:
     """(kernel, BLOCK_M, BLOCK_N, warps) for a head dim on compute capability `arch` (90 for sm_90),
     contiguous K/V (block_size 0) or a paged cache of that block size.
 
-    sm_90, head_dim 64 / 128 / 256: the warp-specialized wgmma kernel, a producer warpgroup and one
-    (d=256) or two consumer warpgroups of 64 query rows; "tma" (K/V copied by TMA: contiguous, or
+    sm_90, head_dim 64 / 128 / 256: the persistent warp-specialized wgmma kernel, a producer
+    warpgroup and one (d=256) or two consumer warpgroups of 64 query rows; "tma" (K/V copied by TMA: contiguous, or
     pages of at least 8 rows that divide BLOCK_N) or "wgmma" (cp.async with zero fill: smaller
     pages). "mma" (mma.sync) otherwise: O and S accumulators in registers without spills (ptxas -v,
     sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q re-read from shared memory). d=128,
@@ -183,9 +183,10 @@ def device_tile(head_dim: int, block_size: int = 0) -> tuple:
 
 
 def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
-                  scale, causal, tile=None, window=0, softcap=None):
+                  scale, causal, tile=None, window=0, softcap=None, ctas=None):
     """Launch on checked arguments; `tile` (kernel, BLOCK_M, BLOCK_N, warps) overrides device_tile
-    (tests of every kernel, bench sweeps)."""
+    (tests of every kernel, bench sweeps), `ctas` the persistent kernels' grid (default one CTA an SM;
+    tests pass a few, so that each CTA walks many work items)."""
     paged = block_tables is not None
     n_heads, d = q.shape[1], q.shape[2]
     n_kv = k.shape[-2]
@@ -194,7 +195,10 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     tile = tile or device_tile(d, block_size if paged else 0)
     kind, bm, bn, warps = tile
     kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged, tile))
-    grid = (-(-max_seqlen_q // bm), n_heads, num_seqs)
+    m_blocks = -(-max_seqlen_q // bm)
+    grid = (m_blocks, n_heads, num_seqs)
+    if kind in ("tma", "wgmma"):  # persistent: a CTA an SM, walking the work items
+        grid = (min(m_blocks * n_heads * num_seqs, ctas or runtime.device_info()["sm_count"]), 1, 1)
     if paged:
         args = (q, k, v, out, cu_q, context_lens, block_tables, np.int32(block_tables.shape[1]),
                 np.int32(int(math.log2(block_size))))
@@ -204,6 +208,8 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     caps = (scale / softcap, softcap * LOG2E) if softcap else (0.0, 0.0)
     args += (np.int32(n_heads), np.int32(n_kv), np.float32(1.0 if softcap else scale * LOG2E), np.int32(bool(causal)),
              np.int32(window), *(np.float32(c) for c in caps))
+    if kind in ("tma", "wgmma"):
+        args += (np.int32(num_seqs), np.int32(m_blocks))
     if kind == "tma":
         kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
         args += (runtime.tensor_map(q, (bm, 1, 64)), runtime.tensor_map(k, kv_box), runtime.tensor_map(v, kv_box))

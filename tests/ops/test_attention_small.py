@@ -10,7 +10,7 @@ import pytest
 
 from cuinfer.ops import runtime
 from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
-from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged
+from cuinfer.ops.flash_attention import HEAD_DIMS, device_tile, flash_attention, flash_attention_paged, launch_kernel
 from cuinfer.ops.paged_attention import GROUPS, paged_attention
 from cuinfer.ops.write_kv import write_kv
 from tests.conftest import assert_close, poison
@@ -50,6 +50,32 @@ def test_flash_attention_paged_small(cp, d, dtype):
     flash_attention_paged(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
                           cp.asarray(cu_q), cp.asarray(ctx), out=out)
     assert_close(out, paged_prefix_attention(q, k_cache, v_cache, tables, cu_q, ctx), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [0, 4, 16], ids=["contiguous", "cp.async-pages", "tma-pages"])
+@pytest.mark.parametrize(("d", "dtype"), CASES)
+def test_flash_attention_few_ctas_small(cp, d, dtype, block_size):
+    """Two CTAs for every work item: a persistent CTA walks a dozen or more, its ring and Q barriers
+    going through many phases, and the paged producer zeroes the V rows past several contexts."""
+    rng = np.random.default_rng(d + block_size)
+    ctx, q_lens = np.array([17, 90, 333, 0, 200], np.int32), np.array([1, 40, 150, 0, 200], np.int32)
+    cu_kv = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    k, v = _rand(rng, (cu_kv[-1], 2, d), dtype), _rand(rng, (cu_kv[-1], 2, d), dtype)
+    q = _rand(rng, ((cu_q if block_size else cu_kv)[-1], 6, d), dtype)
+    out = poison(cp, q.shape, dtype)
+    if block_size:
+        tables, k_cache, v_cache = scatter_paged(rng, cu_kv, block_size, k, v)
+        launch_kernel(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), out, cp.asarray(cu_q),
+                      cp.asarray(ctx), cp.asarray(tables), block_size, len(ctx), int(q_lens.max()), d ** -0.5,
+                      True, device_tile(d, block_size), ctas=2)
+        ref = paged_prefix_attention(q, k_cache, v_cache, tables, cu_q, ctx)
+    else:
+        launch_kernel(cp.asarray(q), cp.asarray(k), cp.asarray(v), out, cp.asarray(cu_kv), None, None, 0, len(ctx),
+                      int(ctx.max()), d ** -0.5, True, device_tile(d), ctas=2)
+        ref = varlen_attention(q, k, v, cu_kv, True)
+    assert_close(out, ref, dtype)
 
 
 @pytest.mark.gpu

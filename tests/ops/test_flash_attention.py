@@ -6,7 +6,14 @@ from hypothesis import strategies as st
 
 from cuinfer.ops import runtime
 from cuinfer.ops.attention_ref import causal_attention, paged_prefix_attention, varlen_attention
-from cuinfer.ops.flash_attention import HEAD_DIMS, flash_attention, flash_attention_paged, launch_kernel, tile_config
+from cuinfer.ops.flash_attention import (
+    HEAD_DIMS,
+    device_tile,
+    flash_attention,
+    flash_attention_paged,
+    launch_kernel,
+    tile_config,
+)
 from cuinfer.ops.paged_attention import paged_attention
 from tests.conftest import assert_close, poison
 
@@ -184,17 +191,22 @@ def _rand(cp, rng, shape, dtype, mag=1.0):
 
 
 def run_contiguous(cp, kernel, q, k, v, cu, causal, out, window=0, softcap=None):
-    """flash_attention with the device's kernel (kernel None) or the sm_80 one ("mma", on any device)."""
+    """flash_attention with the device's kernel (kernel None), the sm_80 one ("mma", on any device) or
+    the device's on 3 CTAs ("few")."""
     if kernel is None:
         return flash_attention(q, k, v, cp.asarray(cu), causal, out=out, window=window, softcap=softcap)
     d = q.shape[-1]
+    tile = tile_config(d, 80) if kernel == "mma" else device_tile(d)
     launch_kernel(q, k, v, out, cp.asarray(cu), None, None, 0, len(cu) - 1, int(np.diff(cu).max()), d ** -0.5,
-                  causal, tile_config(d, 80), window=window, softcap=softcap)
+                  causal, tile, window=window, softcap=softcap, ctas=FEW_CTAS[kernel])
 
 
 # None: the kernel the device gets (wgmma on sm_90 for head_dim 64 / 128 / 256); "mma": the mma.sync
-# kernel, which other devices and head dims get, tested on every device.
-KERNELS = pytest.mark.parametrize("kernel", [None, "mma"])
+# kernel, which other devices and head dims get, tested on every device; "few": the device's kernel
+# on a grid of 3 CTAs, so that a persistent CTA walks many work items (its ring, Q and page-fix
+# barriers going through many phases). "cp.async" (paged): the sm_90 producer of pages < 8 rows, on 2.
+KERNELS = pytest.mark.parametrize("kernel", [None, "mma", "few"])
+FEW_CTAS = {"mma": None, "few": 3, "cp.async": 2}
 
 
 seq_len = st.one_of(st.sampled_from([0, 1, 2, 15, 16, 17, 63, 64, 65, 111, 127, 128, 129, 989]),
@@ -241,7 +253,7 @@ def test_flash_attention_kernel_window(cp, kernel, lens, window, ratio, d, dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "mma", "cp.async"])
+@pytest.mark.parametrize("kernel", [None, "mma", "cp.async", "few"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ctx=st.lists(seq_len, min_size=1, max_size=4), data=st.data(), window=windows, ratio=st.sampled_from([1, 4, 8]),
        d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
@@ -268,7 +280,7 @@ def test_flash_attention_long(cp, kernel, s, d, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "mma", "cp.async"])  # cp.async: the sm_90 producer of pages < 8 rows
+@pytest.mark.parametrize("kernel", [None, "mma", "cp.async", "few"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ctx=st.lists(seq_len, min_size=1, max_size=4), data=st.data(), ratio=st.sampled_from([1, 4, 7, 8]),
        d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
@@ -311,9 +323,10 @@ def paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed
     else:
         if kernel == "cp.async" and runtime.device_info()["arch"] != "sm_90":
             return
-        tile = tile_config(d, 80) if kernel == "mma" else tile_config(d, 90, block_size=4)
+        tile = {"mma": tile_config(d, 80), "cp.async": tile_config(d, 90, block_size=4)}.get(kernel)
         launch_kernel(*args, out, cp.asarray(cu_q), cp.asarray(lens), cp.asarray(tables), block_size, len(ctx),
-                      max(q_lens), d ** -0.5, True, tile, window=window)
+                      max(q_lens), d ** -0.5, True, tile or device_tile(d, block_size), window=window,
+                      ctas=FEW_CTAS[kernel])
     assert_close(out, paged_prefix_attention(q, k_cache, v_cache, tables, cu_q, lens, window=window), dtype)
 
 
