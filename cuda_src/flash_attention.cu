@@ -244,11 +244,6 @@ __device__ __forceinline__ void flash_attention_wgmma(
                                   w / per_seq, cu_seqlens_q, context_lens, n_heads, n_kv_heads, causal, window, cap_in,
                                   cap_out);
   };
-  auto prefetch_item = [&](int w) {  // the lengths the CTA's next item reads, into L1 ahead of time
-    if (w >= n_work) return;
-    prefetch_l1(cu_seqlens_q + w / per_seq);
-    if (PAGED) prefetch_l1(context_lens + w / per_seq);
-  };
 
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw), sQ = (raw + 1023) & ~1023u;  // swizzle atoms: 1024-aligned
@@ -281,7 +276,6 @@ __device__ __forceinline__ void flash_attention_wgmma(
       unsigned landed_parity = 0;  // bit s: the parity of landed[s]'s next phase
       for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
         const Tile t = work_item(w);
-        prefetch_item(w + gridDim.x);
         if (t.empty || t.n_tiles == 0) continue;
         const int* table = PAGED ? block_tables + (size_t)t.seq * max_blocks : nullptr;
         for (int tile = 0; tile < t.n_tiles; ++tile, ++it) {
@@ -347,7 +341,6 @@ __device__ __forceinline__ void flash_attention_wgmma(
     int it = 0, items = 0;
     for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
       const Tile t = work_item(w);
-      prefetch_item(w + gridDim.x);
       if (t.empty || t.n_tiles == 0) continue;
       const int* table = PAGED ? block_tables + (size_t)t.seq * max_blocks : nullptr;
       if (half == 0) {
@@ -414,7 +407,6 @@ __device__ __forceinline__ void flash_attention_wgmma(
   int it = 0, items = 0;  // the ring tile of this item's tile 0; items with tiles before this one
   for (int w = blockIdx.x; w < n_work; w += gridDim.x) {
     const Tile t = work_item(w);
-    prefetch_item(w + gridDim.x);
     if (t.empty) continue;
     const int warp_row0 = t.m0 + cw * 64 + warp * 16;  // first query row (in the chunk) of this warp
 #pragma unroll
