@@ -69,11 +69,26 @@ __device__ __forceinline__ void online_softmax(float (&s)[4 * NT], float (&row_m
   const bool masked = n0 + 8 * NT > t.kv_len || (causal && n0 + 8 * NT - 1 > qrow0 + t.offset) ||
                       (t.window > 0 && n0 <= qrow0 + 15 + t.offset - t.window);
   if (masked) {  // tiles at the sequence end, across the diagonal or the window's start only
+    // row h sees keys lo[h] .. hi[h], counted from this lane's first key: element i's key is
+    // base + (i / 4) * 8 + i % 2, a compile-time offset, so each element costs a compare and a select
+    const int base = n0 + 2 * (lane % 4);
+    int hi[2], lo[2];
 #pragma unroll
-    for (int i = 0; i < 4 * NT; ++i) {
-      const int key = n0 + (i / 4) * 8 + 2 * (lane % 4) + i % 2, qrow = qrow0 + lane / 4 + 8 * ((i / 2) % 2);
-      if (key >= t.kv_len || (causal && key > qrow + t.offset) || (t.window > 0 && key <= qrow + t.offset - t.window))
-        s[i] = Max::identity();
+    for (int h = 0; h < 2; ++h) {
+      const int qrow = qrow0 + lane / 4 + 8 * h;
+      hi[h] = (causal ? min(t.kv_len - 1, qrow + t.offset) : t.kv_len - 1) - base;
+      lo[h] = qrow + t.offset - t.window + 1 - base;
+    }
+    if (t.window > 0) {
+#pragma unroll
+      for (int i = 0; i < 4 * NT; ++i) {
+        const int c = (i / 4) * 8 + i % 2, h = (i / 2) % 2;
+        if (c > hi[h] || c < lo[h]) s[i] = Max::identity();
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4 * NT; ++i)
+        if ((i / 4) * 8 + i % 2 > hi[(i / 2) % 2]) s[i] = Max::identity();
     }
   }
 #pragma unroll
