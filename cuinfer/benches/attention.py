@@ -2,7 +2,9 @@
 
 Prefill: B*S = 16k tokens packed (cu_seqlens), 32 query / 8 KV heads, fp16; the peer is
 torch.nn.functional.scaled_dot_product_attention on [B, heads, S, d] with enable_gqa=True
-(K/V not repeated). Causal FLOPs count half the matrix: 4*B*S*S*H*d / 2.
+(K/V not repeated). Causal FLOPs count half the matrix: 4*B*S*S*H*d / 2. Both are timed as 20
+calls replayed from one CUDA graph: back to back, with no host gap between calls (timed one call at
+a time, the GPU idled between calls and the short rows moved by up to 25 % from run to run).
 Decode: 32 query / 8 KV heads, head_dim 128, fp16, block_size 16, random block tables;
 bytes = K and V rows read. The peer is SDPA over contiguous [B, 8, ctx, 128] K/V (no
 paging) with one query per sequence. Decode and write_kv (ours and the peer) are timed
@@ -87,12 +89,12 @@ def prefill_rows(cp, torch, tokens, seq_lens):
             cu = cp.arange(0, b * s + 1, s, dtype=cp.int32)
             out = cp.empty_like(q)
             for causal in (True, False):
-                ms = bench.time_ms(functools.partial(flash_attention, q, k, v, cu, causal, out=out, max_seqlen_q=s))
+                ms = graph_ms(cp, functools.partial(flash_attention, q, k, v, cu, causal, out=out, max_seqlen_q=s))
                 flops = 4 * b * s * s * N_HEADS * d * (0.5 if causal else 1.0)
                 row = {"name": f"prefill{' causal' if causal else ''}", "shape": f"{b}x{s} d={d}",
                        "dtype": "float16", "ms": ms, "flops": flops}
                 if torch is not None:
-                    row.update(peer="sdpa", peer_ms=bench.time_ms(_sdpa(torch, b, s, d, causal)))
+                    row.update(peer="sdpa", peer_ms=torch_graph_ms(torch, _sdpa(torch, b, s, d, causal)))
                 rows.append(row)
             if d == 128 and s == 4096:
                 rows.append(paged_prefill_row(cp, torch, q, k, v, b, s, d))
@@ -111,12 +113,12 @@ def paged_prefill_row(cp, torch, q, k, v, b, s, d, block_size=16):
     cu = cp.arange(0, b * s + 1, s, dtype=cp.int32)
     lens = cp.full((b,), s, dtype=cp.int32)
     out = cp.empty_like(q)
-    ms = bench.time_ms(functools.partial(flash_attention_paged, q, k_cache, v_cache, tables, cu, lens, out=out,
-                                         max_seqlen_q=s))
+    ms = graph_ms(cp, functools.partial(flash_attention_paged, q, k_cache, v_cache, tables, cu, lens, out=out,
+                                        max_seqlen_q=s))
     row = {"name": "prefill paged causal", "shape": f"{b}x{s} d={d} bs={block_size}", "dtype": "float16",
            "ms": ms, "flops": 2 * b * s * s * N_HEADS * d}
     if torch is not None:
-        row.update(peer="sdpa", peer_ms=bench.time_ms(_sdpa(torch, b, s, d, True)))
+        row.update(peer="sdpa", peer_ms=torch_graph_ms(torch, _sdpa(torch, b, s, d, True)))
     return row
 
 
@@ -140,7 +142,7 @@ def prefill_tile_rows(cp, tokens=16384, s=4096, d=128, tiles=SWEEP_TILES):
         for causal in (True, False):
             call = functools.partial(launch_kernel, q, k, v, out, cu, None, None, 0, b, s, d ** -0.5, causal, tile)
             rows.append({"name": f"  prefill{' causal' if causal else ''} tile {'x'.join(map(str, tile))}",
-                         "shape": f"{b}x{s} d={d}", "dtype": "float16", "ms": bench.time_ms(call),
+                         "shape": f"{b}x{s} d={d}", "dtype": "float16", "ms": graph_ms(cp, call),
                          "flops": 4 * b * s * s * N_HEADS * d * (0.5 if causal else 1.0)})
     return rows
 
