@@ -14,8 +14,8 @@ counted. softcap c: scaled scores x -> c * tanh(x / c) before the softmax (Gemma
 numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
 cuda_src/flash_attention.cu: on sm_90 with head_dim 64 / 128 / 256 a persistent warp-specialized
 wgmma kernel (a CTA an SM walking the work items; a producer warpgroup filling a ring of K/V tiles
-by TMA, or cp.async for pages under 8 rows; consumer warpgroups taking turns on the tensor cores), elsewhere a FlashAttention-2 kernel on
-mma.sync m16n8k16 with cp.async double-buffered K/V tiles. Online softmax in fp32. GQA is
+by TMA, or cp.async for pages under 8 rows; consumer warpgroups taking turns on the tensor cores),
+elsewhere a FlashAttention-2 kernel on mma.sync m16n8k16 with cp.async double-buffered K/V tiles. Online softmax in fp32. GQA is
 native: the kernel maps query head h to KV head h // (n_heads // n_kv_heads).
 
 The launcher needs the longest query chunk to size the grid; pass `max_seqlen_q` to
@@ -43,9 +43,9 @@ def tile_config(head_dim: int, arch: int = 80, block_size: int = 0) -> tuple:
     contiguous K/V (block_size 0) or a paged cache of that block size.
 
     sm_90, head_dim 64 / 128 / 256: the persistent warp-specialized wgmma kernel, a producer
-    warpgroup and one (d=256) or two consumer warpgroups of 64 query rows; "tma" (K/V copied by TMA: contiguous, or
-    pages of at least 8 rows that divide BLOCK_N) or "wgmma" (cp.async with zero fill: smaller
-    pages). "mma" (mma.sync) otherwise: O and S accumulators in registers without spills (ptxas -v,
+    warpgroup and one (d=256) or two consumer warpgroups of 64 query rows; "tma" (K/V copied by
+    TMA: contiguous, or pages of at least 8 rows that divide BLOCK_N) or "wgmma" (cp.async with
+    zero fill: smaller pages). "mma" (mma.sync) otherwise: O and S accumulators in registers without spills (ptxas -v,
     sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q re-read from shared memory). d=128,
     H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240, 128x32x4 228 / 241 (24 B spill since the
     FFMA softmax), 128x64x8 222 / 234."""
@@ -196,9 +196,9 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     kind, bm, bn, warps = tile
     kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged, tile))
     m_blocks = -(-max_seqlen_q // bm)
-    grid = (m_blocks, n_heads, num_seqs)
-    if kind in ("tma", "wgmma"):  # persistent: a CTA an SM, walking the work items
-        grid = (min(m_blocks * n_heads * num_seqs, ctas or runtime.device_info()["sm_count"]), 1, 1)
+    persistent = kind in ("tma", "wgmma")  # a CTA an SM, walking the work items
+    grid = ((min(m_blocks * n_heads * num_seqs, ctas or runtime.device_info()["sm_count"]), 1, 1) if persistent
+            else (m_blocks, n_heads, num_seqs))
     if paged:
         args = (q, k, v, out, cu_q, context_lens, block_tables, np.int32(block_tables.shape[1]),
                 np.int32(int(math.log2(block_size))))
@@ -208,7 +208,7 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     caps = (scale / softcap, softcap * LOG2E) if softcap else (0.0, 0.0)
     args += (np.int32(n_heads), np.int32(n_kv), np.float32(1.0 if softcap else scale * LOG2E), np.int32(bool(causal)),
              np.int32(window), *(np.float32(c) for c in caps))
-    if kind in ("tma", "wgmma"):
+    if persistent:
         args += (np.int32(num_seqs), np.int32(m_blocks))
     if kind == "tma":
         kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
