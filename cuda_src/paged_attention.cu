@@ -21,7 +21,7 @@
 // row at slot_mapping[seq] before its loops, which then read that row back like any other (through L2:
 // see load_kv). Under programmatic
 // dependent launch (a graph replay) the NEW_KV kernel reads the step's inputs before pdl_wait, and
-// when its split is one loop step (short contexts at small batches) also copies the split's K/V
+// when its split is one loop step (short contexts at small batches) and D <= 128 copies the split's K/V
 // rows to shared memory there (cp.async), so they stream in while the qkv GEMV finishes; the
 // writer then patches the new row into that stage. With chunk_rows > 1 (a verify step: each chunk
 // of chunk_rows consecutive rows holds consecutive positions of one sequence, real rows first) a
@@ -289,7 +289,9 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     return;
   }
 
-  const bool staged = NEW_KV && partition <= STEP * U;
+  // D <= 128 only (ops/paged_attention.py STAGE_MAX_DIM): a D = 256 stage is 32 KB a CTA, and
+  // loading its rows after the wait measured faster (docs/attention.md)
+  const bool staged = NEW_KV && D <= 128 && partition <= STEP * U;
   const int US = (partition + STEP - 1) / STEP;  // steps u of the loop that hold rows of the split
 
   const int block_mask = (1 << block_shift) - 1;

@@ -67,6 +67,7 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 WARPS = (4, 5, 6, 8)  # warps per CTA (7 would fit no more CTAs per SM than 8)
 MIN_PARTITION, MAX_PARTITION = 32, 1024  # tokens per split (multiples of 32)
 FULL_WAVE = 0.75  # occupancy at which split_bound stops adding splits
+STAGE_MAX_DIM = 128  # the fused decode stages a one-step split's K/V rows before pdl_wait up to this head dim
 LOG2E = 1.4426950408889634
 
 
@@ -214,12 +215,13 @@ def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
                u: int, new_kv: bool = False, warps: int = 4) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
-    partition // block_size + 2 blocks). With new_kv and a split of one loop step (partition <=
-    STEP * U) the stage of its K and V rows follows, 16-byte aligned: [2][ceil(partition / STEP)]
+    partition // block_size + 2 blocks). With new_kv, head_dim <= STAGE_MAX_DIM and a split of one
+    loop step (partition <= STEP * U) the stage of its K and V rows follows, 16-byte aligned: [2][ceil(partition / STEP)]
     [threads] x 16 bytes."""
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
     step = loop_step(head_dim, warps)
-    stage = 2 * -(-partition // step) * 32 * warps * 16 if new_kv and partition <= step * u else 0
+    staged = new_kv and head_dim <= STAGE_MAX_DIM and partition <= step * u
+    stage = 2 * -(-partition // step) * 32 * warps * 16 if staged else 0
     return -(-4 * attend // 16) * 16 + stage
 
 
