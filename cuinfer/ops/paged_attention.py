@@ -216,8 +216,8 @@ def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
     partition // block_size + 2 blocks). With new_kv, head_dim <= STAGE_MAX_DIM and a split of one
-    loop step (partition <= STEP * U) the stage of its K and V rows follows, 16-byte aligned: [2][ceil(partition / STEP)]
-    [threads] x 16 bytes."""
+    loop step (partition <= STEP * U) the stage of its K and V rows follows, 16-byte aligned:
+    [2][ceil(partition / STEP)][threads] x 16 bytes."""
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
     step = loop_step(head_dim, warps)
     staged = new_kv and head_dim <= STAGE_MAX_DIM and partition <= step * u
