@@ -15,8 +15,9 @@ numpy arrays run the reference (cuinfer.ops.attention_ref), cupy arrays launch
 cuda_src/flash_attention.cu: on sm_90 with head_dim 64 / 128 / 256 a persistent warp-specialized
 wgmma kernel (a CTA an SM walking the work items; a producer warpgroup filling a ring of K/V tiles
 by TMA, or cp.async for pages under 8 rows; consumer warpgroups taking turns on the tensor cores),
-elsewhere a FlashAttention-2 kernel on mma.sync m16n8k16 with cp.async double-buffered K/V tiles. Online softmax in fp32. GQA is
-native: the kernel maps query head h to KV head h // (n_heads // n_kv_heads).
+elsewhere a FlashAttention-2 kernel on mma.sync m16n8k16 with cp.async double-buffered K/V tiles.
+Online softmax in fp32. GQA is native: the kernel maps query head h to KV head
+h // (n_heads // n_kv_heads).
 
 The launcher needs the longest query chunk to size the grid; pass `max_seqlen_q` to
 avoid reading cu_seqlens back to the host (a device sync).
@@ -45,10 +46,10 @@ def tile_config(head_dim: int, arch: int = 80, block_size: int = 0) -> tuple:
     sm_90, head_dim 64 / 128 / 256: the persistent warp-specialized wgmma kernel, a producer
     warpgroup and one (d=256) or two consumer warpgroups of 64 query rows; "tma" (K/V copied by
     TMA: contiguous, or pages of at least 8 rows that divide BLOCK_N) or "wgmma" (cp.async with
-    zero fill: smaller pages). "mma" (mma.sync) otherwise: O and S accumulators in registers without spills (ptxas -v,
-    sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q re-read from shared memory). d=128,
-    H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240, 128x32x4 228 / 241 (24 B spill since the
-    FFMA softmax), 128x64x8 222 / 234."""
+    zero fill: smaller pages). "mma" (mma.sync) otherwise: O and S accumulators in registers
+    without spills (ptxas -v, sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q
+    re-read from shared memory). d=128, H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240,
+    128x32x4 228 / 241 (24 B spill since the FFMA softmax), 128x64x8 222 / 234."""
     if 90 <= arch < 100 and head_dim in WGMMA_HEAD_DIMS:
         bm, bn, warps = (64, 64, 8) if head_dim > 128 else (128, 128, 12)
         tma = block_size == 0 or (block_size >= 8 and bn % block_size == 0)
