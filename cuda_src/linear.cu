@@ -86,8 +86,11 @@ __host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64
 // warps (RowShare), so a verify step's or a small batch's rows are reduced side by side, not one
 // after another. M = 1 has a copy of its own in which the share is constants (every warp takes the
 // row; its sum of squares is block_reduce's): the runtime share cost batch-1 GEMVs ~0.1 us each.
-// Without ADD the rows are copied with cp.async, all at once, each thread copying the chunks it
-// then sums.
+// Every global read of the prologue is one cp.async round trip: the norm weights are copied before
+// pdl_wait (prefetch_norm_weights: no kernel writes them), the rows of s (and add_o) after it, all
+// at once, each thread copying the chunks it then sums; the rest works in shared memory.
+// Shared memory (staged_smem in ops/linear.py), rows norm_stride(K) elements apart: xs [M], with
+// ADD add_o's rows [M], then with w its copy, with ADD add_w's.
 template <int WARPS> struct RowShare {
   int first, step, wpr, i0;  // rows first, first + step, ...; wpr warps a row; chunks at i0, i0 + 256 wpr, ...
   __device__ __forceinline__ static RowShare whole() { return {0, 1, WARPS, static_cast<int>(threadIdx.x) * 8}; }
@@ -109,36 +112,62 @@ template <int WARPS> struct RowShare {
   }
 };
 
+// The norm weights' copies in stage_rows' shared memory (w, then with ADD add_w), issued as one
+// cp.async group; stage_rows waits for it with its own copies.
+template <typename T, int THREADS, bool ADD>
+__device__ __forceinline__ void prefetch_norm_weights(const T* __restrict__ w, const T* __restrict__ add_w, T* xs,
+                                                      int M, int K) {
+  if (w == nullptr) return;  // block-uniform
+  const int ks = norm_stride(K);
+  T* ws = xs + (ADD ? 2 : 1) * M * ks;
+#pragma unroll 1
+  for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
+    cp_async16(smem_u32(ws + i), w + i);
+    if constexpr (ADD) cp_async16(smem_u32(ws + ks + i), add_w + i);
+  }
+  cp_async_commit();
+}
+
 template <typename T, int THREADS, bool ADD, int MAXM>
 __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, const T* __restrict__ s,
                                               const T* __restrict__ w, float eps, T* xs, int M, int K,
-                                              const T* __restrict__ add_o, const T* __restrict__ add_w,
-                                              T* __restrict__ add_out) {
+                                              const T* __restrict__ add_o, T* __restrict__ add_out) {
   __shared__ float scratch[ADD ? 2 : 1][MAXM][32];
   const int ks = norm_stride(K);
+  T* const os = xs + M * ks;                         // ADD: add_o's rows
+  const T* const ws = xs + (ADD ? 2 : 1) * M * ks;  // the norm weight, then add_w
   const bool writer = ADD && blockIdx.x == 0 && blockIdx.y == 0;
   const int i0 = rs.i0, di = rs.wpr * 256;  // this thread's chunks of a row: i0, i0 + di, ...
+#pragma unroll 1
+  for (int m = rs.first; m < M; m += rs.step)
+#pragma unroll 1
+    for (int i = i0; i < K; i += di) {
+      cp_async16(smem_u32(xs + m * ks + i), s + (size_t)m * K + i);
+      if constexpr (ADD) cp_async16(smem_u32(os + m * ks + i), add_o + (size_t)m * K + i);
+    }
+  cp_async_commit();
+  cp_async_wait_all();  // this thread's row chunks have landed (it reads only those before a barrier)
   if constexpr (ADD) {
 #pragma unroll 1
     for (int m = rs.first; m < M; m += rs.step) {
       float o_sq = 0.0f;
 #pragma unroll 1
       for (int i = i0; i < K; i += di) {
-        const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i);
+        const Vec<T, 8> o = Vec<T, 8>::load(os + m * ks + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e) o_sq += to_float(o.v[e]) * to_float(o.v[e]);
       }
       rs.warp_sum_to(scratch[1][m], o_sq);
     }
-    __syncthreads();
+    __syncthreads();  // also: every thread's copies of the norm weights have landed
 #pragma unroll 1
     for (int m = rs.first; m < M; m += rs.step) {
       const float add_inv_rms = rms_inv(rs.row_sum(scratch[1][m]), K, eps);
       float sum_sq = 0.0f;
 #pragma unroll 1
       for (int i = i0; i < K; i += di) {
-        Vec<T, 8> v = Vec<T, 8>::load(s + (size_t)m * K + i);
-        const Vec<T, 8> o = Vec<T, 8>::load(add_o + (size_t)m * K + i), g = Vec<T, 8>::load(add_w + i);
+        Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i);
+        const Vec<T, 8> o = Vec<T, 8>::load(os + m * ks + i), g = Vec<T, 8>::load(ws + ks + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e)
           v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(rms_normed(o.v[e], g.v[e], add_inv_rms)));
@@ -149,35 +178,27 @@ __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, c
       }
       if (w != nullptr) rs.warp_sum_to(scratch[0][m], sum_sq);  // w is set with ADD: the test saves 4 registers (ptxas)
     }
-  } else {  // every row's chunks in flight at once (cp.async), then each thread sums its own
+  } else if (w != nullptr) {  // block-uniform
 #pragma unroll 1
-    for (int m = rs.first; m < M; m += rs.step)
+    for (int m = rs.first; m < M; m += rs.step) {
+      float sum_sq = 0.0f;
 #pragma unroll 1
-      for (int i = i0; i < K; i += di) cp_async16(smem_u32(xs + m * ks + i), s + (size_t)m * K + i);
-    cp_async_commit();
-    cp_async_wait_all();  // this thread's copies have landed: it reads only those before the barrier
-    if (w != nullptr) {  // block-uniform
-#pragma unroll 1
-      for (int m = rs.first; m < M; m += rs.step) {
-        float sum_sq = 0.0f;
-#pragma unroll 1
-        for (int i = i0; i < K; i += di) {
-          const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i);
+      for (int i = i0; i < K; i += di) {
+        const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
-        }
-        rs.warp_sum_to(scratch[0][m], sum_sq);
+        for (int e = 0; e < 8; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
       }
+      rs.warp_sum_to(scratch[0][m], sum_sq);
     }
   }
   if (w != nullptr) {
-    __syncthreads();
+    __syncthreads();  // the sums, and the norm weights' copies
 #pragma unroll 1
     for (int m = rs.first; m < M; m += rs.step) {
       const float inv_rms = rms_inv(rs.row_sum(scratch[0][m]), K, eps);
 #pragma unroll 1
       for (int i = i0; i < K; i += di) {  // this thread's own elements
-        const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(w + i);
+        const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(ws + i);
         Vec<T, 8> o;
 #pragma unroll
         for (int e = 0; e < 8; ++e) o.v[e] = rms_normed(v.v[e], g.v[e], inv_rms);
@@ -190,13 +211,12 @@ __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, c
 
 template <typename T, int THREADS, bool ADD, int MAXM>
 __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
-                                           int M, int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
-                                           T* __restrict__ add_out) {
+                                           int M, int K, const T* __restrict__ add_o, T* __restrict__ add_out) {
   using Share = RowShare<THREADS / 32>;
   if (M == 1)
-    stage_rows_as<T, THREADS, ADD, MAXM>(Share::whole(), s, w, eps, xs, M, K, add_o, add_w, add_out);
+    stage_rows_as<T, THREADS, ADD, MAXM>(Share::whole(), s, w, eps, xs, M, K, add_o, add_out);
   else
-    stage_rows_as<T, THREADS, ADD, MAXM>(Share::of(M), s, w, eps, xs, M, K, add_o, add_w, add_out);
+    stage_rows_as<T, THREADS, ADD, MAXM>(Share::of(M), s, w, eps, xs, M, K, add_o, add_out);
 }
 
 // The epilogue's operands that do not depend on the product, for one output: int8 scales, bias (of
@@ -298,6 +318,9 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   uint4 a_raw[U][RT][2], a_next[U][RT][2];
   __half2 sz[U][RT][2][GQ], sz_next[U][RT][2][GQ];
   load(a_raw, sz, q_begin + kw * U);
+  extern __shared__ uint4 norm_smem[];  // XS: stage_rows' shared memory
+  T* xs = reinterpret_cast<T*>(norm_smem);
+  if constexpr (XS) prefetch_norm_weights<T, 32 * WARPS, XS == 2>(norm_w, add_w, xs, M, K);
   pdl_wait();
   pdl_trigger();  // at once, as every kernel here: the next one's loads before its wait overlap this one
 
@@ -335,9 +358,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // x16(n, k): 16 bytes from column k of the x row of n-tile n, min(8 n + g4, M - 1) (a column
   // of B only reaches its own outputs, and those of rows past M are never stored): the global
   // rows, or with XS their copy (or RMSNorm) in shared memory, written while the first weights load.
-  extern __shared__ uint4 norm_smem[];
-  T* xs = reinterpret_cast<T*>(norm_smem);
-  if constexpr (XS) stage_rows<T, 32 * WARPS, XS == 2, 8 * NT>(x, norm_w, eps, xs, M, K, add_o, add_w, add_out);
+  if constexpr (XS) stage_rows<T, 32 * WARPS, XS == 2, 8 * NT>(x, norm_w, eps, xs, M, K, add_o, add_out);
   const T* xrow[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
@@ -544,7 +565,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (MINB blocks per SM: <= 65536 / (32 WARPS MINB) registers) ·
 // smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
-// XS: 2 * M * norm_stride(K) bytes (the staged x)
+// XS: sizeof(T) norm_stride(K) (M + [norm_w]), XS 2: sizeof(T) norm_stride(K) (2 M + 2) bytes (stage_rows)
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for the gated epilogues) or null, all T;
 // w: see the formats above ([2N, K] for the gated epilogues); scales: fp16 [rows] (WBITS 8) or the
 // (scale, zero) pairs [ceil(rows / 16), K / GS, 16, 2] (WBITS 4), null for fp16; part_val / part_idx:
