@@ -86,11 +86,14 @@ __host__ __device__ constexpr int norm_stride(int K) { return (K + 63) / 64 * 64
 // warps (RowShare), so a verify step's or a small batch's rows are reduced side by side, not one
 // after another. M = 1 has a copy of its own in which the share is constants (every warp takes the
 // row; its sum of squares is block_reduce's): the runtime share cost batch-1 GEMVs ~0.1 us each.
-// Every global read of the prologue is one cp.async round trip: the norm weights are copied before
-// pdl_wait (prefetch_norm_weights: no kernel writes them), the rows of s (and add_o) after it, all
-// at once, each thread copying the chunks it then sums; the rest works in shared memory.
-// Shared memory (staged_smem in ops/linear.py), rows norm_stride(K) elements apart: xs [M], with
-// ADD add_o's rows [M], then with w its copy, with ADD add_w's.
+// Each thread copies the chunks it then sums. WS (the fp16 / bf16 GEMVs): every global read of the
+// prologue is one cp.async round trip, the norm weights copied before pdl_wait
+// (prefetch_norm_weights: no kernel writes them), the rows of s and add_o in one batch after it;
+// the rest works in shared memory. Without WS (the quantized GEMVs, which measured slower with
+// it: docs/linear.md) the rows of s are copied with cp.async unless ADD, and the rest is read
+// from global memory where it is used.
+// Shared memory (staged_smem in ops/linear.py), rows norm_stride(K) elements apart: xs [M], and
+// with WS add_o's rows [M] (ADD), then w's copy, then add_w's (ADD).
 template <int WARPS> struct RowShare {
   int first, step, wpr, i0;  // rows first, first + step, ...; wpr warps a row; chunks at i0, i0 + 256 wpr, ...
   __device__ __forceinline__ static RowShare whole() { return {0, 1, WARPS, static_cast<int>(threadIdx.x) * 8}; }
@@ -112,8 +115,8 @@ template <int WARPS> struct RowShare {
   }
 };
 
-// The norm weights' copies in stage_rows' shared memory (w, then with ADD add_w), issued as one
-// cp.async group; stage_rows waits for it with its own copies.
+// WS: the norm weights' copies in stage_rows' shared memory (w, then with ADD add_w), one cp.async
+// group; stage_rows waits for it with its own copies.
 template <typename T, int THREADS, bool ADD>
 __device__ __forceinline__ void prefetch_norm_weights(const T* __restrict__ w, const T* __restrict__ add_w, T* xs,
                                                       int M, int K) {
@@ -128,46 +131,53 @@ __device__ __forceinline__ void prefetch_norm_weights(const T* __restrict__ w, c
   cp_async_commit();
 }
 
-template <typename T, int THREADS, bool ADD, int MAXM>
+template <typename T, int THREADS, bool ADD, bool WS, int MAXM>
 __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, const T* __restrict__ s,
                                               const T* __restrict__ w, float eps, T* xs, int M, int K,
-                                              const T* __restrict__ add_o, T* __restrict__ add_out) {
+                                              const T* __restrict__ add_o, const T* __restrict__ add_w,
+                                              T* __restrict__ add_out) {
   __shared__ float scratch[ADD ? 2 : 1][MAXM][32];
   const int ks = norm_stride(K);
-  T* const os = xs + M * ks;                         // ADD: add_o's rows
-  const T* const ws = xs + (ADD ? 2 : 1) * M * ks;  // the norm weight, then add_w
   const bool writer = ADD && blockIdx.x == 0 && blockIdx.y == 0;
   const int i0 = rs.i0, di = rs.wpr * 256;  // this thread's chunks of a row: i0, i0 + di, ...
+  // Where the loops read: row m of s and add_o at s_row(m), o_row(m); the weights at gw, aw.
+  T* const os = xs + M * ks;
+  const T* const gw = WS ? xs + (ADD ? 2 : 1) * M * ks : w;
+  const T* const aw = WS ? gw + ks : add_w;
+  auto s_row = [&](int m) { return ADD && !WS ? s + (size_t)m * K : xs + m * ks; };
+  auto o_row = [&](int m) { return WS ? os + m * ks : add_o + (size_t)m * K; };
+  if (WS || !ADD) {
 #pragma unroll 1
-  for (int m = rs.first; m < M; m += rs.step)
+    for (int m = rs.first; m < M; m += rs.step)
 #pragma unroll 1
-    for (int i = i0; i < K; i += di) {
-      cp_async16(smem_u32(xs + m * ks + i), s + (size_t)m * K + i);
-      if constexpr (ADD) cp_async16(smem_u32(os + m * ks + i), add_o + (size_t)m * K + i);
-    }
-  cp_async_commit();
-  cp_async_wait_all();  // this thread's row chunks have landed (it reads only those before a barrier)
+      for (int i = i0; i < K; i += di) {
+        cp_async16(smem_u32(xs + m * ks + i), s + (size_t)m * K + i);
+        if (ADD && WS) cp_async16(smem_u32(os + m * ks + i), add_o + (size_t)m * K + i);
+      }
+    cp_async_commit();
+    cp_async_wait_all();  // this thread's chunks have landed (it reads only those before a barrier)
+  }
   if constexpr (ADD) {
 #pragma unroll 1
     for (int m = rs.first; m < M; m += rs.step) {
       float o_sq = 0.0f;
 #pragma unroll 1
       for (int i = i0; i < K; i += di) {
-        const Vec<T, 8> o = Vec<T, 8>::load(os + m * ks + i);
+        const Vec<T, 8> o = Vec<T, 8>::load(o_row(m) + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e) o_sq += to_float(o.v[e]) * to_float(o.v[e]);
       }
       rs.warp_sum_to(scratch[1][m], o_sq);
     }
-    __syncthreads();  // also: every thread's copies of the norm weights have landed
+    __syncthreads();  // the sums (and with WS every thread's copies of the norm weights)
 #pragma unroll 1
     for (int m = rs.first; m < M; m += rs.step) {
       const float add_inv_rms = rms_inv(rs.row_sum(scratch[1][m]), K, eps);
       float sum_sq = 0.0f;
 #pragma unroll 1
       for (int i = i0; i < K; i += di) {
-        Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i);
-        const Vec<T, 8> o = Vec<T, 8>::load(os + m * ks + i), g = Vec<T, 8>::load(ws + ks + i);
+        Vec<T, 8> v = Vec<T, 8>::load(s_row(m) + i);
+        const Vec<T, 8> o = Vec<T, 8>::load(o_row(m) + i), g = Vec<T, 8>::load(aw + i);
 #pragma unroll
         for (int e = 0; e < 8; ++e)
           v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(rms_normed(o.v[e], g.v[e], add_inv_rms)));
@@ -192,13 +202,13 @@ __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, c
     }
   }
   if (w != nullptr) {
-    __syncthreads();  // the sums, and the norm weights' copies
+    __syncthreads();  // the sums (and the norm weights' copies)
 #pragma unroll 1
     for (int m = rs.first; m < M; m += rs.step) {
       const float inv_rms = rms_inv(rs.row_sum(scratch[0][m]), K, eps);
 #pragma unroll 1
       for (int i = i0; i < K; i += di) {  // this thread's own elements
-        const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(ws + i);
+        const Vec<T, 8> v = Vec<T, 8>::load(xs + m * ks + i), g = Vec<T, 8>::load(gw + i);
         Vec<T, 8> o;
 #pragma unroll
         for (int e = 0; e < 8; ++e) o.v[e] = rms_normed(v.v[e], g.v[e], inv_rms);
@@ -209,14 +219,15 @@ __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, c
   __syncthreads();
 }
 
-template <typename T, int THREADS, bool ADD, int MAXM>
+template <typename T, int THREADS, bool ADD, bool WS, int MAXM>
 __device__ __forceinline__ void stage_rows(const T* __restrict__ s, const T* __restrict__ w, float eps, T* xs,
-                                           int M, int K, const T* __restrict__ add_o, T* __restrict__ add_out) {
+                                           int M, int K, const T* __restrict__ add_o, const T* __restrict__ add_w,
+                                           T* __restrict__ add_out) {
   using Share = RowShare<THREADS / 32>;
   if (M == 1)
-    stage_rows_as<T, THREADS, ADD, MAXM>(Share::whole(), s, w, eps, xs, M, K, add_o, add_out);
+    stage_rows_as<T, THREADS, ADD, WS, MAXM>(Share::whole(), s, w, eps, xs, M, K, add_o, add_w, add_out);
   else
-    stage_rows_as<T, THREADS, ADD, MAXM>(Share::of(M), s, w, eps, xs, M, K, add_o, add_out);
+    stage_rows_as<T, THREADS, ADD, WS, MAXM>(Share::of(M), s, w, eps, xs, M, K, add_o, add_w, add_out);
 }
 
 // The epilogue's operands that do not depend on the product, for one output: int8 scales, bias (of
@@ -320,7 +331,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   load(a_raw, sz, q_begin + kw * U);
   extern __shared__ uint4 norm_smem[];  // XS: stage_rows' shared memory
   T* xs = reinterpret_cast<T*>(norm_smem);
-  if constexpr (XS) prefetch_norm_weights<T, 32 * WARPS, XS == 2>(norm_w, add_w, xs, M, K);
+  if constexpr (XS && WBITS == 16) prefetch_norm_weights<T, 32 * WARPS, XS == 2>(norm_w, add_w, xs, M, K);
   pdl_wait();
   pdl_trigger();  // at once, as every kernel here: the next one's loads before its wait overlap this one
 
@@ -358,7 +369,8 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // x16(n, k): 16 bytes from column k of the x row of n-tile n, min(8 n + g4, M - 1) (a column
   // of B only reaches its own outputs, and those of rows past M are never stored): the global
   // rows, or with XS their copy (or RMSNorm) in shared memory, written while the first weights load.
-  if constexpr (XS) stage_rows<T, 32 * WARPS, XS == 2, 8 * NT>(x, norm_w, eps, xs, M, K, add_o, add_out);
+  if constexpr (XS)
+    stage_rows<T, 32 * WARPS, XS == 2, WBITS == 16, 8 * NT>(x, norm_w, eps, xs, M, K, add_o, add_w, add_out);
   const T* xrow[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
@@ -565,7 +577,8 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
 
 // grid: (ceil(N / (16 RT))) · block: 32 WARPS (MINB blocks per SM: <= 65536 / (32 WARPS MINB) registers) ·
 // smem: static, 4 * WARPS * RT * NT * 128 bytes (+ 64 RT bytes for EPI_ARGMAX); dynamic, with
-// XS: sizeof(T) norm_stride(K) (M + [norm_w]), XS 2: sizeof(T) norm_stride(K) (2 M + 2) bytes (stage_rows)
+// XS: sizeof(T) norm_stride(K) M bytes, with fp16 / bf16 weights (WBITS 16) (M + [norm_w]), XS 2 (2 M + 2)
+// (stage_rows)
 // x: [M, K] (M <= 8 NT), out: [M, N], bias: [N] ([2N] for the gated epilogues) or null, all T;
 // w: see the formats above ([2N, K] for the gated epilogues); scales: fp16 [rows] (WBITS 8) or the
 // (scale, zero) pairs [ceil(rows / 16), K / GS, 16, 2] (WBITS 4), null for fp16; part_val / part_idx:

@@ -41,7 +41,6 @@ def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     return times[len(times) // 2]
 
 
-@functools.lru_cache(maxsize=None)
 @functools.cache
 def copy_gbs(nbytes: int = 1 << 30, rounds: int = 5) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written: the best of

@@ -142,10 +142,11 @@ def norm_fits(m: int, k: int, dtype) -> bool:
     return min(m, GEMV_ROWS) * norm_stride(k) * np.dtype(dtype).itemsize <= NORM_SMEM
 
 
-def staged_smem(m: int, k: int, dtype, norm: bool, add: bool) -> int:
-    """Dynamic shared memory of an XS GEMV (stage_rows in linear.cu): the m rows of x, with add
-    add's y0 rows too, then the norm weight and add's weight, norm_stride(k) elements each."""
-    rows = 2 * m + 2 if add else m + int(norm)
+def staged_smem(m: int, k: int, dtype, bits: int, norm: bool, add: bool) -> int:
+    """Dynamic shared memory of an XS GEMV (stage_rows in linear.cu), norm_stride(k) elements a row:
+    the m rows of x; with fp16 / bf16 weights (WS) also add's y0 rows, then the norm weight and
+    add's weight."""
+    rows = m if bits != 16 else 2 * m + 2 if add else m + int(norm)
     return rows * norm_stride(k) * np.dtype(dtype).itemsize
 
 
@@ -351,7 +352,7 @@ def _gemv(x, w, bias, out, tile, epilogue="store", parts=(NULL, NULL), norm=None
     args = (x, qweight, _scales(w), NULL if bias is None else bias, norm_w, np.float32(eps),
             NULL if residual is None else residual, NULL if out is None else out, *parts,
             np.int32(m), np.int32(n), np.int32(k), *(add if add is not None else (NULL, NULL, NULL)))
-    smem = staged_smem(m, k, x.dtype, norm is not None, add is not None) if staged else 0
+    smem = staged_smem(m, k, x.dtype, bits, norm is not None, add is not None) if staged else 0
     runtime.launch(kern, (-(-n // (16 * tile.rt)), tile.split), (32 * tile.warps,), args, smem)
     return out
 
