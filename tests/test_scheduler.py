@@ -145,8 +145,9 @@ def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budge
     """Wherever reserve_decodes says yes, schedule() on the same state (the `leave` first running
     sequences finished first) returns exactly the other running sequences with one token each,
     preempting nothing and admitting nothing, and reserves the same blocks; wherever it says no,
-    schedule() does something else, or sequences leave while others wait, and reserve_decodes
-    changed nothing."""
+    schedule() does something else, or sequences leave while others wait, or the others' next
+    slots need more blocks than are free before the leaving ones release theirs, and
+    reserve_decodes changed nothing."""
     import copy
 
     sched = Scheduler(BlockManager(num_blocks, bs, enable_prefix_caching=False), max_batch_tokens=budget,
@@ -172,10 +173,27 @@ def test_reserve_decodes_agrees_with_schedule(prompt_lens, num_blocks, bs, budge
     steady = (all(s.remaining == 1 for s in rest)  # decodes, not 1-token prefill chunks
               and [(s.seq_id, n) for s, n in plan] == [(s.seq_id, 1) for s in rest]
               and ref.num_preemptions == sched.num_preemptions and len(ref.waiting) == len(sched.waiting))
-    assert yes == (steady and not (sched.running[:leave] and sched.waiting))
+    new_blocks = sum(max(0, blocks_for(s.num_computed + 1, bs) - len(s.block_table)) for s in rest)
+    fits_now = new_blocks <= sched.blocks.num_free  # the leaving sequences still hold their blocks
+    assert yes == (steady and fits_now and not (sched.running[:leave] and sched.waiting))
     if yes:
         assert [s.block_table for s in said.running[leave:]] == [s.block_table for s, _ in plan]
         assert said.blocks.num_free + released == ref.blocks.num_free
     else:
         assert [s.block_table for s in said.running] == [s.block_table for s in sched.running]
         assert said.blocks.num_free == sched.blocks.num_free
+
+
+def test_reserve_decodes_leaving_blocks_are_not_free_yet():
+    """Hypothesis's example: the only room for the others' next slots is a leaving sequence's
+    blocks, which it still holds while the next step is reserved: no reservation, nothing changed."""
+    sched = Scheduler(BlockManager(11, 4, enable_prefix_caching=False), max_batch_tokens=4, max_num_seqs=4)
+    seqs = [Sequence(i, [1] * n) for i, n in enumerate([1, 1, 2, 1])]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(9):
+        simulate_step(sched, sched.schedule())
+    assert sched.blocks.num_free == 0 and not sched.waiting
+    tables = [list(s.block_table) for s in sched.running]
+    assert not sched.reserve_decodes(sched.running[1:], sched.running[:1])
+    assert [s.block_table for s in sched.running] == tables

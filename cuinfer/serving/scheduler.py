@@ -138,7 +138,10 @@ class Scheduler:
         engine's pipelined decode asks this before the previous step's tokens are known: none of
         it depends on token values. leaving: running sequences that finish before that step (their
         pending token is their last); allowed only while nothing waits, since the blocks they
-        free could admit a waiting sequence."""
+        free could admit a waiting sequence. They still hold those blocks while this reserves: the
+        slots must fit in the blocks free now, so where only the leaving sequences' blocks would
+        make room this says False though schedule() after their finish would decode `seqs` (the
+        engine then decides that step on the real tokens)."""
         if leaving and self.waiting:
             return False
         gone = set(leaving)
