@@ -115,14 +115,20 @@ template <int WARPS> struct RowShare {
   }
 };
 
-// WS: the norm weights' copies in stage_rows' shared memory (w, then with ADD add_w), one cp.async
-// group; stage_rows waits for it with its own copies.
+// WS: where the norm weights' copies sit in stage_rows' shared memory (w, then with ADD add_w
+// norm_stride(K) further), past the rows.
+template <bool ADD, typename T>
+__device__ __forceinline__ T* norm_weights_in(T* xs, int M, int K) {
+  return xs + (ADD ? 2 : 1) * M * norm_stride(K);
+}
+
+// WS: the norm weights' copies, one cp.async group; stage_rows waits for it with its own copies.
 template <typename T, int THREADS, bool ADD>
 __device__ __forceinline__ void prefetch_norm_weights(const T* __restrict__ w, const T* __restrict__ add_w, T* xs,
                                                       int M, int K) {
   if (w == nullptr) return;  // block-uniform
   const int ks = norm_stride(K);
-  T* ws = xs + (ADD ? 2 : 1) * M * ks;
+  T* ws = norm_weights_in<ADD>(xs, M, K);
 #pragma unroll 1
   for (int i = threadIdx.x * 8; i < K; i += THREADS * 8) {
     cp_async16(smem_u32(ws + i), w + i);
@@ -142,7 +148,7 @@ __device__ __forceinline__ void stage_rows_as(const RowShare<THREADS / 32> rs, c
   const int i0 = rs.i0, di = rs.wpr * 256;  // this thread's chunks of a row: i0, i0 + di, ...
   // Where the loops read: row m of s and add_o at s_row(m), o_row(m); the weights at gw, aw.
   T* const os = xs + M * ks;
-  const T* const gw = WS ? xs + (ADD ? 2 : 1) * M * ks : w;
+  const T* const gw = WS ? norm_weights_in<ADD>(xs, M, K) : w;
   const T* const aw = WS ? gw + ks : add_w;
   auto s_row = [&](int m) { return ADD && !WS ? s + (size_t)m * K : xs + m * ks; };
   auto o_row = [&](int m) { return WS ? os + m * ks : add_o + (size_t)m * K; };
@@ -331,7 +337,8 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   load(a_raw, sz, q_begin + kw * U);
   extern __shared__ uint4 norm_smem[];  // XS: stage_rows' shared memory
   T* xs = reinterpret_cast<T*>(norm_smem);
-  if constexpr (XS && WBITS == 16) prefetch_norm_weights<T, 32 * WARPS, XS == 2>(norm_w, add_w, xs, M, K);
+  constexpr bool WS = XS && WBITS == 16;  // stage_rows' WS: the fp16 / bf16 GEMVs
+  if constexpr (WS) prefetch_norm_weights<T, 32 * WARPS, XS == 2>(norm_w, add_w, xs, M, K);
   pdl_wait();
   pdl_trigger();  // at once, as every kernel here: the next one's loads before its wait overlap this one
 
@@ -370,7 +377,7 @@ __device__ __forceinline__ void linear_body(const T* __restrict__ x, const void*
   // of B only reaches its own outputs, and those of rows past M are never stored): the global
   // rows, or with XS their copy (or RMSNorm) in shared memory, written while the first weights load.
   if constexpr (XS)
-    stage_rows<T, 32 * WARPS, XS == 2, WBITS == 16, 8 * NT>(x, norm_w, eps, xs, M, K, add_o, add_w, add_out);
+    stage_rows<T, 32 * WARPS, XS == 2, WS, 8 * NT>(x, norm_w, eps, xs, M, K, add_o, add_w, add_out);
   const T* xrow[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) {

@@ -146,7 +146,10 @@ def staged_smem(m: int, k: int, dtype, bits: int, norm: bool, add: bool) -> int:
     """Dynamic shared memory of an XS GEMV (stage_rows in linear.cu), norm_stride(k) elements a row:
     the m rows of x; with fp16 / bf16 weights (WS) also add's y0 rows, then the norm weight and
     add's weight."""
-    rows = m if bits != 16 else 2 * m + 2 if add else m + int(norm)
+    if bits != 16:
+        rows = m
+    else:
+        rows = 2 * m + 2 if add else m + int(norm)
     return rows * norm_stride(k) * np.dtype(dtype).itemsize
 
 
