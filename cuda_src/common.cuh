@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 namespace cuinfer {
 
@@ -58,6 +59,52 @@ template <typename T, int N> struct VecF {  // N floats, the fp32 working copy o
   }
 };
 
+// ------------------------------------------------------------- KV-cache chunks
+// Eight consecutive elements of a KV-cache row whose kernels compute in T. The cache holds T itself
+// (Raw: 16 bytes) or fp8 E4M3 codes (C = __nv_fp8_e4m3, Raw: 8 bytes; cuinfer/ops/fp8.py). decode
+// is exact (every E4M3 value is a half, a bfloat16 and a float), so a kernel computes with exactly
+// the values the cache holds; encode rounds a T row to nearest even, saturating at +-448.
+template <typename T, typename C> struct KvChunk;
+template <typename T> struct KvChunk<T, T> {
+  static_assert(sizeof(T) == 2, "8 elements of a 16-bit T");
+  using Raw = uint4;
+  __device__ __forceinline__ static Vec<T, 8> decode(Raw r) { return *reinterpret_cast<const Vec<T, 8>*>(&r); }
+  __device__ __forceinline__ static Raw encode(const Vec<T, 8>& x) { return *reinterpret_cast<const Raw*>(&x); }
+};
+template <typename T> struct KvChunk<T, __nv_fp8_e4m3> {
+  using Raw = uint2;
+  __device__ __forceinline__ static Vec<T, 8> decode(Raw r) {
+    const unsigned words[2] = {r.x, r.y};
+    Vec<T, 8> y;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 h = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2))), __NV_E4M3);
+      y.v[2 * i] = from_float<T>(__low2float(h));
+      y.v[2 * i + 1] = from_float<T>(__high2float(h));
+    }
+    return y;
+  }
+  __device__ __forceinline__ static Raw encode(const Vec<T, 8>& x) {
+    unsigned words[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_fp8x2_storage_t p = __nv_cvt_float2_to_fp8x2(
+          make_float2(to_float(x.v[2 * i]), to_float(x.v[2 * i + 1])), __NV_SATFINITE, __NV_E4M3);
+      words[i / 2] |= static_cast<unsigned>(p) << (16 * (i % 2));
+    }
+    return make_uint2(words[0], words[1]);
+  }
+};
+// One element of a T row rounded into a cache of C.
+template <typename T, typename C> __device__ __forceinline__ C to_cache(T x) {
+  if constexpr (sizeof(C) == sizeof(T)) {
+    return x;
+  } else {
+    return C(to_float(x));  // __nv_fp8_e4m3's constructor: round to nearest even, saturating
+  }
+}
+
 // ------------------------------------------------------------------ reductions
 struct Sum {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
@@ -99,6 +146,18 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 // compiler from moving this thread's earlier shared-memory reads of the slot past it.
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+// 8-byte copy (.ca: .cg takes 16 bytes only), for an fp8 cache's chunks; zero-fills when !valid.
+__device__ __forceinline__ void cp_async8(unsigned dst, const void* src, bool valid = true) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0) : "memory");
+}
+// A chunk of Raw (KvChunk's 16 or 8 bytes).
+template <typename Raw> __device__ __forceinline__ void cp_async_raw(unsigned dst, const void* src) {
+  if constexpr (sizeof(Raw) == 16) {
+    cp_async16(dst, src);
+  } else {
+    cp_async8(dst, src);
+  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Until at most N of this thread's committed groups are still in flight.

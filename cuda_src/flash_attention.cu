@@ -11,23 +11,28 @@
 // K-major tiles, O += P V with P from registers and V read transposed (MN-major) from the same
 // swizzled layout; no ldmatrix, no register copies of K or V.
 //
+// flash_attention_kernel also reads a paged fp8 cache (C = __nv_fp8_e4m3, cuinfer/ops/fp8.py): the
+// tiles' codes go by cp.async into a raw double buffer, and each tile is decoded (exactly, KvChunk)
+// into one T stage of K and V before its products, behind one more barrier a tile.
+//
 // Both round P to T before the PV product, as FlashAttention does. Softmax is online in fp32: the
 // row max is taken on the raw scores (scale > 0) and each exponential is one FFMA and one ex2:
 // p = 2^(s * scale * log2(e) - max * scale * log2(e)).
 #include "flash_attention.cuh"
 
 // grid: (ceil(max_q_len / BM), n_heads, num_seqs), x reversed so the heaviest causal blocks
-//   start first · block: 32 * WARPS · smem: (BM + 4 * BN) * (D + 8) * sizeof(T)
+//   start first · block: 32 * WARPS · smem: (BM + 4 * BN) * (D + 8) * sizeof(T); fp8 C:
+//   (BM + 2 * BN) * (D + 8) * sizeof(T) + 4 * BN * D
 // q, out: [tokens, n_heads, D]; cu_seqlens_q: [num_seqs + 1]
 // contiguous: k, v: [tokens, n_kv_heads, D], keys of sequence i at rows cu_seqlens_q[i]..
-// PAGED: k, v: [num_blocks, 1 << block_shift, n_kv_heads, D]; block_tables: [num_seqs, max_blocks];
+// PAGED: k, v: [num_blocks, 1 << block_shift, n_kv_heads, D] of C (T or fp8); block_tables: [num_seqs, max_blocks];
 //   context_lens: [num_seqs]; the q rows are the last q_len of context_lens[i] positions.
 // Query i of a chunk sees keys 0 .. i + kv_len - q_len when causal, every key otherwise; with
 // window > 0 (causal) only the last `window` of them, and key tiles wholly before them are not read.
 // cap_in > 0: scores capped, cap_out * tanh(s * cap_in), scale_log2 then 1 (Tile).
-template <typename T, int D, int BM, int BN, int WARPS, bool PAGED>
+template <typename T, typename C, int D, int BM, int BN, int WARPS, bool PAGED>
 __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+    const T* __restrict__ q, const C* __restrict__ k, const C* __restrict__ v, T* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ context_lens,
     const int* __restrict__ block_tables, int max_blocks, int block_shift, int n_heads,
     int n_kv_heads, float scale_log2, int causal, int window, float cap_in, float cap_out) {
@@ -45,6 +50,9 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
   constexpr bool Q_IN_REGS = MT * KS * 4 <= 32;  // else Q fragments are re-read from sQ each tile
   static_assert(MT >= 1 && BM == MT * 16 * WARPS, "BM must be a multiple of 16 * WARPS");
   static_assert(BN % 16 == 0 && D % 16 == 0, "BN and D must be multiples of 16");
+  constexpr bool FP8 = sizeof(C) != sizeof(T);  // decoded from a raw double buffer into one T stage
+  static_assert(!FP8 || PAGED, "an fp8 K/V is a paged cache");
+  using Chunk = KvChunk<T, C>;
 
   // x reversed: the heaviest causal blocks start first
   const Tile t = tile_of<BM, BN, PAGED>((gridDim.x - 1 - blockIdx.x) * BM, blockIdx.y, blockIdx.z, cu_seqlens_q,
@@ -54,8 +62,11 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [BM][STRIDE]; reused for the output tile
-  T* sK = sQ + BM * STRIDE;                // [2][BN][STRIDE]
-  T* sV = sK + 2 * BN * STRIDE;            // [2][BN][STRIDE]
+  T* sK = sQ + BM * STRIDE;                // [2][BN][STRIDE] (fp8: [BN][STRIDE])
+  T* sV = sK + (FP8 ? 1 : 2) * BN * STRIDE;  // likewise
+  // fp8: the tiles' codes, [2][BN][D] bytes each of K and V
+  unsigned char* rawK = reinterpret_cast<unsigned char*>(sV + (FP8 ? 1 : 2) * BN * STRIDE);
+  unsigned char* rawV = rawK + 2 * BN * D;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
   // Q lands with tile 0. Without tiles no Q is copied: the rows a thread copies are staged by other
@@ -72,8 +83,22 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
       const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
       size_t off;
       const bool ok = kv_chunk<D, PAGED>(t, (t.tile0 + tile) * BN + r, col, table, block_shift, n_kv_heads, off);
-      cp_async16(smem_u32(sK + (stage * BN + r) * STRIDE + col), k + off, ok);
-      cp_async16(smem_u32(sV + (stage * BN + r) * STRIDE + col), v + off, ok);
+      if constexpr (FP8) {
+        cp_async8(smem_u32(rawK + (stage * BN + r) * D + col), k + off, ok);
+        cp_async8(smem_u32(rawV + (stage * BN + r) * D + col), v + off, ok);
+      } else {
+        cp_async16(smem_u32(sK + (stage * BN + r) * STRIDE + col), k + off, ok);
+        cp_async16(smem_u32(sV + (stage * BN + r) * STRIDE + col), v + off, ok);
+      }
+    }
+  };
+  // fp8: the codes of stage `stage` into the T tiles (after a barrier that ends the last tile's reads)
+  auto decode_kv = [&](int stage) {
+#pragma unroll 1
+    for (int c = tid; c < BN * CHUNKS; c += THREADS) {
+      const int r = c / CHUNKS, col = (c % CHUNKS) * 8, raw = (stage * BN + r) * D + col;
+      Chunk::decode(*reinterpret_cast<const typename Chunk::Raw*>(rawK + raw)).store(sK + r * STRIDE + col);
+      Chunk::decode(*reinterpret_cast<const typename Chunk::Raw*>(rawV + raw)).store(sV + r * STRIDE + col);
     }
   };
   load_kv(0, 0);
@@ -106,6 +131,10 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     }
     if (j + 1 < t.n_tiles) load_kv(j + 1, stage ^ 1);
     cp_async_commit();
+    if constexpr (FP8) {
+      decode_kv(stage);
+      __syncthreads();  // tile j decoded
+    }
 
     // S = Q K^T for this warp's rows and the BN keys of tile j
     float s[MT][4 * NT];
@@ -113,7 +142,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int i = 0; i < 4 * NT; ++i) s[mt][i] = 0.0f;
-    const T* kt = sK + stage * BN * STRIDE;
+    const T* kt = sK + (FP8 ? 0 : stage * BN * STRIDE);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       unsigned a[MT][4];
@@ -148,7 +177,7 @@ __global__ void __launch_bounds__(32 * WARPS) flash_attention_kernel(
     }
 
     // O += P V
-    const T* vt = sV + stage * BN * STRIDE;
+    const T* vt = sV + (FP8 ? 0 : stage * BN * STRIDE);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       unsigned pa[MT][4];

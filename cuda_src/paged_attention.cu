@@ -27,21 +27,20 @@
 // of chunk_rows consecutive rows holds consecutive positions of one sequence, real rows first) a
 // row's CTAs also write the rows of its chunk before it (the row attends to them), so no write_kv
 // launch precedes the verify step's attention either.
+// The cache holds T or fp8 E4M3 (C = __nv_fp8_e4m3, cuinfer/ops/fp8.py): a lane's chunk of a row is
+// then 8 bytes (KvChunk), decoded to T where it is loaded, and the new rows are encoded where written.
 #include "common.cuh"
 
 using namespace cuinfer;
 
-// A K/V row chunk. The NEW_KV kernel writes a cache row in this launch and reads it back after a
-// barrier, so its loads must be coherent (ld.global.cg: L2); the plain kernel's may take the
-// read-only path (ld.global.nc, which may miss a write made during the kernel).
-template <bool COHERENT, typename T>
-__device__ __forceinline__ Vec<T, 8> load_kv(const T* p) {
-  if constexpr (COHERENT) {
-    const int4 raw = __ldcg(reinterpret_cast<const int4*>(p));
-    return *reinterpret_cast<const Vec<T, 8>*>(&raw);
-  } else {
-    return Vec<T, 8>::load(p);
-  }
+// A K/V row chunk as stored (decoded where used: an fp8 row's codes take half the registers). The
+// NEW_KV kernel writes a cache row in this launch and reads it back after a barrier, so its loads must
+// be coherent (ld.global.cg: L2); the plain kernel's may take the read-only path (ld.global.nc, which
+// may miss a write made during the kernel).
+template <bool COHERENT, typename T, typename C>
+__device__ __forceinline__ typename KvChunk<T, C>::Raw load_kv(const C* p) {
+  const auto* r = reinterpret_cast<const typename KvChunk<T, C>::Raw*>(p);
+  return COHERENT ? __ldcg(r) : *r;
 }
 
 // RoPE rotate-half of chunk c (8 elements) of a head row x, rounded once to T: y_j = x_j cos - x_{j+D/2} sin,
@@ -111,24 +110,24 @@ __device__ __forceinline__ int reduce_scatter(float (&v)[N], int lane) {
 // reads the clamped row, the stage gives zeros): with `staged` (one loop step) the chunks the lane
 // copied to stage[u * THREADS] (u < US; read where used), else from the cache, U rows loaded
 // before the first is used.
-template <typename T, int U, int STEP, int THREADS, bool COHERENT, typename Offset, typename Row>
-__device__ __forceinline__ void for_each_row(bool staged, const uint4* stage, int US, int base0, int sub, int end,
-                                             const T* cache, Offset offset_of, Row row) {
+template <typename T, typename C, int U, int STEP, int THREADS, bool COHERENT, typename Offset, typename Row>
+__device__ __forceinline__ void for_each_row(bool staged, const typename KvChunk<T, C>::Raw* stage, int US, int base0,
+                                             int sub, int end, const C* cache, Offset offset_of, Row row) {
   if (staged) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (u < US) {  // rows past end get zeros: their slot may hold the new row as it was before its write
         const int t = base0 + u * STEP + sub;
-        row(t < end ? *reinterpret_cast<const Vec<T, 8>*>(stage + u * THREADS) : Vec<T, 8>{}, t);
+        row(t < end ? KvChunk<T, C>::decode(stage[u * THREADS]) : Vec<T, 8>{}, t);
       }
     return;
   }
   for (int base = base0; base < end; base += STEP * U) {  // warp-uniform loop
-    Vec<T, 8> r[U];
+    typename KvChunk<T, C>::Raw r[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) r[u] = load_kv<COHERENT>(cache + offset_of(base + u * STEP + sub));
+    for (int u = 0; u < U; ++u) r[u] = load_kv<COHERENT, T>(cache + offset_of(base + u * STEP + sub));
 #pragma unroll
-    for (int u = 0; u < U; ++u) row(r[u], base + u * STEP + sub);
+    for (int u = 0; u < U; ++u) row(KvChunk<T, C>::decode(r[u]), base + u * STEP + sub);
   }
 }
 
@@ -200,8 +199,9 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
 
 // grid: (n_splits, n_kv_heads, num_seqs) · block: 32 * WARPS
 // smem: 4 * (G * partition + WARPS * G * D + 2 * WARPS * G + partition / block_size + 2), with NEW_KV
-// and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 32 * WARPS * 16
-// q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D]
+// and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 32 * WARPS *
+// sizeof(KvChunk<T, C>::Raw)
+// q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D] of C
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
 // n_splits > 1 only (16-byte aligned): part_out: [num_seqs, n_heads, n_splits, D] fp32;
 // part_ml: [num_seqs, n_heads, n_splits, 2] (max, sum); arrivals: int32 [num_seqs, n_kv_heads], zero
@@ -222,9 +222,9 @@ __device__ __forceinline__ void merge_if_last(const float* part_out, const float
 // warps, 4 of 5, 3 of 6, 2 of 8) for G <= 4 and 3 CTAs of 4 (<= 168) for G = 8, without spills; the
 // plain G = 8 kernel fits 168 unbounded (and is left unbounded, which schedules it better), the NEW_KV
 // one would take up to 182 registers (bf16, D = 80 / 96).
-template <typename T, int D, int G, int U, int WARPS, bool NEW_KV>
+template <typename T, typename C, int D, int G, int U, int WARPS, bool NEW_KV>
 __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 : 1)) paged_attention_kernel(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, int* __restrict__ arrivals,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, int max_blocks,
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
@@ -242,6 +242,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   constexpr int RPW = 32 / KL;                                      // rows per warp step
   constexpr int STEP = WARPS * RPW;                                 // rows per CTA step
   static_assert(CHUNKS <= 32 && D % 16 == 0, "D must be a multiple of 16, at most 256");
+  using Chunk = KvChunk<T, C>;
+  using Raw = typename Chunk::Raw;
 
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z, n_splits = gridDim.x;
   const int group = n_heads / n_kv_heads;
@@ -266,8 +268,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   float* red = scores + G * partition;        // [WARPS][G][D]
   float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
   int* blocks = reinterpret_cast<int*>(stat + 2 * G * WARPS);  // the split's block-table entries
-  // NEW_KV with a split of one loop step: its K, V rows, [2][US][threads] x 16 bytes (16-byte aligned)
-  uint4* stage = reinterpret_cast<uint4*>((reinterpret_cast<size_t>(blocks + (partition >> block_shift) + 2) + 15) &
+  // NEW_KV with a split of one loop step: its K, V rows, [2][US][threads] x Raw (16-byte aligned)
+  Raw* stage = reinterpret_cast<Raw*>((reinterpret_cast<size_t>(blocks + (partition >> block_shift) + 2) + 15) &
                                           ~size_t(15));
   // The table entries of the whole partition (those the table holds), loaded alongside context_lens:
   // one round trip instead of two; entries past the context are never used.
@@ -314,8 +316,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
       for (int u = 0; u < U; ++u)
         if (u < US) {
           const size_t off = offset_of(start + warp * RPW + u * STEP + sub);
-          cp_async16(smem_u32(stage + u * THREADS + tid), k_cache + off);
-          cp_async16(smem_u32(stage + (US + u) * THREADS + tid), v_cache + off);
+          cp_async_raw<Raw>(smem_u32(stage + u * THREADS + tid), k_cache + off);
+          cp_async_raw<Raw>(smem_u32(stage + (US + u) * THREADS + tid), v_cache + off);
         }
       cp_async_commit();
     }
@@ -343,8 +345,9 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
       const int row_slot = slot_mapping[row];
       if (t0 + warp * RPW + sub < n_before && active && row_slot >= 0 && pos >= start && pos < end) {
         const size_t dst = ((size_t)row_slot * n_kv_heads + kv_head) * D + chunk * 8;
-        k_row.store(const_cast<T*>(k_cache) + dst);
-        Vec<T, 8>::load(v_new + (size_t)row * v_stride + (size_t)kv_head * D + chunk * 8).store(const_cast<T*>(v_cache) + dst);
+        *reinterpret_cast<Raw*>(const_cast<C*>(k_cache) + dst) = Chunk::encode(k_row);
+        *reinterpret_cast<Raw*>(const_cast<C*>(v_cache) + dst) =
+            Chunk::encode(Vec<T, 8>::load(v_new + (size_t)row * v_stride + (size_t)kv_head * D + chunk * 8));
       }
     }
     // The new token's row goes to the cache from the CTA whose split holds it; its loads issue
@@ -375,9 +378,9 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     }
     // The stage slots of the split's row r (K, then V US * THREADS further): this lane's chunk, and
     // on the last active lane the idle lanes' copies of it.
-    auto patch_stage = [&](int r, uint4 k4, uint4 v4) {
-      uint4* ks = stage + r / STEP * THREADS + (r % STEP) / RPW * 32 + (r % RPW) * KL;
-      uint4* vs = ks + US * THREADS;
+    auto patch_stage = [&](int r, Raw k4, Raw v4) {
+      Raw* ks = stage + r / STEP * THREADS + (r % STEP) / RPW * 32 + (r % RPW) * KL;
+      Raw* vs = ks + US * THREADS;
       ks[chunk] = k4, vs[chunk] = v4;
       if (chunk == CHUNKS - 1)
 #pragma unroll
@@ -385,9 +388,10 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     };
     if (writer) {
       const size_t dst = ((size_t)slot * n_kv_heads + kv_head) * D + chunk * 8;
-      kn.store(const_cast<T*>(k_cache) + dst);
-      vn.store(const_cast<T*>(v_cache) + dst);
-      if (staged) patch_stage(ctx - 1 - start, *reinterpret_cast<const uint4*>(&kn), *reinterpret_cast<const uint4*>(&vn));
+      const Raw k_raw = Chunk::encode(kn), v_raw = Chunk::encode(vn);
+      *reinterpret_cast<Raw*>(const_cast<C*>(k_cache) + dst) = k_raw;
+      *reinterpret_cast<Raw*>(const_cast<C*>(v_cache) + dst) = v_raw;
+      if (staged) patch_stage(ctx - 1 - start, k_raw, v_raw);
     }
     if (staged) {  // the verify rows this thread wrote above, read back from L2 into their stage slots
 #pragma unroll 1
@@ -395,8 +399,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
         const int row_slot = slot_mapping[seq - n_before + t], pos = ctx - 1 - n_before + t;
         if (!active || row_slot < 0 || pos < start || pos >= end) continue;
         const size_t src = ((size_t)row_slot * n_kv_heads + kv_head) * D + chunk * 8;
-        patch_stage(pos - start, __ldcg(reinterpret_cast<const uint4*>(k_cache + src)),
-                    __ldcg(reinterpret_cast<const uint4*>(v_cache + src)));
+        patch_stage(pos - start, __ldcg(reinterpret_cast<const Raw*>(k_cache + src)),
+                    __ldcg(reinterpret_cast<const Raw*>(v_cache + src)));
       }
     }
   } else {
@@ -409,8 +413,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     }
   }
   __syncthreads();  // blocks[] written (and the new K/V row: the loops below may read it)
-  const uint4* k_stage = stage + tid;  // this lane's stage slots (K, then V)
-  const uint4* v_stage = k_stage + US * THREADS;
+  const Raw* k_stage = stage + tid;  // this lane's stage slots (K, then V)
+  const Raw* v_stage = k_stage + US * THREADS;
   const int base0 = start + warp * RPW;
 
   // pass 1: scores. A row's KL lanes reduce its G dot products scattered (reduce_scatter): lane `chunk`
@@ -421,7 +425,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   const bool owner = (chunk & (DUP - 1)) == 0;
   const int head = chunk / DUP;  // reduce_scatter's base (also in warps without rows, which never reduce)
   float mh = Max::identity();  // max of this lane's rows for its head
-  for_each_row<T, U, STEP, THREADS, NEW_KV>(staged, k_stage, US, base0, sub, end, k_cache, offset_of,
+  for_each_row<T, C, U, STEP, THREADS, NEW_KV>(staged, k_stage, US, base0, sub, end, k_cache, offset_of,
                                             [&](const Vec<T, 8>& k, int t) {
     const VecF<T, 8> kf = VecF<T, 8>::from(k);
     float d[G];
@@ -465,7 +469,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   float acc[G * 8];
 #pragma unroll
   for (int i = 0; i < G * 8; ++i) acc[i] = 0.0f;
-  for_each_row<T, U, STEP, THREADS, NEW_KV>(staged, v_stage, US, base0, sub, end, v_cache, offset_of,
+  for_each_row<T, C, U, STEP, THREADS, NEW_KV>(staged, v_stage, US, base0, sub, end, v_cache, offset_of,
                                             [&](const Vec<T, 8>& v, int t) {
     const bool live = t < end;
     t = min(t, end - 1);

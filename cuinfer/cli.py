@@ -1,5 +1,6 @@
-"""Flag helpers the command-line tools share (generate, serve, eval, quantize): argparse types that
-refuse a bad value while parsing, before any model loads, and the checks made once the device is known."""
+"""Flag helpers the command-line tools share (generate, serve, eval, quantize, bench): argparse types
+that refuse a bad value while parsing, before any model loads, and the checks made once the device is
+known."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,16 @@ def add_speculative_arguments(p) -> None:
                         "(e.g. an int4 copy of the target made by python -m cuinfer.quantize)")
     p.add_argument("--num-speculative-tokens", type=int_in(1, MAX_SPECULATIVE_TOKENS), default=4, metavar="K",
                    help="draft tokens verified per step (default 4)")
+
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def add_kv_cache_dtype_argument(p) -> None:
+    """--kv-cache-dtype {auto,fp8} (Engine.from_pretrained's kv_cache_dtype, cuinfer.ops.fp8)."""
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache element type: auto (the model's dtype) or fp8 (E4M3, half the bytes a token: "
+                        "twice the tokens in the same memory)")
 
 
 def speculative_options(args) -> dict:

@@ -5,7 +5,8 @@ Perplexity with a sliding window (as in the Hugging Face perplexity guide): wind
 window that holds it with context before it, so every token after the first window
 sees at least window - stride tokens of context. Each window is a fresh sequence
 (positions from 0) in one paged KV cache that is reused. Several `--quant` values run
-the same text and print their perplexity relative to the first.
+the same text and print their perplexity relative to the first. `--kv-cache-dtype fp8` keeps
+that cache in fp8 (E4M3), to measure what an fp8 KV cache costs in perplexity.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 
 import numpy as np
 
-from .cli import check_dtype, int_in
+from .cli import add_kv_cache_dtype_argument, check_dtype, int_in
 from .ops import runtime
 
 
@@ -40,10 +41,11 @@ def windows(n_tokens: int, window: int, stride: int):
             return
 
 
-def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int = 16):
-    """(perplexity, tokens scored) of the token ids under `model` (cuinfer.model.decoder.Model)."""
+def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int = 16, kv_cache_dtype: str = "auto"):
+    """(perplexity, tokens scored) of the token ids under `model` (cuinfer.model.decoder.Model), its
+    KV cache in kv_cache_dtype ("auto": the model's dtype, or "fp8")."""
     from .model.decoder import Batch
-    from .model.kv_cache import CacheShape, KVCache
+    from .model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
 
     if stride < 1 or stride >= window:
         raise runtime.CuinferError(f"--stride {stride}: need 1 <= stride < window ({window})")
@@ -52,7 +54,7 @@ def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int
     cfg = model.config
     n_blocks = -(-window // block_size)
     cache = KVCache(CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size),
-                    n_blocks, model.dtype, model.xp)
+                    n_blocks, kv_cache_dtype_for(kv_cache_dtype, model.dtype), model.xp)
     table = list(range(n_blocks))
     ids = np.asarray(ids, dtype=np.int64)
     nll, count = 0.0, 0
@@ -94,6 +96,7 @@ def main(argv=None):
                    help="weight formats to compare: none, int8, int4 (g128, fit minmax), int4-g32, int4-g32-mse, "
                         "int4-gptq, ... (cuinfer.ops.quant.parse_spec; a group size not dividing in_features shrinks "
                         "to one that does); a checkpoint saved quantized (python -m cuinfer.quantize) runs as none")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--calib", help="calibration text for the -gptq formats (another text than --text)")
     p.add_argument("--calib-tokens", type=int_in(1), default=4096, help="calibration tokens (sequences of 512)")
     args = parser.parse_args(argv)
@@ -113,13 +116,14 @@ def main(argv=None):
         config, tensors = load_checkpoint(args.checkpoint)
         calib_ids = read_ids(args.checkpoint, args.calib)[: args.calib_tokens] if gptq else None
         base = None
-        print(f"{len(ids)} tokens, window {args.window}, stride {args.stride}, device {args.device}")
+        print(f"{len(ids)} tokens, window {args.window}, stride {args.stride}, device {args.device}, "
+              f"kv cache {args.kv_cache_dtype}")
         for quant in args.quant:
             if quant in gptq:
                 model = gptq_model(config, tensors, calib_ids, parse_spec(quant)[1], args.device, args.dtype)
             else:
                 model = Model.from_tensors(config, tensors, args.device, args.dtype, None if quant == "none" else quant)
-            ppl, n = perplexity(model, ids, args.window, args.stride)
+            ppl, n = perplexity(model, ids, args.window, args.stride, kv_cache_dtype=args.kv_cache_dtype)
             base = base or ppl
             print(f"{quant:>16}: perplexity {ppl:.4f} over {n} tokens ({100 * (ppl / base - 1):+.2f}% vs {args.quant[0]})")
             del model

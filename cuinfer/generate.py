@@ -17,7 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli import add_speculative_arguments, check_dtype, int_in, quant_spec, speculative_options
+from .cli import (
+    add_kv_cache_dtype_argument,
+    add_speculative_arguments,
+    check_dtype,
+    int_in,
+    quant_spec,
+    speculative_options,
+)
 from .ops import runtime
 from .serving.sampling import SamplingParams
 
@@ -49,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true",
                    help="GPU: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--kv-tokens", type=int_in(1), help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
+    add_kv_cache_dtype_argument(p)
     add_speculative_arguments(p)
     return p
 
@@ -143,6 +151,7 @@ def main(argv=None) -> int:
 
         engine = Engine.from_pretrained(args.checkpoint, device=device, dtype=args.dtype,
                                         quant=args.quant, kv_tokens=args.kv_tokens,
+                                        kv_cache_dtype=args.kv_cache_dtype,
                                         use_graphs=not args.no_graphs, **speculative_options(args))
         if args.template:
             prompts = [engine.tokenizer.encode_chat(messages(args.system, [{"role": "user", "content": p}]))

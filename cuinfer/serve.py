@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 
-from .cli import add_speculative_arguments, check_dtype, int_in, speculative_options
+from .cli import add_kv_cache_dtype_argument, add_speculative_arguments, check_dtype, int_in, speculative_options
 from .errors import CuinferError
 from .ops import runtime
 from .serving.sampling import SamplingParams
@@ -280,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for admission past which new ones get 503 with Retry-After")
     p.add_argument("--kv-tokens", type=int_in(1), help="KV cache size in tokens (default: GPU memory / 16k on CPU)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint's folder name)")
+    add_kv_cache_dtype_argument(p)
     add_speculative_arguments(p)
     return p
 
@@ -300,7 +301,8 @@ def main(argv=None) -> int:
         device = runtime.pick_device(args.device)
         check_dtype(device, args.dtype)
         aengine = AsyncEngine.start(path, device=device, dtype=args.dtype, quant=args.quant,
-                                    kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
+                                    kv_tokens=args.kv_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                                    max_batch_tokens=args.max_batch_tokens,
                                     max_num_seqs=args.max_num_seqs, **speculative_options(args))
     except (CuinferError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -86,14 +86,15 @@ def test_numpy_decode_equals_forward_and_padding_touches_only_scratch():
 
 # ------------------------------------------------------------------------------ GPU
 
-def gpu_engine(model, use_graphs, kv_tokens=8192, eos=(), async_decode=True):
-    from cuinfer.model.kv_cache import CacheShape, KVCache
+def gpu_engine(model, use_graphs, kv_tokens=8192, eos=(), async_decode=True, kv_cache_dtype="auto"):
+    from cuinfer.model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
 
     cfg = model.config
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 16)
-    cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens)
-    cache.k.fill(np.nan)  # a read of a slot nothing wrote poisons the logits
-    cache.v.fill(np.nan)
+    cache = KVCache.allocate(shape, kv_cache_dtype_for(kv_cache_dtype, model.dtype), model.xp, kv_tokens)
+    nan = 0x7F if kv_cache_dtype == "fp8" else np.nan  # a read of a slot nothing wrote poisons the logits
+    cache.k.fill(nan)
+    cache.v.fill(nan)
     return Engine(model, cache, eos_token_ids=eos, use_graphs=use_graphs, async_decode=async_decode)
 
 
@@ -144,10 +145,12 @@ def test_gpu_warm_up_captures_every_bucket_and_changes_no_token(quant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
-def test_gpu_graph_tokens_equal_eager(dtype):
+def test_gpu_graph_tokens_equal_eager(dtype, kv_cache_dtype):
     """Greedy and seeded sampling: replayed graphs give exactly the eager step's tokens, across
-    batch buckets (sequences finish one by one: 8, 4, 2, 1) and context buckets (256 -> 512)."""
+    batch buckets (sequences finish one by one: 8, 4, 2, 1) and context buckets (256 -> 512); with
+    an fp8 cache too (the prefill's flash kernel, the fused decode attention, both encoding)."""
     from cuinfer.ops import runtime
 
     dtype = runtime.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -156,7 +159,7 @@ def test_gpu_graph_tokens_equal_eager(dtype):
     ids = prompts(cfg, [3, 17, 200, 250, 31, 5, 90], seed=11)
     runs = {}
     for use_graphs in (True, False):
-        eng = gpu_engine(model, use_graphs)
+        eng = gpu_engine(model, use_graphs, kv_cache_dtype=kv_cache_dtype)
         greedy = run_requests(eng, ids, [40, 300, 70, 280, 12, 64, 150])
         sampled = run_requests(eng, ids[:3], [10, 30, 20], temperature=0.8, top_p=0.9, seed=5)
         runs[use_graphs] = (greedy, sampled)

@@ -9,7 +9,11 @@ Decode: 32 query / 8 KV heads, head_dim 128, fp16, block_size 16, random block t
 bytes = K and V rows read. The peer is SDPA over contiguous [B, 8, ctx, 128] K/V (no
 paging) with one query per sequence. Decode and write_kv (ours and the peer) are timed
 as 20 calls replayed from one CUDA graph, as the decoder runs them (eagerly a call costs
-more Python than GPU time); every call reads more K/V than the 50 MB L2 holds.
+more Python than GPU time); every call reads more K/V than the 50 MB L2 holds. Each decode case and
+the paged prefill row are also timed over an fp8 (E4M3) cache of the same shape ("fp8 kv" rows:
+random codes of magnitude <= 240, bytes = the codes read). Prefill from fp8 has two rows: the
+mma.sync kernel decoding its tiles (what a captured call runs), and the eager op, which on sm_90
+decodes the pages into a float16 pool for the wgmma kernel (timed with events: it allocates).
 `--sweep` adds decode rows for other split partitions and rows-in-flight counts, and
 d=128 prefill rows for other tile shapes.
 """
@@ -97,13 +101,19 @@ def prefill_rows(cp, torch, tokens, seq_lens):
                     row.update(peer="sdpa", peer_ms=torch_graph_ms(torch, _sdpa(torch, b, s, d, causal)))
                 rows.append(row)
             if d == 128 and s == 4096:
-                rows.append(paged_prefill_row(cp, torch, q, k, v, b, s, d))
+                rows += paged_prefill_row(cp, torch, q, k, v, b, s, d)
     return rows
+
+
+def fp8_codes(cp, shape):
+    """Random E4M3 codes of magnitude <= 240 (exponent field < 15: no NaN, no saturated value)."""
+    mag = cp.random.randint(0, 0x78, shape, dtype=cp.int32)
+    return (mag | cp.random.randint(0, 2, shape, dtype=cp.int32) << 7).astype(cp.uint8)
 
 
 def paged_prefill_row(cp, torch, q, k, v, b, s, d, block_size=16):
     """The engine's prefill form: the same causal problem with K/V in a paged cache (blocks in a
-    random order), through flash_attention_paged."""
+    random order), through flash_attention_paged; then over an fp8 cache of the same shape."""
     n_blocks = b * s // block_size
     perm = cp.asarray(np.random.default_rng(0).permutation(n_blocks).astype(np.int32))
     k_cache, v_cache = (cp.empty((n_blocks, block_size, N_KV, d), dtype=cp.float16) for _ in range(2))
@@ -119,7 +129,10 @@ def paged_prefill_row(cp, torch, q, k, v, b, s, d, block_size=16):
            "ms": ms, "flops": 2 * b * s * s * N_HEADS * d}
     if torch is not None:
         row.update(peer="sdpa", peer_ms=torch_graph_ms(torch, _sdpa(torch, b, s, d, True)))
-    return row
+    k8, v8 = fp8_codes(cp, k_cache.shape), fp8_codes(cp, v_cache.shape)
+    call = functools.partial(flash_attention_paged, q, k8, v8, tables, cu, lens, out=out, max_seqlen_q=s)
+    return [row, dict(row, name="prefill paged causal, in a graph", dtype="float16, fp8 kv", ms=graph_ms(cp, call)),
+            dict(row, name="prefill paged causal, eager", dtype="float16, fp8 kv", ms=bench.time_ms(call))]
 
 
 SWEEP_TILES = (("mma", 64, 64, 4), ("wgmma", 128, 128, 12), ("tma", 128, 128, 12), ("tma", 128, 64, 12))
@@ -177,6 +190,12 @@ def decode_rows(cp, torch, cases, sweep, d=128, block_size=16):
             if i == 0 and torch is not None:
                 row.update(peer="sdpa contiguous", peer_ms=torch_graph_ms(torch, _sdpa(torch, b, 1, d, False, ctx)))
             rows.append(row)
+            if i == 0:  # the same call over an fp8 cache
+                k8, v8 = fp8_codes(cp, k_cache.shape), fp8_codes(cp, v_cache.shape)
+                call = functools.partial(paged_attention, q, k8, v8, tables, lens, out=out, max_context_len=ctx,
+                                         workspace=ws)
+                rows.append(dict(row, name=f"decode paged {n}x{p} U={u} W={w}", dtype="float16, fp8 kv",
+                                 ms=graph_ms(cp, call), bytes=row["bytes"] // 2))
     return rows
 
 

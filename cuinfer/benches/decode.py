@@ -14,7 +14,9 @@ prompts, at batch 1 (its eager generate takes ~0.13 s a step at 8B: larger batch
 not fit the run's time); its decode ms per step is (t(new) - t(1)) / (new - 1). Quantized rows
 are compared with the fp16 peer. Batch-1 rows also run the step eagerly (use_graphs=False): eager tok/s and whether
 its tokens equal the graph's. A smollm2-135m batch-1 row (the default model) closes a preset run,
-and a last row measures the floor of a kernel chain (floor_row).
+and a last row measures the floor of a kernel chain (floor_row). --kv-cache-dtype fp8 runs every
+engine with an fp8 (E4M3) KV cache: its rows say "kv fp8" in name and dtype, and their bytes count
+the cache's one byte per K/V element.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ import time
 import numpy as np
 
 from .. import bench
+from ..cli import add_kv_cache_dtype_argument
 from ..model.arch import HEAD_NORMS
 from ..model.decoder import GATED_EPILOGUE, LM_HEAD_QUANT, Batch, Model, kernel_dtype
-from ..model.kv_cache import CacheShape, KVCache
+from ..model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
 from ..ops.linear import linear, linear_argmax
@@ -55,6 +58,7 @@ def add_arguments(parser):
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    add_kv_cache_dtype_argument(parser)
     parser.add_argument("--no-peer", action="store_true", help="skip transformers generate")
     parser.add_argument("--sync-decode", action="store_true",
                         help="read each step's tokens before the next is launched (Engine async_decode=False)")
@@ -105,7 +109,8 @@ def make_engine(cp, model, batch, args, use_graphs=True):
     cfg = model.config
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     per_seq = -(-(args.prompt_len + args.new_tokens + 1) // shape.block_size) * shape.block_size
-    cache = KVCache.allocate(shape, model.dtype, cp, batch * per_seq + PREFILL_TOKENS + shape.block_size)
+    cache = KVCache.allocate(shape, kv_cache_dtype_for(args.kv_cache_dtype, model.dtype), cp,
+                             batch * per_seq + PREFILL_TOKENS + shape.block_size)
     return Engine(model, cache, max_batch_tokens=max(512, batch * args.prompt_len),
                   max_num_seqs=max(256, batch), use_graphs=use_graphs, async_decode=not args.sync_decode and use_graphs)
 
@@ -280,9 +285,10 @@ def model_rows(cp, torch, name, config, base, args, batches, quants):
             decode_run(engine, prompts, args.new_tokens)  # warm-up: compile, capture every bucket
             ms, tokens = decode_run(engine, prompts, args.new_tokens)
             mean_ctx = args.prompt_len + args.new_tokens / 2
-            row = {"name": f"{name} {q} b={b}", "shape": f"{args.prompt_len}+{args.new_tokens}",
-                       "dtype": str(model.dtype), "ms": ms,
-                       "bytes": wbytes + b * mean_ctx * engine.kv_cache.token_bytes}
+            kv = "" if args.kv_cache_dtype == "auto" else f" kv {args.kv_cache_dtype}"
+            row = {"name": f"{name} {q}{kv} b={b}", "shape": f"{args.prompt_len}+{args.new_tokens}",
+                   "dtype": f"{model.dtype}{kv}", "kv_cache_dtype": args.kv_cache_dtype, "ms": ms,
+                   "bytes": wbytes + b * mean_ctx * engine.kv_cache.token_bytes}
             d = {"tok_s": 1000 * b / ms, "replay_ms": replay_ms(engine, b), "gemv_ms": gemv_ms(cp, model, b),
                  "attn_ms": attention_ms(cp, engine, b, args.prompt_len + args.new_tokens),
                  "roofline_tok_s": b * bench.copy_gbs() * 1e9 / row["bytes"],

@@ -44,7 +44,8 @@ def run(args):
     cp = runtime.require_cupy()
     config = load_preset(args.preset)
     model = Model(config, random_weights(cp, config, np.float16))
-    shape = types.SimpleNamespace(prompt_len=args.prompt_len, new_tokens=args.new_tokens, sync_decode=False)
+    shape = types.SimpleNamespace(prompt_len=args.prompt_len, new_tokens=args.new_tokens, sync_decode=False,
+                                  kv_cache_dtype="auto")
     engine = make_engine(cp, model, 1, shape)
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (1, args.prompt_len)).tolist()
     decode_run(engine, prompts, args.new_tokens)

@@ -1,6 +1,7 @@
 """Serving workloads through the engine's online API: throughput, TTFT, time per output token.
 
     python -m cuinfer.bench serve --workload mixed|shared-prefix|long|rate [--preset llama3-8b] [--quant int4]
+                                  [--kv-cache-dtype fp8]
 
 Fixed-seed synthetic requests (random token ids, ignore_eos) arrive on a schedule; the loop adds
 each request when its time comes and steps the engine, stamping every token as it comes back:
@@ -13,9 +14,11 @@ each request when its time comes and steps the engine, stamping every token as i
 - rate: --num-requests mixed-shape requests with Poisson arrivals at --rate per second.
 --http URL sends the same workloads to an OpenAI-compatible server (benches/serve_http.py).
 Rows: output and total tok/s, TTFT and TPOT (a request's time per token after its first) p50/p99,
-peak KV usage, prefix-cache hit rate, preemptions. Each engine runs Engine.warm_up before its clock
-starts, as the server does before it listens. --peer runs the same prompts through
-transformers' continuous batching (generate_batch; one max_new_tokens for all: the workload's mean).
+peak KV usage, prefix-cache hit rate, preemptions; the dtype column names the weights' format and,
+with --kv-cache-dtype fp8, the KV cache's (the same memory then holds twice the tokens). Each engine
+runs Engine.warm_up before its clock starts, as the server does before it listens. --peer runs the
+same prompts through transformers' continuous batching (generate_batch; one max_new_tokens for all:
+the workload's mean).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..cli import add_kv_cache_dtype_argument
 from ..ops import runtime
 from ..serving.sampling import SamplingParams
 
@@ -36,6 +40,7 @@ def add_arguments(parser):
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--quant", choices=("none", "int8", "int4"), default="none",
                         help="the linear layers' format, quantized on the GPU as bench decode does")
+    add_kv_cache_dtype_argument(parser)
     parser.add_argument("--budget", type=int, default=2048, help="max_batch_tokens of a step")
     parser.add_argument("--budgets", default="512,2048,8192", help="the long workload's step budgets")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -129,12 +134,12 @@ def gaps_ms(requests, start, end) -> list:
 
 
 def make_engine(cp, model, args, budget, caching=True):
-    from ..model.kv_cache import CacheShape, KVCache
+    from ..model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
     from ..serving.engine import Engine
 
     cfg = model.config
     shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    cache = KVCache.allocate(shape, model.dtype, cp, memory_fraction=0.7)
+    cache = KVCache.allocate(shape, kv_cache_dtype_for(args.kv_cache_dtype, model.dtype), cp, memory_fraction=0.7)
     engine = Engine(model, cache, max_batch_tokens=budget, max_num_seqs=args.max_num_seqs,
                     enable_prefix_caching=caching)
     engine.warm_up()  # as a server starts: nothing compiled or captured on the clock
@@ -228,10 +233,12 @@ def run(args):
         cp.get_default_memory_pool().free_all_blocks()  # the float copies: the KV cache sizes from free memory
     model = Model(config, weights)
     dtype = args.dtype if args.quant == "none" else f"{args.dtype} {args.quant}"
+    if args.kv_cache_dtype != "auto":
+        dtype += f" kv {args.kv_cache_dtype}"
     rows = []
     for name in args.workload.split(","):
         for r in run_workload(cp, model, args, name.strip()):
-            rows.append({**r, "shape": args.preset, "dtype": dtype})
+            rows.append({**r, "shape": args.preset, "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype})
             print(" · ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()),
                   flush=True)
         if args.peer and args.quant == "none" and name.strip() in ("mixed", "shared-prefix"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CuinferError
+from ..ops import fp8
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -21,6 +22,16 @@ DEFAULT_BLOCK_SIZE = 16
 def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
     """K and V bytes one token takes across all layers."""
     return 2 * num_layers * n_kv_heads * head_dim * np.dtype(dtype).itemsize
+
+
+def kv_cache_dtype_for(name: str, model_dtype) -> np.dtype:
+    """The cache's element dtype for a kv_cache_dtype name (`--kv-cache-dtype`): "auto" -> the
+    model's dtype, "fp8" / "fp8_e4m3" -> uint8 E4M3 codes (cuinfer.ops.fp8); a bad name is a
+    CuinferError."""
+    try:
+        return fp8.parse_kv_cache_dtype(name, model_dtype)
+    except ValueError as e:
+        raise CuinferError(str(e)) from None
 
 
 def kv_memory(token_counts, block_size: int, token_bytes: int, max_len: int) -> dict:

@@ -14,6 +14,8 @@ import itertools
 
 import numpy as np
 
+from . import fp8
+
 _SCORES_PER_CHUNK = 1 << 24  # float32 scores held at once (64 MiB)
 
 
@@ -74,14 +76,14 @@ def varlen_attention(q, k, v, cu_seqlens, causal=True, scale=None, window=0, sof
 
 
 def gather_kv(cache, block_table, n):
-    """The first n rows of one sequence from a paged cache.
+    """The first n rows of one sequence from a paged cache (an fp8 cache's rows decoded to float32).
 
     cache: [num_blocks, block_size, n_kv_heads, head_dim]; block_table: [max_blocks]
     Returns [n, n_kv_heads, head_dim].
     """
     bs = cache.shape[1]
     blocks = np.asarray(block_table[: -(-n // bs)], dtype=np.int64)
-    return cache[blocks].reshape(-1, *cache.shape[2:])[:n]
+    return fp8.values(cache[blocks].reshape(-1, *cache.shape[2:])[:n])
 
 
 def paged_prefix_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, window=0,

@@ -4,7 +4,10 @@ flash_attention(q, k, v, cu_seqlens, causal=True, scale=None, out=None, *, windo
     q: [tokens, n_heads, head_dim]; k, v: [tokens, n_kv_heads, head_dim]; cu_seqlens: int32 [num_seqs + 1]
 flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale=None, out=None,
                       *, window=0, softcap=None)
-    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]; block_tables: int32
+    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim], q's dtype or uint8 fp8 E4M3 codes
+    (cuinfer.ops.fp8, decoded exactly: where the wgmma kernel would run, the pages the tables name are
+    decoded into a pool of q's dtype first, fp8.decode_pages; under graph capture, and elsewhere, the
+    mma.sync kernel decodes them itself); block_tables: int32
     [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]. The q rows of sequence i
     are its last q_len_i positions and attend causally to keys 0 .. context_len - q_len + j.
 window > 0 (causal only): query j sees only the last `window` of those keys; the kernels skip
@@ -28,7 +31,7 @@ import math
 
 import numpy as np
 
-from . import runtime
+from . import fp8, runtime
 from .attention_ref import default_scale, paged_prefix_attention, varlen_attention
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -39,9 +42,10 @@ LOG2E = 1.4426950408889634
 WGMMA_HEAD_DIMS = (64, 128, 256)  # multiples of 64: whole 128-byte swizzle blocks
 
 
-def tile_config(head_dim: int, arch: int = 80, block_size: int = 0) -> tuple:
+def tile_config(head_dim: int, arch: int = 80, block_size: int = 0, fp8_cache: bool = False) -> tuple:
     """(kernel, BLOCK_M, BLOCK_N, warps) for a head dim on compute capability `arch` (90 for sm_90),
-    contiguous K/V (block_size 0) or a paged cache of that block size.
+    contiguous K/V (block_size 0) or a paged cache of that block size (fp8_cache: of fp8 codes, which
+    only the mma.sync kernel decodes).
 
     sm_90, head_dim 64 / 128 / 256: the persistent warp-specialized wgmma kernel, a producer
     warpgroup and one (d=256) or two consumer warpgroups of 64 query rows; "tma" (K/V copied by
@@ -49,37 +53,43 @@ def tile_config(head_dim: int, arch: int = 80, block_size: int = 0) -> tuple:
     zero fill: smaller pages). "mma" (mma.sync) otherwise: O and S accumulators in registers
     without spills (ptxas -v, sm_90: d=64 254 regs, d=80/96 168, d=128 173, d=256 242 with Q
     re-read from shared memory). d=128, H100, 4x4096 causal / full TFLOP/s: 64x64x4 240 / 240,
-    128x32x4 228 / 241 (24 B spill since the FFMA softmax), 128x64x8 222 / 234."""
-    if 90 <= arch < 100 and head_dim in WGMMA_HEAD_DIMS:
+    128x32x4 228 / 241 (24 B spill since the FFMA softmax), 128x64x8 222 / 234. An fp8 cache at
+    d=64 takes 64x64x4 (170 registers): at 128 rows the tile's decode pass spilled 40 bytes."""
+    if 90 <= arch < 100 and head_dim in WGMMA_HEAD_DIMS and not fp8_cache:
         bm, bn, warps = (64, 64, 8) if head_dim > 128 else (128, 128, 12)
         tma = block_size == 0 or (block_size >= 8 and bn % block_size == 0)
         return ("tma" if tma else "wgmma", bm, bn, warps)
-    if head_dim <= 64:
+    if head_dim <= 64 and not fp8_cache:
         return ("mma", 128, 64, 4)  # 2 m16 tiles per warp
     if head_dim <= 128:
         return ("mma", 64, 64, 4)
     return ("mma", 64, 32, 4)
 
 
-def instantiation(dtype, head_dim: int, paged: bool, tile) -> str:
+def instantiation(dtype, head_dim: int, paged: bool, tile, cache_dtype=None) -> str:
+    """cache_dtype: the paged cache's (None: dtype's; uint8: fp8 E4M3, mma tiles only)."""
     kind, bm, bn, warps = tile
     t, p = runtime.ctype(dtype), "true" if paged else "false"
     if kind in ("tma", "wgmma"):
         return f"flash_attention_{kind}_kernel<{t}, {head_dim}, {bn}, {warps // 4 - 1}, {p}>"
-    return f"flash_attention_kernel<{t}, {head_dim}, {bm}, {bn}, {warps}, {p}>"
+    c = fp8.cache_ctype(dtype if cache_dtype is None else cache_dtype, dtype)
+    return f"flash_attention_kernel<{t}, {c}, {head_dim}, {bm}, {bn}, {warps}, {p}>"
 
 
-INSTANTIATIONS = sorted({instantiation(dt, d, bs > 0, tile_config(d, arch, bs)) for dt in (np.float16, runtime.bfloat16)
-                         for bs in (0, 4, 16) for arch in (80, 90) for d in HEAD_DIMS})
+INSTANTIATIONS = sorted({instantiation(dt, d, bs > 0, tile_config(d, arch, bs, c == fp8.FP8), c)
+                         for dt in (np.float16, runtime.bfloat16) for c in (dt, fp8.FP8)
+                         for bs in (0, 4, 16) for arch in (80, 90) for d in HEAD_DIMS if bs or c == dt})
 
 
-def smem_bytes(head_dim: int, tile, itemsize: int = 2) -> int:
-    """mma: Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes); wgmma / tma: Q
-    tile and a ring of 3 K/V tiles, rows swizzled in place, 1 KB to align the swizzle atoms, the ring's
-    barriers."""
+def smem_bytes(head_dim: int, tile, itemsize: int = 2, fp8_cache: bool = False) -> int:
+    """mma: Q tile + 2 stages of K and V tiles, rows padded by 8 elements (16 bytes); from an fp8
+    cache one stage of K and V tiles + 2 stages of their codes (1 byte each); wgmma / tma: Q tile and a
+    ring of 3 K/V tiles, rows swizzled in place, 1 KB to align the swizzle atoms, the ring's barriers."""
     kind, bm, bn, _ = tile
     if kind in ("wgmma", "tma"):
         return (bm + 6 * bn) * head_dim * itemsize + 1024 + 128
+    if fp8_cache:
+        return (bm + 2 * bn) * (head_dim + 8) * itemsize + 4 * bn * head_dim
     return (bm + 4 * bn) * (head_dim + 8) * itemsize
 
 
@@ -149,8 +159,8 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     runtime.check("k_cache", k_cache, ndim=4)
     _check_q(q, k_cache.shape[2])
     _tokens, _n_heads, d = q.shape
-    runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, d))
-    runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+    runtime.check("k_cache", k_cache, dtype=(q.dtype, fp8.FP8), shape=(None, None, None, d))
+    runtime.check("v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape))
     runtime.check("block_tables", block_tables, dtype=np.int32, ndim=2)
     num_seqs = block_tables.shape[0]
     runtime.check("cu_seqlens_q", cu_seqlens_q, dtype=np.int32, shape=(num_seqs + 1,))
@@ -173,14 +183,19 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     runtime.check("out", out, align=16)
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
+    if fp8.is_fp8(k_cache) and num_seqs and not runtime.capturing() and device_tile(d, bs)[0] != "mma":
+        # the wgmma kernels read pages of q's dtype: ~2x the mma.sync kernel's prefill TFLOP/s, for one
+        # gather of the rows' pages a call (docs/attention.md)
+        k_cache, _ = fp8.decode_pages(k_cache, block_tables, q.dtype)
+        v_cache, block_tables = fp8.decode_pages(v_cache, block_tables, q.dtype)
     launch_kernel(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, bs, num_seqs,
                   max_seqlen_q, scale, True, window=window, softcap=softcap)
     return out
 
 
-def device_tile(head_dim: int, block_size: int = 0) -> tuple:
+def device_tile(head_dim: int, block_size: int = 0, fp8_cache: bool = False) -> tuple:
     """tile_config for the current device (block_size 0: contiguous K/V)."""
-    return tile_config(head_dim, int(runtime.device_info()["arch"][3:]), block_size)
+    return tile_config(head_dim, int(runtime.device_info()["arch"][3:]), block_size, fp8_cache)
 
 
 def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, num_seqs, max_seqlen_q,
@@ -193,9 +208,10 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     n_kv = k.shape[-2]
     if num_seqs == 0 or max_seqlen_q == 0 or q.shape[0] == 0:
         return  # nothing to compute (and no tensor map of an empty array)
-    tile = tile or device_tile(d, block_size if paged else 0)
+    fp8_cache = fp8.is_fp8(k)
+    tile = tile or device_tile(d, block_size if paged else 0, fp8_cache)
     kind, bm, bn, warps = tile
-    kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged, tile))
+    kern = runtime.kernel("flash_attention", instantiation(q.dtype, d, paged, tile, k.dtype))
     m_blocks = -(-max_seqlen_q // bm)
     persistent = kind in ("tma", "wgmma")  # a CTA an SM, walking the work items
     grid = ((min(m_blocks * n_heads * num_seqs, ctas or runtime.device_info()["sm_count"]), 1, 1) if persistent
@@ -214,4 +230,4 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
     if kind == "tma":
         kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
         args += (runtime.tensor_map(q, (bm, 1, 64)), runtime.tensor_map(k, kv_box), runtime.tensor_map(v, kv_box))
-    runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, tile, q.dtype.itemsize))
+    runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, tile, q.dtype.itemsize, fp8_cache))

@@ -2,7 +2,8 @@
 
 paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None, out=None, *,
                 max_context_len=None, workspace=None, new_kv=None, qk_norm=None, window=0, softcap=None)
-    q: [num_seqs, n_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]
+    q: [num_seqs, n_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim],
+        q's dtype or uint8 fp8 E4M3 codes (cuinfer.ops.fp8: read decoded, new rows written encoded)
     block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]
     returns [num_seqs, n_heads, head_dim] in q's dtype (zeros where context_lens is 0)
     window > 0: only the last `window` keys of each sequence are read and counted (the kernel's
@@ -56,7 +57,7 @@ import functools
 
 import numpy as np
 
-from . import runtime
+from . import fp8, runtime
 from .attention_ref import default_scale, paged_prefix_attention
 from .flash_attention import check_window
 from .write_kv import check_head_rows
@@ -93,7 +94,8 @@ def rows_in_flight(group: int, head_dim: int, partition: int, warps: int) -> int
     four loop steps cover (short contexts at small batches) takes U=4: its rows are few, the fused
     decode stages them before pdl_wait, and U=8 only lengthens the kernel (H100, batch 1, 128 + 256
     tokens, decode graphs: smollm2-135m 1,885 -> 2,033 tok/s, llama3-8b 177.9 -> 180.2, phi3-mini
-    325.7 -> 328.4)."""
+    325.7 -> 328.4). An fp8 cache takes the same U: twice the rows (as many bytes in flight as from a
+    float cache) made it slower (H100, `bench attention` decode, b=16 at 4k: 0.083 -> 0.097 ms)."""
     if group > 4 or head_dim > 128 or partition <= 4 * loop_step(head_dim, warps):
         return 4
     return 8
@@ -131,22 +133,27 @@ def cta_warps(ctas: int, group: int, sm_count: int) -> int:
     return max(WARPS, key=lambda w: (occupancy(ctas, group, sm_count, w), w))
 
 
-def instantiation(dtype, head_dim: int, group: int, u: int, new_kv: bool = False, warps: int = 4) -> str:
-    return (f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {group}, {u}, {warps}, "
+def instantiation(dtype, head_dim: int, group: int, u: int, new_kv: bool = False, warps: int = 4,
+                  cache_dtype=None) -> str:
+    """cache_dtype: the cache's (None: dtype's; uint8: fp8 E4M3)."""
+    cache = fp8.cache_ctype(dtype if cache_dtype is None else cache_dtype, dtype)
+    return (f"paged_attention_kernel<{runtime.ctype(dtype)}, {cache}, {head_dim}, {group}, {u}, {warps}, "
             f"{str(new_kv).lower()}>")
 
 
-INSTANTIATIONS = [instantiation(dt, d, g, u, f, w) for dt in (np.float16, runtime.bfloat16)
+INSTANTIATIONS = [instantiation(dt, d, g, u, f, w, c) for dt in (np.float16, runtime.bfloat16) for c in (dt, fp8.FP8)
                   for d in HEAD_DIMS for g in GROUPS for f in (False, True) for w in WARPS if g <= 4 or w == 4
                   for u in sorted({rows_in_flight(g, d, p, w) for p in (MIN_PARTITION, MAX_PARTITION)})]
 
 
-def precompile(dtype, head_dim: int, n_heads: int, n_kv_heads: int) -> int:
+def precompile(dtype, head_dim: int, n_heads: int, n_kv_heads: int, cache_dtype=None) -> int:
     """Compile, or load from the disk cache, every instantiation a launch for these heads may pick
     at any batch and context (the warps and rows in flight follow the split), so that no step waits
-    on NVRTC (Engine.warm_up); the count."""
+    on NVRTC (Engine.warm_up); the count. cache_dtype: the cache's (None: dtype's)."""
     g = padded_group(n_heads, n_kv_heads)
-    exprs = [e for e in INSTANTIATIONS if e.startswith(f"paged_attention_kernel<{runtime.ctype(dtype)}, {head_dim}, {g},")]
+    cache = fp8.cache_ctype(dtype if cache_dtype is None else cache_dtype, dtype)
+    prefix = f"paged_attention_kernel<{runtime.ctype(dtype)}, {cache}, {head_dim}, {g},"
+    exprs = [e for e in INSTANTIATIONS if e.startswith(prefix)]
     for e in exprs:
         runtime.kernel("paged_attention", e)
     return len(exprs)
@@ -212,16 +219,16 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
 
 
 def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
-               u: int, new_kv: bool = False, warps: int = 4) -> int:
+               u: int, new_kv: bool = False, warps: int = 4, chunk_bytes: int = 16) -> int:
     """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
     partition // block_size + 2 blocks). With new_kv, head_dim <= STAGE_MAX_DIM and a split of one
     loop step (partition <= STEP * U) the stage of its K and V rows follows, 16-byte aligned:
-    [2][ceil(partition / STEP)][threads] x 16 bytes."""
+    [2][ceil(partition / STEP)][threads] x chunk_bytes (a lane's 8 elements: 16, or 8 in an fp8 cache)."""
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
     step = loop_step(head_dim, warps)
     staged = new_kv and head_dim <= STAGE_MAX_DIM and partition <= step * u
-    stage = 2 * -(-partition // step) * 32 * warps * 16 if staged else 0
+    stage = 2 * -(-partition // step) * 32 * warps * chunk_bytes if staged else 0
     return -(-4 * attend // 16) * 16 + stage
 
 
@@ -232,8 +239,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None,
     window = check_window(window, softcap)
     runtime.check("q", q, ndim=3, contiguous=new_kv is None)
     num_seqs, n_heads, d = q.shape
-    runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, None, d))
-    runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+    runtime.check("k_cache", k_cache, dtype=(q.dtype, fp8.FP8), shape=(None, None, None, d))
+    runtime.check("v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape))
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     if n_heads % n_kv:
         raise ValueError(f"q: got {n_heads} heads, need a multiple of n_kv_heads = {n_kv}")
@@ -351,7 +358,8 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
     else:
         k, v, slot_mapping, inv_freq = new_kv
     q_norm, k_norm, eps = qk_norm or (q, q, 0.0)  # unused without qk_norm
-    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None, warps))
+    kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None, warps,
+                                                          k_cache.dtype))
     args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
@@ -359,4 +367,5 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.float32(softcap * LOG2E if softcap else 0.0), q_norm, k_norm, np.int32(qk_norm is not None),
             np.float32(eps), np.int32(chunk_rows))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
-                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps))
+                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps,
+                                   8 if fp8.is_fp8(k_cache) else 16))

@@ -4,7 +4,9 @@ write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=None,
          q_norm=None, k_norm=None, eps=1e-6) -> rotated q
     q: [tokens, n_heads, head_dim]; k, v: [tokens, n_kv_heads, head_dim]; positions: int32 [tokens]
         (q, k, v may be views of one qkv row: heads contiguous, rows a multiple of 16 bytes apart)
-    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim], updated in place
+    k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim], updated in place: q's dtype, or
+        uint8 fp8 E4M3 codes (cuinfer.ops.fp8; q float16 / bfloat16 on the GPU): k and v rounded to
+        q's dtype, then encoded
     slot_mapping: int32 [tokens], slot = block * block_size + offset; a negative slot skips the token
     inv_freq: float32 [head_dim // 2] from cuinfer.ops.rope.rope_inv_freq (Hugging Face rotate-half),
         or [tokens, head_dim // 2], each token its own frequencies (Phi-3's longrope)
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import runtime
+from . import fp8, runtime
 
-INSTANTIATIONS = [f"write_kv_kernel<{runtime.ctype(dt)}, {str(norm).lower()}>"
-                  for dt in (np.float32, np.float16, runtime.bfloat16) for norm in (False, True)]
+INSTANTIATIONS = [f"write_kv_kernel<{runtime.ctype(dt)}, {cache}, {str(norm).lower()}>"
+                  for dt in (np.float32, np.float16, runtime.bfloat16)
+                  for cache in (runtime.ctype(dt),) + (("__nv_fp8_e4m3",) if dt != np.float32 else ())
+                  for norm in (False, True)]
 HEADS = 4  # heads a CTA handles (cuda_src/write_kv.cu)
 
 
@@ -35,8 +39,9 @@ def head_rms_norm_reference(x, weight, eps):
 
 def write_kv_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, q_norm=None, k_norm=None,
                        eps=1e-6):
-    """Rotated q (float32); writes rotated k and v (rounded to the cache dtype) into the caches. With
-    q_norm / k_norm the heads are normed first (rounded to their dtype, as the kernel rounds)."""
+    """Rotated q (float32); writes rotated k and v (rounded to q's dtype, then to the cache's: fp8.store)
+    into the caches. With q_norm / k_norm the heads are normed first (rounded to their dtype, as the
+    kernel rounds)."""
     from .rope import rope_reference
 
     if q_norm is not None:
@@ -47,8 +52,8 @@ def write_kv_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_f
     keep = slots >= 0
     flat_k = k_cache.reshape(-1, *k_cache.shape[2:])  # flat_k: [num_blocks * block_size, n_kv_heads, head_dim]
     flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
-    flat_k[slots[keep]] = k_rot[keep].astype(k_cache.dtype)  # rounded to the cache dtype
-    flat_v[slots[keep]] = v[keep]
+    flat_k[slots[keep]] = fp8.store(k_rot[keep], k_cache.dtype, q.dtype)
+    flat_v[slots[keep]] = fp8.store(v[keep], v_cache.dtype, q.dtype)
     return q_rot
 
 
@@ -75,8 +80,8 @@ def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=N
     for name, a in (("q", q), ("k", k), ("v", v)):
         check_head_rows(name, a)
     runtime.check("positions", positions, dtype=np.int32, shape=(tokens,))
-    runtime.check("k_cache", k_cache, dtype=q.dtype, shape=(None, None, n_kv, d))
-    runtime.check("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
+    runtime.check("k_cache", k_cache, dtype=(q.dtype, fp8.FP8), shape=(None, None, n_kv, d))
+    runtime.check("v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape))
     runtime.check("slot_mapping", slot_mapping, dtype=np.int32, shape=(tokens,))
     per_token = getattr(inv_freq, "ndim", 1) == 2
     runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(tokens, d // 2) if per_token else (d // 2,))
@@ -98,7 +103,10 @@ def write_kv(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out=N
         raise ValueError("out: needed under CUDA-graph capture, allocated before it (see cuinfer.ops.write_kv)")
     out = runtime.check_out(out, q.shape, q.dtype, q)
     runtime.check("out", out, align=16)
-    kern = runtime.kernel("write_kv", f"write_kv_kernel<{runtime.ctype(q.dtype)}, {str(norm).lower()}>")
+    if fp8.is_fp8(k_cache):
+        runtime.check("q", q, dtype=(np.dtype(np.float16), runtime.bfloat16), contiguous=False)
+    cache = fp8.cache_ctype(k_cache.dtype, q.dtype)
+    kern = runtime.kernel("write_kv", f"write_kv_kernel<{runtime.ctype(q.dtype)}, {cache}, {str(norm).lower()}>")
     args = (q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq, out,
             np.int32(n_heads), np.int32(n_kv), np.int32(d), np.int32(d // 2 if per_token else 0),
             q_norm if norm else q, k_norm if norm else q, np.float32(eps),

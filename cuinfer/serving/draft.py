@@ -3,8 +3,10 @@
 The draft model runs through the same code as the target (the catch-up chunk of a sequence as a
 verify step, Verifier's CUDA graphs on the GPU, or Model.forward when it is a long prefill; then
 one decode step per further draft token, DecodeGraph's CUDA graphs) with its own paged KV cache
-and its own BlockManager (no prefix cache), as many blocks as the target's. Per sequence it keeps a block table and how many of the sequence's tokens have their
-draft K/V in place (`computed`). Proposing k tokens for a sequence of N tokens:
+and its own BlockManager (no prefix cache), as many blocks as the target's, in the target cache's
+element format (an fp8 target cache gives an fp8 draft cache, else the draft model's dtype). Per
+sequence it keeps a block table and how many of the sequence's tokens have their draft K/V in
+place (`computed`). Proposing k tokens for a sequence of N tokens:
 
     catch-up: tokens computed..N-1 in one chunk -> logits at N-1 -> d1 ~ q1
     then for j = 2..k: token d(j-1) at position N+j-2 -> d(j) ~ q(j)
@@ -25,6 +27,7 @@ import numpy as np
 from ..errors import CuinferError
 from ..model.decoder import Batch
 from ..model.kv_cache import CacheShape, KVCache
+from ..ops import fp8
 from .block_manager import BlockManager, blocks_for
 from .runner import DecodeGraph
 from .sampling import token_probs
@@ -41,7 +44,8 @@ class _DraftSeq:
 
 class DraftProposer:
     def __init__(self, draft, target, kv_cache, use_graphs: bool = True):
-        """draft: a Model with the target's vocabulary; its cache gets as many blocks as kv_cache."""
+        """draft: a Model with the target's vocabulary; its cache gets as many blocks as kv_cache, fp8
+        when kv_cache is (Engine's kv_cache_dtype), else in the draft's dtype."""
         if draft.config.vocab_size != target.config.vocab_size:
             raise CuinferError(f"speculative model: vocabulary of {draft.config.vocab_size} tokens, the target's "
                                f"has {target.config.vocab_size} (a draft needs the same tokenizer)")
@@ -50,8 +54,9 @@ class DraftProposer:
         cfg, bs = draft.config, kv_cache.block_size
         shape = CacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs)
         self.model = draft
+        cache_dtype = fp8.FP8 if fp8.is_fp8(kv_cache) else draft.dtype
         try:
-            self.cache = KVCache.allocate(shape, draft.dtype, draft.xp, kv_cache.num_blocks * bs)
+            self.cache = KVCache.allocate(shape, cache_dtype, draft.xp, kv_cache.num_blocks * bs)
         except CuinferError as e:
             raise CuinferError(f"speculative model: its KV cache: {e} (give the target a smaller one)") from None
         on_gpu = draft.xp is not np

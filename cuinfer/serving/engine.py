@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import CuinferError
 from ..model.decoder import Batch, Model
-from ..model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_memory
+from ..model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_cache_dtype_for, kv_memory
 from ..ops import runtime
 from ..ops.paged_attention import precompile as precompile_attention
 from .block_manager import BlockManager, blocks_for
@@ -181,14 +181,16 @@ class Engine:
                         block_size: int = 16, max_batch_tokens: int = 512, max_num_seqs: int = 256,
                         seed: int = 0, use_graphs: bool = True, async_decode: bool = True,
                         enable_prefix_caching: bool = True, speculative=None, speculative_model=None,
-                        num_speculative_tokens: int = 4) -> Engine:
+                        num_speculative_tokens: int = 4, kv_cache_dtype: str = "auto") -> Engine:
         """path: a checkpoint directory (None: the default model); device None: the GPU if found.
         speculative "ngram", or speculative_model (a checkpoint with the same tokenizer, loaded
         like the target: its KV cache holds as many tokens as the target's, the two sharing the
-        default memory budget)."""
+        default memory budget). kv_cache_dtype: "auto" (the model's dtype) or "fp8" (E4M3: half the
+        bytes a token, so twice the tokens in the same memory); a draft model's cache follows it."""
         from ..io.checkpoint import load_checkpoint, resolve_checkpoint
         from ..io.tokenizer import Tokenizer
 
+        kv_cache_dtype_for(kv_cache_dtype, np.float32)  # a bad name fails before anything loads
         device = runtime.pick_device(device)
         path = resolve_checkpoint(path)
         config, tensors = load_checkpoint(path)
@@ -201,13 +203,16 @@ class Engine:
             draft_config, draft_tensors = load_checkpoint(resolve_checkpoint(speculative_model))
             speculative = Model.from_tensors(draft_config, draft_tensors, device, dtype)
             del draft_tensors
-            per_token = [bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, m.dtype)
+            # what a token takes in each cache (the draft's follows the target's kv_cache_dtype)
+            per_token = [bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                         kv_cache_dtype_for(kv_cache_dtype, m.dtype))
                          for c, m in ((config, model), (draft_config, speculative))]
             fraction *= per_token[0] / sum(per_token)
         shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size)
         if device == "cpu" and kv_tokens is None:
             kv_tokens = CPU_KV_TOKENS
-        cache = KVCache.allocate(shape, model.dtype, model.xp, kv_tokens, memory_fraction=fraction)
+        cache = KVCache.allocate(shape, kv_cache_dtype_for(kv_cache_dtype, model.dtype), model.xp, kv_tokens,
+                                 memory_fraction=fraction)
         tok = Tokenizer.from_pretrained(path)
         return cls(model, cache, tok, tok.eos_token_ids, max_batch_tokens, max_num_seqs, seed=seed,
                    use_graphs=use_graphs, async_decode=async_decode, enable_prefix_caching=enable_prefix_caching,
@@ -232,7 +237,7 @@ class Engine:
         budget = min(self.scheduler.max_batch_tokens, self.max_len - 1, self.blocks.num_free * bs - 1)
         m = self.model
         if xp is not np:
-            precompile_attention(m.dtype, m.head_dim, m.n_heads, m.n_kv_heads)
+            precompile_attention(m.dtype, m.head_dim, m.n_heads, m.n_kv_heads, cache_dtype=self.kv_cache.dtype)
         blocks = self.blocks.allocate(blocks_for(budget + 1, bs))
         try:
             for rows in warm_up_rows(budget):  # one chunk: FlashAttention, the lm_head on one row

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuinfer.ops import runtime
+from cuinfer.ops import fp8, runtime
 from cuinfer.ops.attention_ref import causal_attention, paged_prefix_attention, varlen_attention
 from cuinfer.ops.flash_attention import (
     HEAD_DIMS,
@@ -206,7 +206,7 @@ def run_contiguous(cp, kernel, q, k, v, cu, causal, out, window=0, softcap=None)
 # on a grid of 3 CTAs, so that a persistent CTA walks many work items (its ring, Q and page-fix
 # barriers going through many phases). "cp.async" (paged): the sm_90 producer of pages < 8 rows, on 2.
 KERNELS = pytest.mark.parametrize("kernel", [None, "mma", "few"])
-FEW_CTAS = {"mma": None, "few": 3, "cp.async": 2}
+FEW_CTAS = {"mma": None, "few": 3, "cp.async": 2, "fp8-mma": None}
 
 
 seq_len = st.one_of(st.sampled_from([0, 1, 2, 15, 16, 17, 63, 64, 65, 111, 127, 128, 129, 989]),
@@ -253,7 +253,7 @@ def test_flash_attention_kernel_window(cp, kernel, lens, window, ratio, d, dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "mma", "cp.async", "few"])
+@pytest.mark.parametrize("kernel", [None, "mma", "cp.async", "few", "fp8", "fp8-mma"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ctx=st.lists(seq_len, min_size=1, max_size=4), data=st.data(), window=windows, ratio=st.sampled_from([1, 4, 8]),
        d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
@@ -280,7 +280,7 @@ def test_flash_attention_long(cp, kernel, s, d, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "mma", "cp.async", "few"])
+@pytest.mark.parametrize("kernel", [None, "mma", "cp.async", "few", "fp8", "fp8-mma"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ctx=st.lists(seq_len, min_size=1, max_size=4), data=st.data(), ratio=st.sampled_from([1, 4, 7, 8]),
        d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]),
@@ -291,7 +291,7 @@ def test_flash_attention_paged_kernel(cp, kernel, ctx, data, ratio, d, dtype, bl
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "mma", "cp.async"])
+@pytest.mark.parametrize("kernel", [None, "mma", "cp.async", "fp8", "fp8-mma"])
 def test_flash_attention_paged_kernel_empty_context(cp, kernel):
     """A query row with no key (context 0) gives zeros. Both kernels once copied Q there without waiting
     for it CTA-wide, and the copies could land over the zeros staged in sQ (hypothesis found ctx=[0],
@@ -303,7 +303,9 @@ def test_flash_attention_paged_kernel_empty_context(cp, kernel):
 
 def paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed, window=0):
     """With a window, the keys of every whole 128-key tile before the window of a chunk's first query
-    (no BLOCK_N reads them) are NaN in the cache; the reference gets them clean."""
+    (no BLOCK_N reads them) are NaN in the cache; the reference gets them clean. kernel "fp8": the caches
+    as fp8 codes (NaN: 0x7f) through the op (on sm_90 at d = 64 / 128 / 256 its pages decoded for the wgmma
+    kernel), "fp8-mma": the mma.sync kernel decoding them itself; the reference over the same codes."""
     rng = np.random.default_rng(seed)
     cu_kv = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
     k, _ = _rand(cp, rng, (int(cu_kv[-1]), 2, d), dtype)
@@ -313,17 +315,20 @@ def paged_kernel_case(cp, kernel, ctx, q_lens, ratio, d, dtype, block_size, seed
     for i, (n, m) in enumerate(zip(ctx, q_lens)):
         t = np.arange(max(0, n - m - window + 1) // 128 * 128 if window else 0)  # positions never read
         k_dev[tables[i, t // block_size], t % block_size] = v_dev[tables[i, t // block_size], t % block_size] = np.nan
+    if kernel in ("fp8", "fp8-mma"):
+        k_cache, v_cache, k_dev, v_dev = (fp8.encode_e4m3(a) for a in (k_cache, v_cache, k_dev, v_dev))
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q, q_d = _rand(cp, rng, (int(cu_q[-1]), 2 * ratio, d), dtype)
     lens = np.array(ctx, np.int32)
     out = poison(cp, q.shape, dtype)
     args = (q_d, cp.asarray(k_dev), cp.asarray(v_dev))
-    if kernel is None:
+    if kernel in (None, "fp8"):
         flash_attention_paged(*args, cp.asarray(tables), cp.asarray(cu_q), cp.asarray(lens), out=out, window=window)
     else:
         if kernel == "cp.async" and runtime.device_info()["arch"] != "sm_90":
             return
-        tile = {"mma": tile_config(d, 80), "cp.async": tile_config(d, 90, block_size=4)}.get(kernel)
+        tile = {"mma": tile_config(d, 80), "cp.async": tile_config(d, 90, block_size=4),
+                "fp8-mma": tile_config(d, 90, block_size, fp8_cache=True)}.get(kernel)
         launch_kernel(*args, out, cp.asarray(cu_q), cp.asarray(lens), cp.asarray(tables), block_size, len(ctx),
                       max(q_lens), d ** -0.5, True, tile or device_tile(d, block_size), window=window,
                       ctas=FEW_CTAS[kernel])

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuinfer.ops import family_module, runtime
+from cuinfer.ops import family_module, fp8, runtime
 from cuinfer.ops.attention_ref import paged_prefix_attention, varlen_attention
 from cuinfer.ops.paged_attention import HEAD_DIMS, WARPS, cta_warps, paged_attention, split_bound, split_config
 from tests.conftest import assert_close, poison
@@ -82,8 +82,10 @@ def test_rows_in_flight():
         n_splits, partition = pa.split_config(seqs, kv, ctx, 132, group)
         warps = pa.cta_warps(n_splits * kv * seqs, group, 132)
         u = pa.rows_in_flight(group, d, partition, warps)
-        for dtype, new_kv in itertools.product((np.float16, runtime.bfloat16), (False, True)):
-            assert pa.instantiation(dtype, d, group, u, new_kv, warps) in pa.INSTANTIATIONS
+        for dtype, new_kv, fp8_cache in itertools.product((np.float16, runtime.bfloat16), (False, True),
+                                                          (False, True)):
+            cache = fp8.FP8 if fp8_cache else dtype
+            assert pa.instantiation(dtype, d, group, u, new_kv, warps, cache) in pa.INSTANTIATIONS
 
 
 def test_argument_checks():
@@ -109,15 +111,18 @@ ctx_len = st.one_of(st.sampled_from([0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 255,
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(ctx_len, min_size=1, max_size=9), ratio=st.sampled_from([1, 3, 4, 7, 8]),
        n_kv=st.sampled_from([1, 2, 3]), d=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(DTYPES),
-       block_size=st.sampled_from([8, 16, 32]), mag=st.sampled_from([0.5, 1.0, 4.0]),
+       block_size=st.sampled_from([8, 16, 32]), mag=st.sampled_from([0.5, 1.0, 4.0]), fp8_cache=st.booleans(),
        seed=st.integers(0, 2**31))
-def test_paged_attention_kernel(cp, lens, ratio, n_kv, d, dtype, block_size, mag, seed):
+def test_paged_attention_kernel(cp, lens, ratio, n_kv, d, dtype, block_size, mag, fp8_cache, seed):
+    """fp8_cache: the caches as E4M3 codes (NaN where no sequence owns a slot: 0x7f), the reference over them."""
     rng = np.random.default_rng(seed)
     lens = np.array(lens, np.int32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     k = rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype)
     v = rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype)
     tables, k_cache, v_cache = scatter_paged(rng, cu, block_size, k, v)
+    if fp8_cache:
+        k_cache, v_cache = fp8.encode_e4m3(k_cache), fp8.encode_e4m3(v_cache)
     q = (rng.standard_normal((len(lens), n_kv * ratio, d)) * mag).astype(np.float32).astype(dtype)
     out = poison(cp, q.shape, dtype)
     paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
@@ -299,10 +304,11 @@ def split_qkv(qkv, n_heads, n_kv, d):
             qkv[:, nq + nkv:nq + 2 * nkv].reshape(rows, n_kv, d))
 
 
-def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0):
+def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0, fp8_cache=False):
     """NumPy inputs of a fused decode step: each sequence's context (random K/V, NaN elsewhere in the cache and
     in the rows the call writes), a qkv buffer for the new tokens and the slots of their positions lens - 1 (a
-    spare block's slots where a length is 0, -1 for a `drop` fraction of rows)."""
+    spare block's slots where a length is 0, -1 for a `drop` fraction of rows); fp8_cache: the caches as E4M3
+    codes (NaN: 0x7f)."""
     lens = np.array(lens, np.int32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     k, v = (rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype) for _ in range(2))
@@ -315,6 +321,8 @@ def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0
     slots[rng.random(len(lens)) < drop] = -1
     for cache in (k_cache, v_cache):  # a row about to be written holds no data yet (a fresh block is NaN)
         cache.reshape(-1, n_kv, d)[slots[(slots >= 0) & (lens > 0)]] = np.nan
+    if fp8_cache:
+        k_cache, v_cache = fp8.encode_e4m3(k_cache), fp8.encode_e4m3(v_cache)
     width = (n_kv * ratio + 2 * n_kv) * d + pad
     qkv = rng.standard_normal((len(lens), width)).astype(np.float32).astype(dtype)
     return {"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache, "tables": tables, "lens": lens,
@@ -325,7 +333,7 @@ def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0
 def bits(a):
     """An array's bit pattern as a NumPy integer array (bitwise equality, NaN included)."""
     a = a.get() if runtime.is_device_array(a) else np.asarray(a)
-    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def device_case(cp, case, strided=True):
@@ -380,8 +388,8 @@ def test_new_kv_numpy_path_composes_write_kv():
     from cuinfer.ops.write_kv import write_kv
 
     rng = np.random.default_rng(7)
-    for dtype in (np.float32, np.float16):
-        case = new_token_case(rng, [1, 16, 17, 0, 40], 3, 2, 64, dtype, 16, pad=8, drop=0.3)
+    for dtype, fp8_cache in ((np.float32, False), (np.float16, False), (np.float16, True)):
+        case = new_token_case(rng, [1, 16, 17, 0, 40], 3, 2, 64, dtype, 16, pad=8, drop=0.3, fp8_cache=fp8_cache)
         q, k, v = split_qkv(case["qkv"], 6, 2, 64)
         kc, vc = case["k_cache"].copy(), case["v_cache"].copy()
         got = paged_attention(q, kc, vc, case["tables"], case["lens"], new_kv=(k, v, case["slots"], case["inv_freq"]))
@@ -453,19 +461,19 @@ def test_new_kv_argument_checks():
        ratio=st.sampled_from([1, 4, 7, 8]), n_kv=st.sampled_from([1, 2]), d=st.sampled_from([64, 80, 96, 128, 256]),
        dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]), pad=st.sampled_from([0, 8, 24]),
        strided=st.booleans(), drop=st.sampled_from([0.0, 0.3]), extra=st.sampled_from([None, 0, 1, 700]),
-       qk_norm=st.booleans(), seed=st.integers(0, 2**31))
+       qk_norm=st.booleans(), fp8_cache=st.booleans(), seed=st.integers(0, 2**31))
 def test_new_kv_matches_write_kv_then_decode(cp, lens, ratio, n_kv, d, dtype, block_size, pad, strided, drop, extra,
-                                             qk_norm, seed):
-    case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop)
+                                             qk_norm, fp8_cache, seed):
+    case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop, fp8_cache)
     check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, strided, qk_norm=qk_norm)
 
 
-def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad=0):
+def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad=0, fp8_cache=False):
     """A verify step's inputs (speculative decoding): sequence i has prefixes[i] tokens cached and drafts[i] + 1
     <= q new rows, its chunk rows i*q .. i*q + q - 1 (real rows first, then rows of length 0 and slot -1), each
     row with its own length, slot and a copy of the sequence's block table; the new rows' slots are NaN."""
     new = np.array(drafts, np.int32) + 1
-    case = new_token_case(rng, np.array(prefixes) + new, ratio, n_kv, d, dtype, block_size, pad)
+    case = new_token_case(rng, np.array(prefixes) + new, ratio, n_kv, d, dtype, block_size, pad, fp8_cache=fp8_cache)
     rows = len(prefixes) * q
     seq, j = np.divmod(np.arange(rows), q)
     real = j < new[seq]
@@ -474,7 +482,7 @@ def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad
     tables = case["tables"][seq]
     slots = np.where(real, tables[np.arange(rows), pos // block_size] * block_size + pos % block_size, -1)
     for cache in (case["k_cache"], case["v_cache"]):  # the rows the step writes hold no data yet
-        cache.reshape(-1, n_kv, d)[slots[real]] = np.nan
+        cache.reshape(-1, n_kv, d)[slots[real]] = 0x7F if fp8_cache else np.nan
     width = case["qkv"].shape[1]
     return dict(case, qkv=rng.standard_normal((rows, width)).astype(np.float32).astype(dtype), lens=lens,
                 slots=slots.astype(np.int32), tables=np.ascontiguousarray(tables))
@@ -486,14 +494,17 @@ def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad
                                  st.integers(0, 16)), min_size=1, max_size=4),
        q_extra=st.sampled_from([0, 1, 3]), ratio=st.sampled_from([1, 3, 4, 8]), d=st.sampled_from(HEAD_DIMS),
        dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16]), qk_norm=st.booleans(),
-       window=st.sampled_from([0, 0, 1, 5, 300]), extra=st.sampled_from([None, 0, 700]), seed=st.integers(0, 2**31))
-def test_new_kv_verify_chunks(cp, chunks, q_extra, ratio, d, dtype, block_size, qk_norm, window, extra, seed):
+       window=st.sampled_from([0, 0, 1, 5, 300]), extra=st.sampled_from([None, 0, 700]), fp8_cache=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_new_kv_verify_chunks(cp, chunks, q_extra, ratio, d, dtype, block_size, qk_norm, window, extra, fp8_cache,
+                              seed):
     """chunk_rows: each row of a verify step writes its K/V and those of its chunk's rows before it, then attends:
     caches and output bit for bit those of write_kv over every row then paged_attention (short contexts take the
     staged path, long ones split; a window may leave the chunk's first rows unread)."""
     prefixes, drafts = (list(x) for x in zip(*chunks))
     q = max(drafts) + 1 + q_extra
-    case = verify_case(np.random.default_rng(seed), prefixes, drafts, q, ratio, 2, d, dtype, block_size, pad=8)
+    case = verify_case(np.random.default_rng(seed), prefixes, drafts, q, ratio, 2, d, dtype, block_size, pad=8,
+                       fp8_cache=fp8_cache)
     check_fused_matches_write_kv(cp, case, None if extra is None else int(case["lens"].max()) + extra, window=window,
                                  qk_norm=qk_norm, chunk_rows=q)
 
@@ -510,13 +521,15 @@ def test_chunk_rows_checks():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["", "fp8"])
 @pytest.mark.parametrize("u", [4, 8])
 @pytest.mark.parametrize("warps", WARPS)
 @pytest.mark.parametrize(("ratio", "d", "dtype"), [(4, 128, np.float16), (3, 64, runtime.bfloat16),
                                                    (2, 256, np.float16)])
-def test_cta_widths(cp, monkeypatch, u, warps, ratio, d, dtype):
+def test_cta_widths(cp, monkeypatch, u, warps, ratio, d, dtype, fp8_cache):
     """Every CTA width and rows-in-flight count (cta_warps and rows_in_flight pick them from the grid,
-    so small tests would see one), plain and fused, one split (staged rows when fused) and several."""
+    so small tests would see one), plain and fused, one split (staged rows when fused) and several; over
+    an fp8 cache too."""
     if u == 8 and d > 128:
         pytest.skip("D > 128 takes U = 4 only")
     monkeypatch.setattr(family_module("paged_attention"), "cta_warps", lambda *_: warps)
@@ -527,13 +540,16 @@ def test_cta_widths(cp, monkeypatch, u, warps, ratio, d, dtype):
         cu = np.concatenate([[0], np.cumsum(lens_a)]).astype(np.int32)
         k, v = (rng.standard_normal((cu[-1], 2, d)).astype(np.float32).astype(dtype) for _ in range(2))
         tables, k_cache, v_cache = scatter_paged(rng, cu, 16, k, v)
+        if fp8_cache:
+            k_cache, v_cache = fp8.encode_e4m3(k_cache), fp8.encode_e4m3(v_cache)
         q = rng.standard_normal((len(lens), 2 * ratio, d)).astype(np.float32).astype(dtype)
         out = poison(cp, q.shape, dtype)
         paged_attention(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cp.asarray(tables),
                         cp.asarray(lens_a), out=out)
         assert_close(out, decode_reference(q, k_cache, v_cache, tables, lens_a), dtype)
         for qk_norm in (False, True):
-            check_fused_matches_write_kv(cp, new_token_case(rng, lens, ratio, 2, d, dtype, 16, pad=8), qk_norm=qk_norm)
+            case = new_token_case(rng, lens, ratio, 2, d, dtype, 16, pad=8, fp8_cache=fp8_cache)
+            check_fused_matches_write_kv(cp, case, qk_norm=qk_norm)
 
 
 @pytest.mark.gpu

@@ -274,3 +274,58 @@ def test_write_kv_kernel_on_qkv_views(cp, norm, dtype):
     keep = ~np.isnan(ref_k.astype(np.float32))
     assert_close(cp.asnumpy(kc).astype(np.float32)[keep], ref_k.astype(np.float32)[keep], dtype)
     assert np.array_equal(cp.asnumpy(vc)[keep], ref_v[keep])
+
+
+# ------------------------------------------------------------- fp8 cache
+def test_numpy_path_fp8_cache():
+    """An fp8 cache (uint8 E4M3 codes) gets k and v rounded to q's dtype, then encoded; q is as with a float cache."""
+    from cuinfer.ops import fp8
+
+    rng = np.random.default_rng(3)
+    q, k, v, pos, slots = make(rng, 13, 4, 2, 64, np.float16, 4, 8)
+    inv = inv_freq_for(64)
+    kc, vc = (np.full((4, 8, 2, 64), 0x7F, np.uint8) for _ in range(2))
+    kf, vf = (np.zeros((4, 8, 2, 64), np.float16) for _ in range(2))
+    out = write_kv(q, k, v, pos, kc, vc, slots, inv)
+    np.testing.assert_array_equal(out, write_kv(q, k, v, pos, kf, vf, slots, inv))
+    keep = slots >= 0
+    for cache, ref in ((kc, kf), (vc, vf)):
+        flat, flat_ref = cache.reshape(-1, 2, 64), ref.reshape(-1, 2, 64)
+        np.testing.assert_array_equal(flat[slots[keep]], fp8.encode_e4m3(flat_ref[slots[keep]]))
+        untouched = np.setdiff1d(np.arange(32), slots[keep])
+        assert (flat[untouched] == 0x7F).all()
+    with pytest.raises(ValueError, match="v_cache: got dtype float16, need uint8"):
+        write_kv(q, k, v, pos, kc, vf, slots, inv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "d"), [(1, (32, 8), 128), (37, (12, 4), 96), (300, (7, 1), 64),
+                                                    (9, (8, 8), 256), (64, (16, 2), 80)])
+def test_write_kv_kernel_fp8_cache(cp, tokens, heads, d, dtype, norm):
+    """The kernel into fp8 caches: each code is fp8.encode_e4m3 of what the kernel writes into a cache of dtype
+    (the row rounded to dtype, then to E4M3), bit for bit, and q is the same; slots nothing writes keep their
+    codes. k and v scaled by up to 300 cross the +-448 saturation."""
+    from cuinfer.ops import fp8
+
+    rng = np.random.default_rng(tokens * d)
+    block_size, n_blocks = 16, -(-tokens // 16) + 2
+    q, k, v, pos, slots = make(rng, tokens, heads[0], heads[1], d, dtype, n_blocks, block_size)
+    k, v = (cp.asarray((a.astype(np.float32) * rng.choice([0.01, 1.0, 300.0], a.shape[:2])[..., None]).astype(dtype))
+            for a in (k, v))
+    args = (cp.asarray(pos),)
+    tail = (cp.asarray(slots), cp.asarray(inv_freq_for(d, 500000.0)))
+    kw = {}
+    if norm:
+        kw = {"q_norm": cp.asarray((1 + 0.5 * rng.standard_normal(d)).astype(dtype)),
+              "k_norm": cp.asarray((1 + 0.5 * rng.standard_normal(d)).astype(dtype)), "eps": 1e-5}
+    shape = (n_blocks, block_size, heads[1], d)
+    kf, vf = (cp.asarray(np.full(shape, np.nan, dtype)) for _ in range(2))
+    want_q = write_kv(cp.asarray(q), k, v, *args, kf, vf, *tail, out=poison(cp, q.shape, dtype), **kw)
+    kc, vc = (cp.full(shape, 0x7F, cp.uint8) for _ in range(2))
+    got_q = write_kv(cp.asarray(q), k, v, *args, kc, vc, *tail, out=poison(cp, q.shape, dtype), **kw)
+    np.testing.assert_array_equal(cp.asnumpy(got_q).view(np.uint16), cp.asnumpy(want_q).view(np.uint16))
+    for got, want in ((kc, kf), (vc, vf)):  # NaN (never written) encodes to 0x7f as well
+        np.testing.assert_array_equal(cp.asnumpy(got), fp8.encode_e4m3(cp.asnumpy(want).astype(np.float32)))
+    assert np.isin(cp.asnumpy(vc), [0x7E, 0xFE]).any()  # some v saturated
