@@ -64,6 +64,23 @@ template <typename T, int N> struct VecF {  // N floats, the fp32 working copy o
 // (Raw: 16 bytes) or fp8 E4M3 codes (C = __nv_fp8_e4m3, Raw: 8 bytes; cuinfer/ops/fp8.py). decode
 // is exact (every E4M3 value is a half, a bfloat16 and a float), so a kernel computes with exactly
 // the values the cache holds; encode rounds a T row to nearest even, saturating at +-448.
+// Two E4M3 codes (the low byte first) as a half2, exactly. sm_89+ has the conversion
+// (cvt.rn.f16x2.e4m3x2); elsewhere each code's bits move under a half's (sign; exponent and mantissa
+// below the half's), which reads as the value times 2^-8, subnormals included, and one multiply by
+// 256 scales it back. (cuda_fp8.h's own emulation is exact too, but took NVRTC ~5x as long to compile.)
+__device__ __forceinline__ __half2 e4m3x2_to_half2(unsigned short w) {
+#if __CUDA_ARCH__ >= 890
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(w, __NV_E4M3));
+#else
+  const unsigned x = (w & 0xFFu) | ((w & 0xFF00u) << 8);  // code i in half i's low byte
+  unsigned h = ((x & 0x00800080u) << 8) | ((x & 0x007F007Fu) << 7);
+  const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&h), __float2half2_rn(256.0f));
+  const unsigned nan = __vcmpeq2(x & 0x007F007Fu, 0x007F007Fu);  // 0x7f / 0xff: NaN
+  h = (*reinterpret_cast<const unsigned*>(&scaled) & ~nan) | (nan & 0x7FFF7FFFu);
+  return *reinterpret_cast<const __half2*>(&h);
+#endif
+}
+
 template <typename T, typename C> struct KvChunk;
 template <typename T> struct KvChunk<T, T> {
   static_assert(sizeof(T) == 2, "8 elements of a 16-bit T");
@@ -78,8 +95,7 @@ template <typename T> struct KvChunk<T, __nv_fp8_e4m3> {
     Vec<T, 8> y;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const __half2 h = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2))), __NV_E4M3);
+      const __half2 h = e4m3x2_to_half2(static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2))));
       y.v[2 * i] = from_float<T>(__low2float(h));
       y.v[2 * i + 1] = from_float<T>(__high2float(h));
     }

@@ -544,3 +544,23 @@ __global__ void __launch_bounds__(128 * (WG + 1), 1) flash_attention_tma_kernel(
                                                   causal, window, cap_in, cap_out, num_seqs, m_blocks, &q_map,
                                                   &k_map, &v_map);
 }
+
+// The pages of an fp8 cache that a block table names, decoded (exactly, KvChunk) into a pool of T:
+// flash_attention_paged decodes a call's pages so that the wgmma kernels, which read T pages, serve
+// an fp8 cache. grid: (ceil(page / (8 * 256)), entries) · block: 256
+// k, v: [num_blocks, page] codes (page = block_size * n_kv_heads * D elements); tables: [entries];
+// k_out, v_out: [entries, page] of T, entry e the decoded page tables[e].
+template <typename T>
+__global__ void __launch_bounds__(256) decode_pages_kernel(const __nv_fp8_e4m3* __restrict__ k,
+                                                           const __nv_fp8_e4m3* __restrict__ v,
+                                                           const int* __restrict__ tables, T* __restrict__ k_out,
+                                                           T* __restrict__ v_out, int page) {
+  cuinfer::pdl_wait();
+  cuinfer::pdl_trigger();
+  using Chunk = cuinfer::KvChunk<T, __nv_fp8_e4m3>;
+  const size_t src = (size_t)tables[blockIdx.y] * page, dst = (size_t)blockIdx.y * page;
+  for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8; i < page; i += gridDim.x * blockDim.x * 8) {
+    Chunk::decode(*reinterpret_cast<const uint2*>(k + src + i)).store(k_out + dst + i);
+    Chunk::decode(*reinterpret_cast<const uint2*>(v + src + i)).store(v_out + dst + i);
+  }
+}

@@ -6,7 +6,7 @@ flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
                       *, window=0, softcap=None)
     k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim], q's dtype or uint8 fp8 E4M3 codes
     (cuinfer.ops.fp8, decoded exactly: where the wgmma kernel would run, the pages the tables name are
-    decoded into a pool of q's dtype first, fp8.decode_pages; under graph capture, and elsewhere, the
+    decoded into a pool of q's dtype first, decode_pages; under graph capture, and elsewhere, the
     mma.sync kernel decodes them itself); block_tables: int32
     [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs]. The q rows of sequence i
     are its last q_len_i positions and attend causally to keys 0 .. context_len - q_len + j.
@@ -78,7 +78,8 @@ def instantiation(dtype, head_dim: int, paged: bool, tile, cache_dtype=None) -> 
 
 INSTANTIATIONS = sorted({instantiation(dt, d, bs > 0, tile_config(d, arch, bs, c == fp8.FP8), c)
                          for dt in (np.float16, runtime.bfloat16) for c in (dt, fp8.FP8)
-                         for bs in (0, 4, 16) for arch in (80, 90) for d in HEAD_DIMS if bs or c == dt})
+                         for bs in (0, 4, 16) for arch in (80, 90) for d in HEAD_DIMS if bs or c == dt}
+                        | {f"decode_pages_kernel<{runtime.ctype(dt)}>" for dt in (np.float16, runtime.bfloat16)})
 
 
 def smem_bytes(head_dim: int, tile, itemsize: int = 2, fp8_cache: bool = False) -> int:
@@ -186,11 +187,25 @@ def flash_attention_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, conte
     if fp8.is_fp8(k_cache) and num_seqs and not runtime.capturing() and device_tile(d, bs)[0] != "mma":
         # the wgmma kernels read pages of q's dtype: ~2x the mma.sync kernel's prefill TFLOP/s, for one
         # gather of the rows' pages a call (docs/attention.md)
-        k_cache, _ = fp8.decode_pages(k_cache, block_tables, q.dtype)
-        v_cache, block_tables = fp8.decode_pages(v_cache, block_tables, q.dtype)
+        k_cache, v_cache, block_tables = decode_pages(k_cache, v_cache, block_tables, q.dtype)
     launch_kernel(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, bs, num_seqs,
                   max_seqlen_q, scale, True, window=window, softcap=softcap)
     return out
+
+
+def decode_pages(k_cache, v_cache, block_tables, dtype) -> tuple:
+    """The pages of fp8 caches that block_tables [rows, max_blocks] names, decoded (exactly) into new
+    pools of `dtype`, and the tables renumbered into them: (k_pages, v_pages, tables), the pools
+    [rows * max_blocks, block_size, n_kv_heads, head_dim]. One launch; every entry is decoded, used or
+    not, so nothing is read back to the host (a page two rows share is decoded twice)."""
+    cp = runtime.require_cupy()
+    runtime.check("block_tables", block_tables, dtype=np.int32, ndim=2)
+    n, page = block_tables.size, k_cache[0].size
+    k, v = (cp.empty((n,) + k_cache.shape[1:], dtype) for _ in range(2))
+    kern = runtime.kernel("flash_attention", f"decode_pages_kernel<{runtime.ctype(dtype)}>")
+    if n:
+        runtime.launch(kern, (-(-page // (8 * 256)), n), (256,), (k_cache, v_cache, block_tables, k, v, np.int32(page)))
+    return k, v, cp.arange(n, dtype=cp.int32).reshape(block_tables.shape)
 
 
 def device_tile(head_dim: int, block_size: int = 0, fp8_cache: bool = False) -> tuple:

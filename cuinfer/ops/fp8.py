@@ -13,8 +13,6 @@ and values of the models cuinfer runs lie far inside +-448.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import runtime
@@ -53,33 +51,6 @@ def encode_e4m3(x) -> np.ndarray:
     code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
     code = np.where(np.signbit(x), code | 0x80, code)
     return np.where(np.isnan(x), 0x7F, code).astype(np.uint8)
-
-
-@functools.lru_cache(maxsize=None)
-def _bits_table(dtype) -> np.ndarray:
-    """uint16 bit pattern of every code's value in a 16-bit float dtype (exact)."""
-    return TABLE.astype(dtype).view(np.uint16)
-
-
-def decode_pages(cache, block_tables, dtype):
-    """The pages of an fp8 cache [num_blocks, block_size, ...] that block_tables [rows, max_blocks]
-    names, decoded (exactly) into a new pool of `dtype` (float16 / bfloat16), and the tables renumbered
-    into it: (pages [rows * max_blocks, block_size, ...], tables). Every entry is copied, used or not,
-    so nothing is read back to the host; a page two rows share is decoded twice."""
-    if runtime.is_device_array(cache):
-        xp = runtime.require_cupy()
-        lut = _device_bits_table(xp.cuda.Device().id, np.dtype(dtype))
-    else:
-        xp, lut = np, _bits_table(np.dtype(dtype))
-    pages = lut[cache[block_tables.ravel()]].view(dtype)
-    return pages, xp.arange(block_tables.size, dtype=np.int32).reshape(block_tables.shape)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_bits_table(device: int, dtype):
-    """_bits_table on a device, copied once: a copy from pageable host memory would wait for the
-    stream's work before it (a host sync on every attention call)."""
-    return runtime.require_cupy().asarray(_bits_table(dtype))
 
 
 def is_fp8(a) -> bool:

@@ -343,3 +343,22 @@ def test_kernel_argument_checks(cp):
     q = cp.zeros((4, 2, 64), cp.float32)
     with pytest.raises(ValueError, match="q: got dtype float32"):
         flash_attention(q, q, q, cp.asarray([0, 4], dtype=cp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_pages(cp, dtype):
+    """Every entry of the tables, decoded into a new pool (NaN codes stay NaN), tables renumbered in row order."""
+    from cuinfer.ops.flash_attention import decode_pages
+
+    rng = np.random.default_rng(5)
+    k, v = (rng.integers(0, 256, (9, 16, 2, 80)).astype(np.uint8) for _ in range(2))
+    tables = np.array([[3, 0, 8], [8, 8, 1]], np.int32)
+    k_out, v_out, renumbered = decode_pages(cp.asarray(k), cp.asarray(v), cp.asarray(tables), dtype)
+    np.testing.assert_array_equal(cp.asnumpy(renumbered), np.arange(6).reshape(2, 3))
+    for got, codes in ((k_out, k), (v_out, v)):
+        assert got.dtype == dtype and got.shape == (6, 16, 2, 80)
+        want, got = fp8.decode_e4m3(codes[tables.ravel()]).astype(dtype), cp.asnumpy(got)
+        nan = np.isnan(want.astype(np.float32))  # any NaN pattern
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+        np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
