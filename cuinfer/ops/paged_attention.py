@@ -367,5 +367,4 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.float32(softcap * LOG2E if softcap else 0.0), q_norm, k_norm, np.int32(qk_norm is not None),
             np.float32(eps), np.int32(chunk_rows))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
-                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps,
-                                   8 if fp8.is_fp8(k_cache) else 16))
+                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps, 8 * k_cache.itemsize))
