@@ -81,6 +81,10 @@ __device__ __forceinline__ __half2 e4m3x2_to_half2(unsigned short w) {
 #endif
 }
 
+// A half as T: itself, or through float (exact).
+template <typename T> __device__ __forceinline__ T half_to(__half x) { return from_float<T>(__half2float(x)); }
+template <> __device__ __forceinline__ __half half_to<__half>(__half x) { return x; }
+
 template <typename T, typename C> struct KvChunk;
 template <typename T> struct KvChunk<T, T> {
   static_assert(sizeof(T) == 2, "8 elements of a 16-bit T");
@@ -96,8 +100,8 @@ template <typename T> struct KvChunk<T, __nv_fp8_e4m3> {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const __half2 h = e4m3x2_to_half2(static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2))));
-      y.v[2 * i] = from_float<T>(__low2float(h));
-      y.v[2 * i + 1] = from_float<T>(__high2float(h));
+      y.v[2 * i] = half_to<T>(__low2half(h));
+      y.v[2 * i + 1] = half_to<T>(__high2half(h));
     }
     return y;
   }
