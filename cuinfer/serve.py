@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     app = build_app(aengine, name, args.api_key, args.max_waiting)
     warm = aengine.warm_up
     print(f"cuinfer serving {name} on {device} at http://{args.host}:{args.port}/v1 (warm-up "
-          f"{warm['seconds']:.1f} s, {warm['graphs']} decode graphs, {warm['graph_mib']:.0f} MiB)",
+          f"{warm['seconds']:.1f} s, {warm['graphs']} graphs, {warm['graph_mib']:.0f} MiB)",
           file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.aengine = app.state.aengine

@@ -333,6 +333,41 @@ def test_gpu_graph_decode_matches_numpy(name, dtype, tmp_path, cp):
     assert graphs.steps and all(s.capture_bytes == 0 for s in graphs.steps.values())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2-window", "qwen3", "gemma2", "gemma3", "phi3-longrope"])
+def test_gpu_piecewise_steps_match_numpy(name, tmp_path, cp):
+    """Eager steps through the piecewise graphs (serving.piecewise: every layer's o projection, MLP and
+    next normed projection in a graph, the attention eager between them) for each architecture's
+    block: a prefill of three sequences, then a mixed step (a chunk and two decodes) and a step of
+    16 tokens or fewer (the GEMV's fused norms and output-norm adds), fp16, against the NumPy
+    backend, the static buffers poisoned with NaN before each step (longrope: past
+    original_max_position_embeddings 64)."""
+    from test_model import GPU_LOGIT_REL_L2, make_cache
+
+    from cuinfer.serving.piecewise import PiecewiseForward
+
+    extra = {"original_max_position_embeddings": 64, "max_position_embeddings": 512} if "longrope" in name else {}
+    path, _ = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64, **extra)
+    config, tensors = load_checkpoint(path)
+    cpu, gpu = Model.from_tensors(config, tensors, "cpu"), Model.from_tensors(config, tensors, "gpu", np.float16)
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(3, SMALL["vocab_size"], n).tolist() for n in (20, 90, 130)]
+    tables = [[1, 2], list(range(3, 9)), list(range(10, 19))]
+    cpu_cache, gpu_cache = make_cache(config, cpu, num_blocks=24), make_cache(config, gpu, num_blocks=24)
+    steps = PiecewiseForward(gpu, gpu_cache, 256)
+    for chunks in ([(s[:n], 0, tb) for s, n, tb in zip(ids, (12, 60, 100), tables)],  # 172 tokens
+                   [(ids[2][100:129], 100, tables[2]), (ids[0][12:13], 12, tables[0]), (ids[1][60:61], 60, tables[1])],
+                   [(ids[0][13:20], 13, tables[0]), (ids[1][61:62], 61, tables[1])]):  # 8 tokens
+        batch = Batch.from_chunks(chunks, 16)
+        ref = cpu.forward(batch, cpu_cache)
+        for a in (steps.s, steps.a, steps.qkv):
+            a.fill(np.nan)
+        got = steps.forward(batch.to(cp)).get()
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[np.dtype(np.float16)], (len(batch.token_ids), err)
+    assert sorted(steps.graphs) == [16, 32, 192]
+
+
 def test_arch_records_are_well_formed():
     """Every family's record: the four linear fields, norms among the layer's norm fields (the two
     pre-norms always), each Hugging Face architecture in one record, GGUF names onto tensors it has."""

@@ -8,6 +8,7 @@ from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts, random_t
 
 from cuinfer.model.decoder import Batch, Model, input_views, pack_inputs
 from cuinfer.serving.engine import Engine
+from cuinfer.serving.piecewise import token_buckets
 from cuinfer.serving.runner import BATCH_BUCKETS, batch_bucket, bucket
 from cuinfer.serving.sampling import SamplingParams
 
@@ -129,7 +130,8 @@ def test_gpu_every_batch_bucket_replays_the_eager_tokens(quant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [None, "int4"])
 def test_gpu_warm_up_captures_every_bucket_and_changes_no_token(quant):
-    """Engine.warm_up captures a greedy graph of every batch bucket to max_num_seqs; the requests
+    """Engine.warm_up captures a greedy graph of every batch bucket to max_num_seqs and the
+    piecewise graphs of every token bucket to the step budget; the requests
     after it (on a NaN-poisoned cache: the warm-up's writes must not leak into them) give the
     tokens of an engine that never warmed up."""
     cfg, t = gpu_case("llama3-gqa")
@@ -139,7 +141,9 @@ def test_gpu_warm_up_captures_every_bucket_and_changes_no_token(quant):
     warm = gpu_engine(model, True, kv_tokens=40 * 512)
     report = warm.warm_up()
     assert {b for b, _, _ in warm.decoder.steps} == set(BATCH_BUCKETS)
-    assert report["graphs"] == len(warm.decoder.steps) and report["graph_mib"] > 0
+    pieces = sum(len(p) for p in warm.piecewise.graphs.values())
+    assert pieces == len(token_buckets(512)) * (cfg.num_hidden_layers + 1)  # every token bucket, every piece
+    assert report["graphs"] == len(warm.decoder.steps) + pieces and report["graph_mib"] > 0
     cold = gpu_engine(model, True, kv_tokens=40 * 512)
     assert run_requests(warm, ids, lengths) == run_requests(cold, ids, lengths)
 

@@ -22,6 +22,7 @@ the workload's mean).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -142,7 +143,9 @@ def make_engine(cp, model, args, budget, caching=True):
     cache = KVCache.allocate(shape, kv_cache_dtype_for(args.kv_cache_dtype, model.dtype), cp, memory_fraction=0.7)
     engine = Engine(model, cache, max_batch_tokens=budget, max_num_seqs=args.max_num_seqs,
                     enable_prefix_caching=caching)
-    engine.warm_up()  # as a server starts: nothing compiled or captured on the clock
+    warm = engine.warm_up()  # as a server starts: nothing compiled or captured on the clock
+    print(f"warm-up {warm['seconds']:.1f} s, {warm['graphs']} graphs, {warm['graph_mib']:.0f} MiB of graph pool",
+          file=sys.stderr, flush=True)
     return engine
 
 

@@ -51,13 +51,17 @@ LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are qu
 GATED_EPILOGUE = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # hidden_act -> ops.linear.GATED
 
 
-def project(x, w, bias=None, norm=None, residual=None):
+def project(x, w, bias=None, norm=None, residual=None, out=None):
     """y = x @ w.T (+ bias) (+ residual) for x: [rows, in], w: [out, in] (float or quantized), with
-    x replaced by rms_norm(x, *norm) when norm = (weight, eps) is given."""
+    x replaced by rms_norm(x, *norm) when norm = (weight, eps) is given; into `out` if given."""
     if x.dtype in KERNEL_DTYPES:
-        return linear(x, w, bias, norm=norm, residual=residual)
+        return linear(x, w, bias, out=out, norm=norm, residual=residual)
     y = linear_reference(x if norm is None else rms_norm(x, *norm), w, bias)  # float32 (CPU backend)
-    return y if residual is None else y + residual
+    y = y if residual is None else y + residual
+    if out is None:
+        return y
+    out[...] = y
+    return out
 
 
 def gated_mlp(x, w_gate_up, act, norm=None):
@@ -300,10 +304,11 @@ class Model:
         return self.weights.norm, self.config.rms_norm_eps
 
     def prefill_attention(self, batch: Batch):
-        """`forward`'s attend: write_kv (q/k norms, RoPE on q and k, k and v into the cache), then
-        flash_attention_paged over each sequence's cached prefix and new tokens; the batch's trailing
-        one-token sequences (`Batch.decodes`: the decodes of a mixed step) through paged_attention,
-        the split-K decode kernel, instead (a prefill tile would hold one query row of each)."""
+        """`forward`'s attend (its `out`, [tokens, n_heads, head_dim], optional): write_kv (q/k norms,
+        RoPE on q and k, k and v into the cache), then flash_attention_paged over each sequence's
+        cached prefix and new tokens; the batch's trailing one-token sequences (`Batch.decodes`: the
+        decodes of a mixed step) through paged_attention, the split-K decode kernel, instead (a
+        prefill tile would hold one query row of each)."""
         freqs = None
         if self.longrope is not None:  # each token gets its sequence's context length
             xp, tokens = self.xp, len(batch.positions)
@@ -313,11 +318,11 @@ class Model:
         chunks = batch.block_tables.shape[0] - batch.decodes  # sequences before the decodes
         rows = len(batch.token_ids) - batch.decodes  # their tokens
 
-        def attend(i, q, k, v, k_cache, v_cache):  # q, k, v: views of the qkv rows
+        def attend(i, q, k, v, k_cache, v_cache, out=None):  # q, k, v: views of the qkv rows
             q = self.write_kv(i, q, k, v, batch.positions, k_cache, v_cache, batch.slot_mapping, freqs,
                               out=self.xp.empty(q.shape, q.dtype))
             kw = self.attention_kwargs(i)
-            out = self.xp.empty(q.shape, q.dtype)
+            out = self.xp.empty(q.shape, q.dtype) if out is None else out
             if chunks:
                 flash_attention_paged(q[:rows], k_cache, v_cache, batch.block_tables[:chunks],
                                       batch.cu_seqlens_q[:chunks + 1], batch.context_lens[:chunks], out=out[:rows],
@@ -359,25 +364,36 @@ class Model:
         """Decoder layer i on the residual stream s (or a Deferred one): returns the next s, Deferred
         with output norms (Gemma). observe(name, x), if given, sees the input of each linear layer
         ("qkv", "o", "gate_up", "down"), as GPTQ calibration needs."""
-        lw, eps = self.weights.layers[i], self.config.rms_norm_eps
-        attn_norm, mlp_norm = (lw.attn_norm, eps), (lw.mlp_norm, eps)
-        nq, nkv, d = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
+        qkv, s = self.pre_attention(i, s, observe=observe)
+        a = attend(i, *self.split_qkv(qkv), *kv_cache.layer(i))
+        return self.post_attention(i, a.reshape(qkv.shape[0], -1), s, observe)
 
+    def pre_attention(self, i, s, qkv_out=None, observe=None):
+        """(qkv, s): layer i's normed q, k, v projection [tokens, (n_heads + 2 n_kv_heads) head_dim]
+        (into qkv_out if given) and the residual stream, any Deferred add done."""
+        lw = self.weights.layers[i]
         if observe:
             s = self.resolve(s)
-            observe("qkv", rms_norm(s, *attn_norm))
-        qkv, s = self.normed(s, lw.qkv, attn_norm, lw.qkv_bias)  # qkv: [tokens, (n_heads + 2 * n_kv_heads) * head_dim]
-        tokens = s.shape[0]
-        q = qkv[:, :nq].reshape(tokens, self.n_heads, d)  # q, k, v heads of each row (q, k not yet normed)
-        k = qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d)
-        v = qkv[:, nq + nkv:].reshape(tokens, self.n_kv_heads, d)
-        a = attend(i, q, k, v, *kv_cache.layer(i)).reshape(tokens, nq)
+            observe("qkv", rms_norm(s, lw.attn_norm, self.config.rms_norm_eps))
+        return self.normed(s, lw.qkv, (lw.attn_norm, self.config.rms_norm_eps), lw.qkv_bias, out=qkv_out)
+
+    def split_qkv(self, qkv) -> tuple:
+        """(q, k, v): the heads of each row of qkv, views (q and k not yet normed nor rotated)."""
+        tokens, d = qkv.shape[0], self.head_dim
+        nq, nkv = self.n_heads * d, self.n_kv_heads * d
+        return (qkv[:, :nq].reshape(tokens, self.n_heads, d), qkv[:, nq:nq + nkv].reshape(tokens, self.n_kv_heads, d),
+                qkv[:, nq + nkv:].reshape(tokens, self.n_kv_heads, d))
+
+    def post_attention(self, i, a, s, observe=None):
+        """Layer i after its attention a [tokens, n_heads head_dim]: the o projection and the MLP on
+        the residual stream s; returns the next s (Deferred as `layer`'s)."""
+        lw, eps = self.weights.layers[i], self.config.rms_norm_eps
         s = self.residual(a, lw.o, lw.attn_out_norm, s)
         if observe:
             s = self.resolve(s)
             observe("o", a)
-            observe("gate_up", rms_norm(s, *mlp_norm))
-        act, s = self.normed(s, lw.gate_up, mlp_norm, act=self.config.hidden_act)
+            observe("gate_up", rms_norm(s, lw.mlp_norm, eps))
+        act, s = self.normed(s, lw.gate_up, (lw.mlp_norm, eps), act=self.config.hidden_act)
         if observe:
             observe("down", act)
         return self.residual(act, lw.down, lw.mlp_out_norm, s)
@@ -400,15 +416,16 @@ class Model:
             return s.s
         return rms_norm(s.y, s.weight, self.config.rms_norm_eps, add_to=s.s)
 
-    def normed(self, s, w, norm, bias=None, act=None):
+    def normed(self, s, w, norm, bias=None, act=None, out=None):
         """(y, s): y = rms_norm(s, *norm) @ w.T (+ bias), or with act gated_mlp's product, and the
         residual stream s, a Deferred add done on the way (in the GEMV's prologue on the GPU; a plain
-        add in the norm's launch: rms_norm's residual form, as rounded as the add then the norm)."""
+        add in the norm's launch: rms_norm's residual form, as rounded as the add then the norm).
+        out: y's array (projections only, not act)."""
         if isinstance(s, Deferred) and s.weight is None:
             x, s = rms_norm(s.y, *norm, residual=s.s, out=(s.y, s.s))  # x: rms_norm(s + y); s: s + y
-            return (gated_mlp(x, w, act) if act else project(x, w, bias)), s
+            return (gated_mlp(x, w, act) if act else project(x, w, bias, out=out)), s
         if not isinstance(s, Deferred) or s.s.dtype not in KERNEL_DTYPES:
             s = self.resolve(s)
-            return (gated_mlp(s, w, act, norm=norm) if act else project(s, w, bias, norm=norm)), s
+            return (gated_mlp(s, w, act, norm=norm) if act else project(s, w, bias, norm=norm, out=out)), s
         kw = {"activation": GATED_EPILOGUE[act]} if act else {}
-        return linear(s.s, w, bias, norm=norm, add=(s.y, s.weight), **kw)
+        return linear(s.s, w, bias, out=out, norm=norm, add=(s.y, s.weight), **kw)

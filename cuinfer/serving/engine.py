@@ -33,6 +33,7 @@ from ..ops import runtime
 from ..ops.paged_attention import precompile as precompile_attention
 from .block_manager import BlockManager, blocks_for
 from .detokenizer import RequestText
+from .piecewise import PiecewiseForward
 from .runner import DecodeGraph, batch_bucket
 from .sampling import SamplingParams, draw_uniforms, graph_sampleable, sample, sampling_columns, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
@@ -40,6 +41,9 @@ from .spec import NO_DRAFT, accept_greedy, make_speculator, verify
 from .verify import Verifier
 
 CPU_KV_TOKENS = 16384
+# eager steps of up to this many tokens replay piecewise graphs (docs/serving.md); longer ones are
+# GPU-bound, their host time hidden behind their kernels
+PIECEWISE_MAX_TOKENS = 2048
 DEFAULT_PARAMS = SamplingParams()
 
 
@@ -161,6 +165,11 @@ class Engine:
         managed = kv_cache.num_blocks - (decoder is not None)
         self.blocks = BlockManager(managed, kv_cache.block_size, enable_prefix_caching)
         self.decoder = decoder(managed) if decoder is not None else None
+        self.piecewise = None  # eager steps on the GPU: PiecewiseForward, sharing the decode graphs' pool
+        if model.xp is not np:
+            shared = (self.decoder.pool, self.decoder.stream) if isinstance(self.decoder, DecodeGraph) else ()
+            self.piecewise = PiecewiseForward(model, kv_cache, min(max_batch_tokens, PIECEWISE_MAX_TOKENS), *shared,
+                                              use_graphs=use_graphs)
         self.async_decode = async_decode
         self._inflight = None  # _Launched, or None
         windows = model.windows  # per layer, 0: full attention
@@ -222,8 +231,8 @@ class Engine:
         """Run every kind of step once before the first request, as a server does at start: a
         request must not wait on a kernel's compilation (seconds each on a fresh machine; CuPy keeps
         them on disk after), on a cuBLAS kernel's first load (lazy loading synchronizes the device)
-        or on a graph capture. Eager forwards of every row count in warm_up_rows (the GEMV, GEMM
-        and cuBLAS kernels they pick), a mixed step (a chunk and decodes), the greedy decode graph
+        or on a graph capture. The piecewise graphs of every token bucket, eager forwards of every
+        row count in warm_up_rows (the kernels they pick past the buckets), a mixed step (a chunk and decodes), the greedy decode graph
         of every batch bucket up to max_num_seqs at the smallest context bucket (a longer context
         captures its graph on first use, ~50 ms, compiling nothing), then a few requests through
         step(): a prompt over the step budget, a sampled one and one with logprobs. The prefix
@@ -238,14 +247,15 @@ class Engine:
         m = self.model
         if xp is not np:
             precompile_attention(m.dtype, m.head_dim, m.n_heads, m.n_kv_heads, cache_dtype=self.kv_cache.dtype)
+        pieces = self.piecewise.capture_all() if self.piecewise is not None else 0
         blocks = self.blocks.allocate(blocks_for(budget + 1, bs))
         try:
             for rows in warm_up_rows(budget):  # one chunk: FlashAttention, the lm_head on one row
-                m.forward(Batch.from_chunks([([0] * rows, 0, blocks)], bs).to(xp), self.kv_cache)
+                self._forward(Batch.from_chunks([([0] * rows, 0, blocks)], bs).to(xp))
             for seqs in warm_up_rows(min(budget // 2, self.scheduler.max_num_seqs))[1:]:
                 # a chunk and seqs - 1 decodes: the lm_head on seqs rows, the decodes' paged attention
                 chunks = [([0] * (budget // 2), 0, blocks)] + [([0], budget // 2, blocks)] * (seqs - 1)
-                m.forward(Batch.from_chunks(chunks, bs).to(xp), self.kv_cache)
+                self._forward(Batch.from_chunks(chunks, bs).to(xp))
             b = 1
             while b <= batch_bucket(self.scheduler.max_num_seqs):
                 self.decoder.run([0] * b, [0] * b, [blocks[:1]] * b, True).get()
@@ -262,7 +272,7 @@ class Engine:
         self.generate([rng.integers(0, vocab, n).tolist() for n in lengths], params)
         self.stats, self.outputs, self._ids = Stats(), [], itertools.count()
         self.blocks.forget_cached()
-        return {"seconds": time.perf_counter() - t0, "graphs": len(self.decoder.steps),
+        return {"seconds": time.perf_counter() - t0, "graphs": len(self.decoder.steps) + pieces,
                 "graph_mib": self.decoder.graph_bytes() / 2 ** 20}
 
     # ------------------------------------------------------------------ requests
@@ -584,12 +594,18 @@ class Engine:
                   for s, n in plan]
         batch = Batch.from_chunks(chunks, self.kv_cache.block_size).to(self.model.xp)
         if not want:
-            logits = self.model.forward(batch, self.kv_cache)
+            logits = self._forward(batch)
             return None, logits if order == sorted(order) else logits[self.model.xp.asarray(inv)]
-        logits = self.model.forward(batch, self.kv_cache, all_logits=True)  # logits: [tokens, vocab]
+        logits = self._forward(batch, all_logits=True)  # logits: [tokens, vocab]
         ends = np.cumsum([n for _, n in plan])
         self._prompt_logprobs([plan[i] for i in want], ends[want] - [plan[i][1] for i in want], logits)
         return None, logits[self.model.xp.asarray((ends - 1)[inv])]
+
+    def _forward(self, batch, all_logits: bool = False):
+        """Model.forward of an eager step, through the piecewise graphs on the GPU."""
+        if self.piecewise is None:
+            return self.model.forward(batch, self.kv_cache, all_logits)
+        return self.piecewise.forward(batch, all_logits)
 
     def _wants_prompt_logprobs(self, seq, n: int) -> bool:
         """Whether seq's chunk of n tokens predicts prompt tokens whose logprobs it still lacks."""
