@@ -24,18 +24,22 @@ def test_token_buckets():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
-def test_gpu_piecewise_steps_match_numpy(dtype, cp):
+@pytest.mark.parametrize("dtype,quant", [(np.float16, None), ("bfloat16", None), (np.float16, "int4"),
+                                         (np.float16, "int8")])
+def test_gpu_piecewise_steps_match_numpy(dtype, quant, cp):
     """Prefill chunks, mixed steps (chunks and decodes) and all-token logits: the piecewise step's
-    logits against the NumPy backend's, finite although the static buffers (their padding rows
-    included) hold NaN before every step; replayed graphs equal the eager pieces bit for bit; a
-    step past the largest bucket runs Model.forward."""
+    logits against the NumPy backend's (of the same quantized weights), finite although the static
+    buffers (their padding rows included) hold NaN before every step; replayed graphs equal the
+    eager pieces bit for bit; a step past the largest bucket runs Model.forward. Quantized weights
+    take the GEMV (16 rows) and the GEMM with its residual epilogue (32, 64 rows), whose residual
+    stream is a new array each layer."""
     from cuinfer.ops import runtime
     from cuinfer.serving.piecewise import PiecewiseForward
 
     dtype = runtime.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     cfg, t = gpu_case("llama3-gqa")
-    cpu, gpu = Model.from_tensors(cfg, t, "cpu"), Model.from_tensors(cfg, t, "gpu", dtype)
+    cpu = Model.from_tensors(cfg, t, "cpu", quant=quant)
+    gpu = Model.from_tensors(cfg, t, "gpu", dtype, quant=quant)
     cpu_cache, gpu_cache = make_cache(cfg, cpu), make_cache(cfg, gpu)
     runs = {g: PiecewiseForward(gpu, gpu_cache, 64, use_graphs=g) for g in (True, False)}
     ids = prompts(cfg, [60, 100, 12, 40], seed=6)
