@@ -355,6 +355,7 @@ def test_gpu_piecewise_steps_match_numpy(name, tmp_path, cp):
     tables = [[1, 2], list(range(3, 9)), list(range(10, 19))]
     cpu_cache, gpu_cache = make_cache(config, cpu, num_blocks=24), make_cache(config, gpu, num_blocks=24)
     steps = PiecewiseForward(gpu, gpu_cache, 256)
+    steps.capture_all()
     for chunks in ([(s[:n], 0, tb) for s, n, tb in zip(ids, (12, 60, 100), tables)],  # 172 tokens
                    [(ids[2][100:129], 100, tables[2]), (ids[0][12:13], 12, tables[0]), (ids[1][60:61], 60, tables[1])],
                    [(ids[0][13:20], 13, tables[0]), (ids[1][61:62], 61, tables[1])]):  # 8 tokens
@@ -365,7 +366,7 @@ def test_gpu_piecewise_steps_match_numpy(name, tmp_path, cp):
         got = steps.forward(batch.to(cp)).get()
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert np.isfinite(got).all() and err <= GPU_LOGIT_REL_L2[np.dtype(np.float16)], (len(batch.token_ids), err)
-    assert sorted(steps.graphs) == [16, 32, 192]
+    assert len(steps.graphs) == 12  # every bucket to 256 tokens, replayed
 
 
 def test_arch_records_are_well_formed():

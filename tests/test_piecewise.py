@@ -42,6 +42,7 @@ def test_gpu_piecewise_steps_match_numpy(dtype, quant, cp):
     gpu = Model.from_tensors(cfg, t, "gpu", dtype, quant=quant)
     cpu_cache, gpu_cache = make_cache(cfg, cpu), make_cache(cfg, gpu)
     runs = {g: PiecewiseForward(gpu, gpu_cache, 64, use_graphs=g) for g in (True, False)}
+    assert runs[True].capture_all() == 4 * (cfg.num_hidden_layers + 1) and runs[False].capture_all() == 0
     ids = prompts(cfg, [60, 100, 12, 40], seed=6)
     tables = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15]]
 
@@ -65,6 +66,13 @@ def test_gpu_piecewise_steps_match_numpy(dtype, quant, cp):
         np.testing.assert_array_equal(got[True], got[False])
         err = np.linalg.norm(got[True] - ref) / np.linalg.norm(ref)
         assert err <= GPU_LOGIT_REL_L2[dtype], (len(batch.token_ids), err)
-    assert sorted(runs[True].graphs) == [16, 32, 64]
+    assert sorted(runs[True].graphs) == token_buckets(64) == [16, 32, 48, 64]
     assert all(len(p) == cfg.num_hidden_layers + 1 for p in runs[True].graphs.values())
     assert runs[False].graphs == {}
+    # without capture_all a bucket is captured on its second step, its first run eagerly
+    lazy = PiecewiseForward(gpu, gpu_cache, 64)
+    batch = Batch.from_chunks(steps[1][0], 16).to(cp)
+    first = lazy.forward(batch).get()
+    assert lazy.graphs == {}
+    np.testing.assert_array_equal(lazy.forward(batch).get(), first)
+    assert list(lazy.graphs) == [16]

@@ -10,7 +10,8 @@ Python (argument checks, CuPy's launch, ctypes): 18-38 ms of host time a llama3-
 machines, more than the GPU's work where the chunks are short. What a step computes between two
 attentions depends on its token count alone; only the attention depends on the batch (sequences,
 their lengths, contexts and blocks). So a step of T tokens runs at its bucket's Tb >= T rows
-(token_bucket) as L + 1 pieces, each a graph captured on the bucket's first step:
+(token_bucket) as L + 1 pieces, each a graph captured on the bucket's second step (CAPTURE_AT; the
+first runs the same pieces eagerly) or by capture_all:
 
     piece 0:    s = embedding(tokens);               qkv = layer 0's normed q, k, v projection
     piece i:    s = layer i-1 after its attention;   qkv = layer i's projection
@@ -33,6 +34,12 @@ import numpy as np
 from ..ops import runtime
 from ..ops.embedding import embedding
 from .runner import capture
+
+
+# a bucket is captured on its second step (the first runs the pieces eagerly): a capture costs about
+# five eager steps (llama3-8b, H100: 1,320 graphs in 2.6 s, ~65 ms a bucket, against a 7-18 ms step),
+# which a one-off shape (a `generate` call's single prefill) would never earn back
+CAPTURE_AT = 2
 
 
 def token_bucket(n: int) -> int:
@@ -65,6 +72,7 @@ class PiecewiseForward:
         self.pool = pool if pool is not None else cp.cuda.MemoryPool()
         self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
         self.graphs = {}  # bucket -> its L + 1 pieces
+        self.steps_seen = {}  # bucket -> steps run at it before its capture
 
     def forward(self, batch, all_logits: bool = False):
         """Model.forward(batch, kv_cache, all_logits) with the pieces above (batch on the device)."""
@@ -73,9 +81,11 @@ class PiecewiseForward:
             return self.model.forward(batch, self.kv_cache, all_logits)
         rows = token_bucket(t)
         self.tokens[:t] = batch.token_ids
-        pieces = self.graphs.get(rows) if self.use_graphs else None
+        pieces = self.graphs.get(rows)
         if pieces is None and self.use_graphs:
-            pieces = self.graphs[rows] = self._capture(rows)
+            self.steps_seen[rows] = self.steps_seen.get(rows, 0) + 1
+            if self.steps_seen[rows] >= CAPTURE_AT:
+                pieces = self.graphs[rows] = self._capture(rows)
         attend, m = self.model.prefill_attention(batch), self.model
         for i in range(len(m.weights.layers) + 1):
             if pieces is None:
