@@ -197,6 +197,30 @@ def test_gated_epilogues_match_reference(fmt, gs, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [32, 64])
+def test_int4_zero_scale_groups(dtype, m):
+    """Groups whose scale is 0 (zero weights whatever q - z is: GGUF Q4_0 blocks with d = 0) in some
+    rows, every row of one 16-row tile, and every group of one row add nothing (a GEMM that rescales
+    its sums by the group scale, as one tried, must skip them)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(m)
+    n, k, gs = 75, 6 * 128, 64
+    w = make_weight(rng, n, k, "int4", gs)
+    sz = w.scales_zeros  # [tiles, K / GS, 16, 2] (scale, zero); q is left as it is
+    sz[0, 1, [0, 5, 11], 0] = 0  # rows 0, 5, 11: their second group
+    sz[2, 4, :, 0] = 0  # rows 32-47: their fifth group, the whole tile
+    sz[0, :, 3, 0] = 0  # row 3: every group
+    assert w.integer_zeros and not w.dequantize()[3].any()
+    x = rng.standard_normal((m, k)).astype(dtype)
+    out = poison(cp, (m, n), dtype)
+    linear_mma(cp.asarray(x), w.to_device(), out=out)
+    assert_close(out, reference_rounded(x, w, None, False))
+    assert not cp.asnumpy(out)[:, 3].astype(np.float32).any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", FORMATS)
 @pytest.mark.parametrize("tile", TILES, ids=str)
 def test_every_tile(fmt, gs, tile):
