@@ -6,7 +6,7 @@ CUDA graphs, one set per token bucket: piecewise graphs, as vLLM captures them.
     logits = steps.forward(batch, all_logits=True)   # [num_seqs, vocab], or [tokens, vocab]
 
 Why: Model.forward launches about ten kernels and cuBLAS calls a layer, each behind 25-80 us of
-Python (argument checks, CuPy's launch, ctypes): 17-34 ms of host time a llama3-8b step on the H100
+Python (argument checks, CuPy's launch, ctypes): 14-34 ms of host time a llama3-8b step on the H100
 machines, more than the GPU's work where the chunks are short. What a step computes between two
 attentions depends on its token count alone; only the attention depends on the batch (sequences,
 their lengths, contexts and blocks). So a step of T tokens runs at its bucket's Tb >= T rows
