@@ -49,11 +49,12 @@ def shape_rows(cp, model, config, shapes, ctx: int) -> list:
         v[...] = k
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(most)]
     decoder = DecodeGraph(model, cache, most * blocks)
+    shapes = [s for s in shapes if s[1] <= ctx]
     piecewise = PiecewiseForward(model, cache, max(p * n + d for p, n, d in shapes), decoder.pool, decoder.stream)
     piecewise.capture_all()
     rng = np.random.default_rng(0)
     rows = []
-    for p, n, d in (s for s in shapes if s[1] <= ctx):
+    for p, n, d in shapes:
         chunks = [(rng.integers(0, config.vocab_size, n).tolist(), ctx - n, tables[i]) for i in range(p)]
         decodes = [([int(rng.integers(0, config.vocab_size))], ctx - 1, tables[p + i]) for i in range(d)]
         mixed = Batch.from_chunks(chunks + decodes, BLOCK).to(cp)
