@@ -232,11 +232,12 @@ class Engine:
         request must not wait on a kernel's compilation (seconds each on a fresh machine; CuPy keeps
         them on disk after), on a cuBLAS kernel's first load (lazy loading synchronizes the device)
         or on a graph capture. The piecewise graphs of every token bucket, eager forwards of every
-        row count in warm_up_rows (the kernels they pick past the buckets), a mixed step (a chunk and decodes), the greedy decode graph
-        of every batch bucket up to max_num_seqs at the smallest context bucket (a longer context
-        captures its graph on first use, ~50 ms, compiling nothing), then a few requests through
-        step(): a prompt over the step budget, a sampled one and one with logprobs. The prefix
-        cache forgets their blocks. Nothing on the CPU. Returns {"seconds", "graphs", "graph_mib"}."""
+        row count in warm_up_rows (the kernels they pick past the buckets), a mixed step (a chunk
+        and decodes), the greedy decode graph of every batch bucket up to max_num_seqs at the
+        smallest context bucket (a longer context captures its graph on first use, ~50 ms,
+        compiling nothing), then a few requests through step(): a prompt over the step budget, a
+        sampled one and one with logprobs. The prefix cache forgets their blocks. Nothing on the
+        CPU. Returns {"seconds", "graphs", "graph_mib"}."""
         if self.scheduler.has_work() or self._requests:
             raise CuinferError("warm_up: call it before the first request")
         t0 = time.perf_counter()

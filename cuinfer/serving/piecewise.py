@@ -105,13 +105,10 @@ class PiecewiseForward:
     def capture_all(self) -> int:
         """Capture every bucket (Engine.warm_up; nothing without use_graphs); returns the number of
         graphs captured."""
-        if not self.use_graphs:
-            return 0
-        before = sum(map(len, self.graphs.values()))
-        for rows in reversed(token_buckets(self.max_rows)):  # largest first: the pool then serves the rest
-            if rows not in self.graphs:
-                self.graphs[rows] = self._capture(rows)
-        return sum(map(len, self.graphs.values())) - before
+        missing = [r for r in token_buckets(self.max_rows) if r not in self.graphs] if self.use_graphs else []
+        for rows in reversed(missing):  # largest first: the pool then serves the rest
+            self.graphs[rows] = self._capture(rows)
+        return len(missing) * (len(self.model.weights.layers) + 1)
 
     def _piece(self, i: int, rows: int):
         """Piece i at `rows` rows, on the static buffers (see the module docstring)."""

@@ -201,8 +201,8 @@ def test_gated_epilogues_match_reference(fmt, gs, dtype):
 @pytest.mark.parametrize("m", [32, 64])
 def test_int4_zero_scale_groups(dtype, m):
     """Groups whose scale is 0 (zero weights whatever q - z is: GGUF Q4_0 blocks with d = 0) in some
-    rows, every row of one 16-row tile, and every group of one row add nothing (a GEMM that rescales
-    its sums by the group scale, as one tried, must skip them)."""
+    rows, every row of one 16-row tile, and every group of one row add nothing (a GEMM that kept its
+    sums in units of the group scale would have to skip them)."""
     import cupy as cp
 
     rng = np.random.default_rng(m)
