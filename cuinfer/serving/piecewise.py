@@ -35,7 +35,6 @@ from ..ops import runtime
 from ..ops.embedding import embedding
 from .runner import capture
 
-
 # a bucket is captured on its second step (the first runs the pieces eagerly): a capture costs about
 # five eager steps (llama3-8b, H100: 1,320 graphs in 2.6 s, ~65 ms a bucket, against a 7-18 ms step),
 # which a one-off shape (a `generate` call's single prefill) would never earn back
