@@ -164,6 +164,12 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// Keeps A fragment registers of a register-sourced wgmma live and unchanged up to here (the
+// instruction reads them asynchronously: call after the wait that covers it).
+__device__ __forceinline__ void fence_operand(unsigned (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 // Shared memory written by ordinary stores or cp.async, read next by wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -191,11 +197,12 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " ACC ", %" A ", %" B     \
                ", p, 1, 1, 0, 0;\n}\n"                                                                  \
                : OPS : "l"(a), "l"(b), "r"(scale_d))
-// A from registers (the mma.sync A fragment of each warp's 16 rows), B from shared memory, MN-major.
-#define CUINFER_WGMMA_RS(N, TY, ACC, OPS, A, B, S)                                                       \
+// A from registers (the mma.sync A fragment of each warp's 16 rows), B from shared memory, MN-major
+// (TB "1") or K-major (TB "0").
+#define CUINFER_WGMMA_RS(N, TY, ACC, OPS, A, B, S, TB)                                                   \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                                          \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " ACC ", " A ", %" B       \
-               ", p, 1, 1, 1;\n}\n"                                                                  \
+               ", p, 1, 1, " TB ";\n}\n"                                                             \
                : OPS : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 
 // d (64 x N) = (scale_d ? d : 0) + A (64 x 16, K-major, descriptor a) * B (16 x N, K-major, descriptor b)
@@ -205,28 +212,39 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, 
   if constexpr (N == 64) {
     if constexpr (H) CUINFER_WGMMA_SS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
     else CUINFER_WGMMA_SS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
-  } else {
-    static_assert(N == 128, "mma_ss: N is 64 or 128");
+  } else if constexpr (N == 128) {
     if constexpr (H) CUINFER_WGMMA_SS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
     else CUINFER_WGMMA_SS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
+  } else {
+    static_assert(N == 256, "mma_ss: N is 64, 128 or 256");
+    if constexpr (H) CUINFER_WGMMA_SS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "128", "129", "130");
+    else CUINFER_WGMMA_SS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "128", "129", "130");
   }
 }
-// d (64 x N) += A (64 x 16, registers a) * B (16 x N, MN-major: row k of B is 16-bit row k of the tile)
+// d (64 x N) += A (64 x 16, registers a) * B (16 x N in shared memory, descriptor b): MN-major (row k
+// of B is 16-bit row k of the tile) with TB "1", K-major with "0".
+#define CUINFER_MMA_RS(TB)                                                                                    \
+  constexpr bool H = is_half<T>::value;                                                                      \
+  const int scale_d = 1;                                                                                     \
+  if constexpr (N == 64) {                                                                                   \
+    if constexpr (H) CUINFER_WGMMA_RS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB); \
+    else CUINFER_WGMMA_RS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB);       \
+  } else if constexpr (N == 128) {                                                                           \
+    if constexpr (H) CUINFER_WGMMA_RS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB); \
+    else CUINFER_WGMMA_RS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB);      \
+  } else {                                                                                                   \
+    static_assert(N == 256, "mma_rs: N is 64, 128 or 256");                                                  \
+    if constexpr (H)                                                                                         \
+      CUINFER_WGMMA_RS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \
+    else CUINFER_WGMMA_RS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \
+  }
 template <int N, typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b) {
-  constexpr bool H = is_half<T>::value;
-  const int scale_d = 1;
-  if constexpr (N == 64) {
-    if constexpr (H) CUINFER_WGMMA_RS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37");
-    else CUINFER_WGMMA_RS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37");
-  } else if constexpr (N == 128) {
-    if constexpr (H) CUINFER_WGMMA_RS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69");
-    else CUINFER_WGMMA_RS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69");
-  } else {
-    static_assert(N == 256, "mma_rs: N is 64, 128 or 256");
-    if constexpr (H) CUINFER_WGMMA_RS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133");
-    else CUINFER_WGMMA_RS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133");
-  }
+  CUINFER_MMA_RS("1")
+}
+template <int N, typename T>
+__device__ __forceinline__ void mma_rs_k(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b) {
+  CUINFER_MMA_RS("0")
 }
 
 }  // namespace wgmma

@@ -23,13 +23,13 @@ linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
 cupy arrays (path(bits, m) names the one taken): the decode GEMV of cuda_src/linear.cu (tensor
 cores, weights dequantized in registers, every weight byte read once, epilogue fused) for M <= 16;
-for quantized weights at 17 <= M <= MMA_MAX_M the GEMM of ops.linear_mma (the same in-register
-dequantization, the x rows tiled in shared memory, bias / residual / gated epilogues fused, y
-rounded once). With norm, every GEMV block first normalizes the rows of x into shared memory (no
-launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes; otherwise, and on the
-GEMM and prefill paths, ops.rms_norm runs first. Without norm the rows are copied there all the
+for quantized weights at 17 <= M <= MMA_MAX_M (int4 that its wgmma kernel takes: <= WGMMA_MAX_M)
+the GEMM of ops.linear_mma (dequantization in registers, the x rows tiled in shared memory, bias /
+residual / gated epilogues fused, y rounded once). With norm, every GEMV block first normalizes the
+rows of x into shared memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM
+bytes; otherwise, and on the GEMM and prefill paths, ops.rms_norm runs first. Without norm the rows are copied there all the
 same when they fit, so the main loop's x reads never miss L1. Beyond those (fp16 / bf16 weights
-above 16 rows, quantized ones above MMA_MAX_M: prefill) the weight is dequantized to a scratch
+above 16 rows, quantized ones above those: prefill) the weight is dequantized to a scratch
 [N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in an fp32
 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; a gated
 epilogue then runs unfused (ops.silu_and_mul / gelu_and_mul on an [M, 2I] intermediate) and the
@@ -46,13 +46,13 @@ import numpy as np
 from . import runtime
 from .activation import act_and_mul_reference, gelu_and_mul, silu_and_mul
 from .cublas import gemm
-from .linear_mma import MMA_MAX_M, check_epilogue, check_quant_weight, linear_mma
+from .linear_mma import MMA_MAX_M, WGMMA_MAX_M, check_epilogue, check_quant_weight, linear_mma, wgmma_fits
 from .quant import GROUP_SIZES, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
-GEMV_MAX_M = {16: 16, 8: 16, 4: 16}  # by weight bits: above, the GEMM (quantized, <= MMA_MAX_M) or cuBLAS
+GEMV_MAX_M = {16: 16, 8: 16, 4: 16}  # by weight bits: above, the GEMM (quantized) or cuBLAS
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2, "gelu_and_mul": 3}  # EPI_* of linear.cu
 GATED = {"silu_and_mul": ("silu", silu_and_mul), "gelu_and_mul": ("gelu_tanh", gelu_and_mul)}  # act, unfused op
 QUAD_K = {16: 32, 8: 64, 4: 128}  # k per quad step of one lane quad
@@ -74,10 +74,12 @@ def weight_bits(w) -> int:
 
 
 def path(bits: int, m: int) -> str:
-    """The device path linear() takes for M rows of x and weights of `bits`: "gemv", "mma" or "cublas"."""
+    """The device path linear() takes for M rows of x and weights of `bits`: "gemv", "mma" (the
+    quantized GEMM of ops.linear_mma; int4 past MMA_MAX_M rows only where its wgmma kernel takes the
+    weight, linear_mma.wgmma_fits, else cuBLAS) or "cublas"."""
     if m <= GEMV_MAX_M[bits]:
         return "gemv"
-    return "mma" if bits < 16 and m <= MMA_MAX_M else "cublas"
+    return "mma" if bits < 16 and m <= (WGMMA_MAX_M if bits == 4 else MMA_MAX_M) else "cublas"
 
 
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
@@ -251,7 +253,7 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
     runtime.check("out", out, align=16)
     if norm is not None and (m > GEMV_MAX_M[bits] or not norm_fits(m, k, x.dtype)):
         x, norm = rms_norm(x, *norm), None
-    if path(bits, m) == "mma":
+    if path(bits, m) == "mma" and (m <= MMA_MAX_M or wgmma_fits(w, k)):
         return linear_mma(x, w, bias, out, activation, residual)
     if m > GEMV_MAX_M[bits]:
         if activation:

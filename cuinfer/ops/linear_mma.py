@@ -1,17 +1,22 @@
-"""Quantized linear layers at 17 or more rows of x: the tensor-core GEMM of cuda_src/linear_mma.cu.
+"""Quantized linear layers at 17 or more rows of x: the tensor-core GEMMs of cuda_src/linear_mma.cu.
 
 linear_mma(x, w, bias=None, out=None, activation=None, residual=None) -> [M, N] in x's dtype
     x: [M, K] fp16 / bf16; w: cuinfer.ops.quant.Int8Weight or Int4Weight [N, K]; bias: [N].
     activation="silu_and_mul" / "gelu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I])
     and the result is act(x @ gate.T) * (x @ up.T), [M, I], both sums in fp32, rounded once.
     residual: [M, N] (store only, not aliasing out): round(round(y) + residual).
-ops.linear dispatches here for quantized weights at MMA_MIN_M <= M <= MMA_MAX_M (docs/linear.md).
+ops.linear dispatches here for quantized weights at MMA_MIN_M <= M <= MMA_MAX_M, and int4 ones the
+wgmma kernel takes (wgmma_fits) up to WGMMA_MAX_M (docs/linear.md).
 
-The weight is dequantized in registers (exact values of T fed to mma.sync, int4 group scales and
-int8 row scales applied in fp32), so y is x @ dequantize(W).T in fp32 rounded once, as the decode
-GEMV computes it. Each block stages 16 RT WARPS weight rows and 8 NT x rows per 128 k through a
-cp.async ring; small grids split K over a thread-block cluster (sm_90), reduced in a fixed order
-through distributed shared memory. Allocates nothing when `out` is given (CUDA-graph safe).
+Two kernels. linear_mma_kernel (mma.sync): the weight dequantized in registers to exact values of T,
+int4 group scales and int8 row scales applied in fp32, so y is x @ dequantize(W).T in fp32 rounded
+once, as the decode GEMV computes it; each block stages 16 RT WARPS weight rows and 8 NT x rows per
+128 k through a cp.async ring. linear_wgmma_kernel (sm_90, int4 with integer zeros, from WGMMA_MIN_M
+rows): a producer warpgroup copies the packed weights and stores x in the order of the weight
+fragments; two consumer warpgroups dequantize their words straight into wgmma's A fragments as
+round((q - z) scale) in T, dequantize() rounded to T as the cuBLAS path's scratch holds it. Small
+grids split K over a thread-block cluster (sm_90), reduced in a fixed order through distributed
+shared memory. Allocates nothing when `out` is given (CUDA-graph safe).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
 """
 from __future__ import annotations
@@ -25,9 +30,14 @@ from .activation import act_and_mul_reference
 from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
-# rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy, faster from
-# 129 rows on the H100: llama3-8b int4 decode at b=256 13,380 tok/s that way against 12,010 here)
+# rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The
+# mma.sync kernel takes MMA_MIN_M..MMA_MAX_M rows (past 128 cuBLAS on the copy was faster: llama3-8b
+# int4 decode at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, K % 64 == 0, int4 with
+# integer zeros) WGMMA_MIN_M..WGMMA_MAX_M (H100, a llama3-8b layer: faster than mma.sync from 65 rows,
+# than cuBLAS on the copy up to 256, slower at 512).
 MMA_MIN_M, MMA_MAX_M = 17, 128
+WGMMA_MIN_M, WGMMA_MAX_M = 65, 256
+WGMMA_K = 64  # k per stage of the wgmma kernel
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
 GATED = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}
 STAGE_K = 128  # k per pipeline stage
@@ -68,6 +78,42 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     return MmaTile(nt, 2, warps, 3, split, minb)
 
 
+class WgTile(NamedTuple):
+    nx: int  # x rows per block (wgmma's N: 64 or 128)
+    stages: int  # depth of the cp.async ring (copies run stages - 2 ahead)
+    split: int  # blocks of a cluster splitting K (sm_90)
+
+
+def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
+    """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
+    64 rows, else 128; 8 stages (<= 169 KB, one block an SM). K splits over a cluster of 2 where the
+    grid then still fits one wave (H100, llama3-8b shapes at 65-256 rows: a split of 4 or 8, or a
+    second wave, was slower every time), each block keeping >= 8 stages of 64 k."""
+    nx = 64 if m <= 64 else 128
+    blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
+    split = 2 if blocks * 2 <= sms and k // WGMMA_K >= 16 else 1
+    return WgTile(nx, 8, split)
+
+
+def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
+    """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
+    groups = 2 if group_size == 32 else 1
+    slot = -(-(tile.nx * 128 + 128 * 32 + 128 * groups * 4) // 1024) * 1024
+    return max(tile.stages * slot, tile.nx * 512) + 1024
+
+
+def wgmma_fits(w, k: int) -> bool:
+    """Whether the wgmma kernel takes this weight on this device (sm_90; int4 with integer zeros)."""
+    return (k % WGMMA_K == 0 and isinstance(w, Int4Weight) and w.integer_zeros
+            and runtime.device_info()["arch"] == "sm_90")
+
+
+def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
+    gs = group_size if bits == 4 else 0
+    return (f"linear_wgmma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {tile.nx}, {tile.stages}, {tile.split}, "
+            f"{EPILOGUES[epilogue]}>")
+
+
 def smem_bytes(bits: int, group_size: int, tile: MmaTile) -> int:
     """Dynamic shared memory of the kernel (Geo::kSmem of linear_mma.cu)."""
     tiles = tile.rt * tile.warps
@@ -95,7 +141,12 @@ INSTANTIATIONS = sorted(
      for b, g, iz in _formats()
      for m in (17, 32, 64, 128) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
      for epi in EPILOGUES
-     if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)})  # GELU differs from SiLU in its activation only
+     if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)}  # GELU differs from SiLU in its activation only
+    | {wgmma_instantiation(dt, b, g, wgmma_tile(b, m, n, k, epi), epi) for dt in KERNEL_DTYPES
+       for b, g, iz in _formats() if iz and b == 4
+       for m in (65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for epi in EPILOGUES
+       if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)})
 
 
 def linear_mma_reference(x, w, bias=None, activation=None, residual=None):
@@ -180,21 +231,30 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
+    if WGMMA_MIN_M <= m and wgmma_fits(w, k):
+        return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
+                       activation or "store")
     tile = mma_tile(bits, m, n, k, activation or "store", info["sm_count"], int(info["arch"][3:]) >= 90,
                     bits == 4 and w.integer_zeros)
     return _launch(x, w, bias, residual, out, tile, activation or "store")
 
 
 def _launch(x, w, bias, residual, out, tile, epilogue="store"):
-    """Launch linear_mma_kernel with `tile` on checked arguments (tile.split > 1: sm_90 only)."""
+    """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
+    checked arguments (tile.split > 1: sm_90 only)."""
     (m, k), bits = x.shape, 4 if isinstance(w, Int4Weight) else 8
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
-    kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue))
     null = np.uint64(0)
     scales = w.scales_zeros if bits == 4 else w.scales
     args = (x, w.qweight, scales, null if bias is None else bias, null if residual is None else residual, out,
             np.int32(m), np.int32(n), np.int32(k))
+    if isinstance(tile, WgTile):
+        kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue))
+        grid = (-(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx), tile.split)
+        runtime.launch(kern, grid, (384,), args, wgmma_smem_bytes(bits, gs, tile))
+        return out
+    kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue))
     rows = 16 * tile.rt * (tile.warps // 2 if epilogue in GATED else tile.warps)
     grid = (-(-n // rows) * -(-m // (8 * tile.nt)), tile.split)
     runtime.launch(kern, grid, (32 * tile.warps,), args, smem_bytes(bits, gs, tile))

@@ -14,15 +14,21 @@ from cuinfer.ops.linear_mma import (
     INSTANTIATIONS,
     MMA_MAX_M,
     MMA_MIN_M,
+    WGMMA_MAX_M,
+    WGMMA_MIN_M,
     MmaTile,
+    WgTile,
     _launch,
     instantiation,
     linear_mma,
     mma_tile,
     smem_bytes,
+    wgmma_instantiation,
+    wgmma_smem_bytes,
+    wgmma_tile,
 )
 from tests.conftest import assert_close, poison
-from tests.ops.test_linear import make_weight, reference_rounded
+from tests.ops.test_linear import make_weight, reference_rounded, rounds_w
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int4-mse", 32), ("int4-mse", 128)]
@@ -78,9 +84,9 @@ def test_argument_checks():
 
 
 def test_paths():
-    for bits in (8, 4):
-        assert [path(bits, m) for m in (1, 16, MMA_MIN_M, MMA_MAX_M, MMA_MAX_M + 1)] == \
-            ["gemv", "gemv", "mma", "mma", "cublas"]
+    rows = (1, 16, MMA_MIN_M, MMA_MAX_M, MMA_MAX_M + 1, WGMMA_MAX_M, WGMMA_MAX_M + 1)
+    assert [path(4, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "cublas"]
+    assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "cublas", "cublas", "cublas"]
     assert path(16, 17) == "cublas" and path(16, 16) == "gemv"
 
 
@@ -99,6 +105,14 @@ def test_tiles_fit_the_sm_and_the_instantiations():
         for m in (17, 64, MMA_MAX_M):
             t = mma_tile(4, m, n, k)
             assert instantiation(np.float16, 4, 128, True, t) in INSTANTIATIONS, (m, n, k, t)
+        for m in (WGMMA_MIN_M, 128, WGMMA_MAX_M):
+            for bits, gs in ((4, 128),):
+                t = wgmma_tile(bits, m, n, k)
+                assert t.split in (1, 2, 4, 8) and wgmma_smem_bytes(bits, gs, t) <= 227 * 1024
+                assert wgmma_instantiation(np.float16, bits, gs, t) in INSTANTIATIONS, (m, n, k, t)
+    for bits, gs in ((4, 32), (4, 64), (4, 128)):
+        for t in WG_TILES:
+            assert wgmma_smem_bytes(bits, gs, t) <= 227 * 1024
 
 
 # ------------------------------------------------------------------------ GPU
@@ -115,6 +129,8 @@ def n_choices(fmt, gated=False):
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2)]
+WG_TILES = [WgTile(128, 8, 1), WgTile(64, 8, 1), WgTile(128, 8, 8), WgTile(64, 3, 2), WgTile(128, 4, 4)]
+WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
 
 
 def gpu_instantiations():
@@ -128,6 +144,12 @@ def gpu_instantiations():
                 out.add(instantiation(dt, bits, gs, iz, t, epi))
         if dt == DTYPES[0]:
             out |= {instantiation(dt, bits, gs, iz, t, e) for t in TILES for e in ("store", "silu_and_mul")}
+        if iz and bits == 4:
+            for m, epi in itertools.product(WG_ROWS, ("store", "silu_and_mul", "gelu_and_mul")):
+                for n, k in itertools.product(n_choices(fmt, epi != "store"), wg_k_choices(gs)):
+                    out.add(wgmma_instantiation(dt, bits, gs, wgmma_tile(bits, m, n, k, epi), epi))
+            if dt == DTYPES[0]:
+                out |= {wgmma_instantiation(dt, bits, gs, t, e) for t in WG_TILES for e in ("store", "silu_and_mul")}
     return sorted(out)
 
 
@@ -144,9 +166,11 @@ def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="st
     if tile is None:
         got = linear_mma(x_dev, w_dev, bias_dev, out=out, activation=None if not gated else epilogue, residual=r_dev)
         assert got is out
+        rounded = rounds_w(w_dev, m, k, False)
     else:
         _launch(x_dev, w_dev, bias_dev, r_dev, out, tile, epilogue)
-    y = reference_rounded(x, w, bias, False)
+        rounded = isinstance(tile, WgTile) and fmt.startswith("int4")
+    y = reference_rounded(x, w, bias, rounded)
     if gated:
         assert_close(out, act_and_mul_reference(y, {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}[epilogue]))
         return
@@ -237,11 +261,71 @@ def test_every_tile(fmt, gs, tile):
                      fmt, gs, True, 1.0, epi, residual=epi == "store", tile=tile)
 
 
+WG_ROWS = [65, 100, 128, 129, 200, 256, 300]
+
+
+def wg_k_choices(gs):
+    return [64 * max(1, (gs or 64) // 64) * j for j in (1, 3, 7)] + [4096 + 64 * max(1, (gs or 64) // 64)]
+
+
+def need_sm90():
+    if runtime.device_info()["arch"] != "sm_90":
+        pytest.skip("the wgmma kernel needs sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", WG_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_wgmma_matches_reference(fmt, gs, dtype):
+    """The wgmma kernel (linear_mma's pick from WGMMA_MIN_M rows) with its tile or another, every
+    epilogue: int8 exact, int4 with the weight rounded to T."""
+    import cupy as cp
+
+    need_sm90()
+
+    @settings(max_examples=12, deadline=None)
+    @given(m=st.sampled_from(WG_ROWS), n=st.sampled_from(n_choices(fmt)), k=st.sampled_from(wg_k_choices(gs)),
+           use_bias=st.booleans(), magnitude=st.sampled_from([1.0, 30.0]),
+           epilogue=st.sampled_from(["store", "store", "silu_and_mul", "gelu_and_mul"]), residual=st.booleans(),
+           tile=st.sampled_from([None, None] + WG_TILES), seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, use_bias, magnitude, epilogue, residual, tile, seed):
+        mma_case(cp, np.random.default_rng(seed), dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue,
+                 residual=residual and epilogue == "store", tile=tile)
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", WG_TILES, ids=str)
+def test_wgmma_every_tile(tile):
+    """Each tile of the wgmma kernel, int4 g32 (two scale groups a stage) and g128 (one group
+    over two stages), zero-scale groups, K of one stage (splits left without one), x rows past the tile
+    and weight rows past N never stored."""
+    import cupy as cp
+
+    need_sm90()
+    rng = np.random.default_rng(sum(tile))
+    for fmt, gs in (("int4", 32), ("int4", 128)):
+        for epi in ("store", "silu_and_mul"):
+            for m, k in ((65, 64 * (gs // 64 or 1)), (129, 640), (300, 4096 + 128)):
+                mma_case(cp, rng, np.dtype(np.float16), m, 75, k, fmt, gs, True, 1.0, epi, residual=epi == "store",
+                         tile=tile)
+    w = make_weight(rng, 75, 6 * 128, "int4", 64)
+    w.scales_zeros[0, 1, [0, 5, 11], 0] = 0
+    w.scales_zeros[0, :, 3, 0] = 0
+    x = rng.standard_normal((130, 6 * 128)).astype(np.float16)
+    out = poison(cp, (130, 75), np.float16)
+    _launch(cp.asarray(x), w.to_device(), None, None, out, tile)
+    assert_close(out, reference_rounded(x, w, None, True))
+    assert not cp.asnumpy(out)[:, 3].astype(np.float32).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4-mse"])
 def test_linear_dispatches_rows_17_to_256(fmt):
     """linear() and linear_argmax() of Int8Weight / Int4Weight at M = 17..256 equal the reference: the
-    GEMM up to MMA_MAX_M rows, above it the dequantized copy through cuBLAS (its reference rounds W to T)."""
+    GEMM (mma.sync up to MMA_MAX_M rows, the wgmma kernel from WGMMA_MIN_M where it takes the weight),
+    else the dequantized copy through cuBLAS (rounds_w: whether the reference rounds W to T)."""
     import cupy as cp
 
     rng = np.random.default_rng(21)
@@ -249,24 +333,26 @@ def test_linear_dispatches_rows_17_to_256(fmt):
     w = make_weight(rng, n, k, fmt, 64)
     w_dev = w.to_device()
     for m in ROWS:
-        mma = m <= MMA_MAX_M
-        assert path(8 if fmt == "int8" else 4, m) == ("mma" if mma else "cublas")
+        assert path(8 if fmt == "int8" else 4, m) == ("mma" if m <= (MMA_MAX_M if fmt == "int8" else WGMMA_MAX_M)
+                                                       else "cublas")
         x = rng.standard_normal((m, k)).astype(np.float16)
         out = poison(cp, (m, n), np.float16)
         assert linear(cp.asarray(x), w_dev, out=out) is out
-        assert_close(out, reference_rounded(x, w, None, not mma))
+        assert_close(out, reference_rounded(x, w, None, rounds_w(w_dev, m, k, True)))
         top = cp.asnumpy(linear_argmax(cp.asarray(x), w_dev))
         np.testing.assert_array_equal(top, cp.asnumpy(out).astype(np.float32).argmax(axis=1))
 
 
 @pytest.mark.gpu
-def test_replays_in_a_cuda_graph():
-    """The GEMM (a split-K cluster tile and a plain one) with its epilogues, captured once and replayed
-    on new inputs, gives the eager results: nothing allocated, no host sync inside."""
+@pytest.mark.parametrize("m", [40, 200])
+def test_replays_in_a_cuda_graph(m):
+    """The GEMM (a split-K cluster tile and a plain one; mma.sync at 40 rows, wgmma at 200 on sm_90)
+    with its epilogues, captured once and replayed on new inputs, gives the eager results: nothing
+    allocated, no host sync inside."""
     import cupy as cp
 
     rng = np.random.default_rng(12)
-    k, n, m = 4096, 1024, 40
+    k, n = 4096, 1024
     w = quant.quantize(rng.standard_normal((2 * n, k)).astype(np.float32), "int4", 128).to_device()
     w8 = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), "int8").to_device()
     x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
