@@ -23,6 +23,9 @@
 // Rows of x past M read row M - 1 and weight rows past N read the last tile / row: their outputs are
 // never stored (a row of A or a column of B reaches only its own outputs). Grids of fewer blocks
 // than SMs split K over a thread-block cluster (sm_90) reduced through distributed shared memory.
+//
+// linear_wgmma_kernel (below, "wgmma"): the same fragments fed to wgmma from registers, for int4 with
+// integer zeros on sm_90, with a producer warpgroup that stores x in the fragments' k order.
 #include "mma.cuh"
 #include "quant.cuh"
 

@@ -212,13 +212,10 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, 
   if constexpr (N == 64) {
     if constexpr (H) CUINFER_WGMMA_SS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
     else CUINFER_WGMMA_SS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
-  } else if constexpr (N == 128) {
+  } else {
+    static_assert(N == 128, "mma_ss: N is 64 or 128");
     if constexpr (H) CUINFER_WGMMA_SS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
     else CUINFER_WGMMA_SS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
-  } else {
-    static_assert(N == 256, "mma_ss: N is 64, 128 or 256");
-    if constexpr (H) CUINFER_WGMMA_SS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "128", "129", "130");
-    else CUINFER_WGMMA_SS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "128", "129", "130");
   }
 }
 // d (64 x N) += A (64 x 16, registers a) * B (16 x N in shared memory, descriptor b): MN-major (row k
