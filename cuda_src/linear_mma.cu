@@ -374,98 +374,32 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 
 // ------------------------------------------------------------------ wgmma (sm_90a)
 // linear_wgmma_kernel, for the larger M (int4 with integer zeros): three warpgroups, 128 weight rows
-// a block times NX x rows. Warpgroup 0 copies: K runs in stages of 64 through a STAGES-deep ring of
-// the stage's packed weights as they are in memory and their (scale, zero) pairs (cp.async), and the
-// x rows, loaded two stages ahead into registers and stored in the order the weight fragments need
-// (below); a stage is announced on its full mbarrier once its copies have landed, a slot refilled
-// once both consumers released it on its empty mbarrier. Warpgroups 1 and 2 each own 64 weight rows
-// (gated: 1 the gate rows, 2 the up rows of the same 64 outputs): per stage each lane dequantizes
-// its words straight into wgmma's A fragments (the mma.sync A fragment of its warp's 16 rows,
-// round((q - z) scale) in T: dequantize() rounded to T, as the cuBLAS path's scratch holds it) and
-// multiplies them by the x tile in shared memory (K-major B, 128-byte swizzle); the multiply of
-// stage t runs while stage t + 1 is dequantized. No barrier over the block inside the loop.
+// a block times NX x rows, K in stages of 128 through a STAGES-deep ring of shared memory. One warp
+// of warpgroup 0 fills a slot with bulk copies (cp.async.bulk) that complete on the slot's full
+// mbarrier: the block's eight 16-row weight tiles as they are in memory (tiles16: 1 KB a tile and
+// 128 k), their (scale, zero) pairs, and the stage's x, which wgmma_x_kernel has laid out beforehand
+// in the order the weight fragments need (below); it refills a slot once both consumers released it
+// on its empty mbarrier, so copies run up to STAGES stages ahead. Warpgroups 1 and 2 each own 64
+// weight rows (gated: 1 the gate rows, 2 the up rows of the same 64 outputs): per half stage of 64 k
+// each lane turns its words straight into wgmma's A fragments (the mma.sync A fragment of its warp's
+// 16 rows, round((q - z) scale) in T: dequantize() rounded to T, as the cuBLAS path's scratch holds
+// it) and multiplies them by the x tile in shared memory (K-major B, 128-byte swizzle); the second
+// half is dequantized while the first one's multiplies run. No barrier over the block inside the loop.
 //
-// The order of k: lane c's word j of a row (tiles16) holds k 32 j + 8 c .. + 8 of its 64-k stage,
-// which feed k16 steps 2 j and 2 j + 1: slot 2 c + e of step 2 j + s is k 32 j + 8 c + 4 s + e, slot
-// 8 + 2 c + e is k 32 j + 8 c + 4 s + 2 + e. So B's 16-byte chunk 4 j + 2 s + h (slots 8 h .. 8 h + 7
-// of step 2 j + s) holds pair 2 s + h of each of the four 16-byte chunks of x's k 32 j .. 32 j + 32:
-// a 4 x 4 transpose of 4-byte pairs, done in the producer's registers.
+// The order of k: lane c's 16 bytes of a row of a weight tile are words 2 h + j = k 64 h + 32 j + 8 c
+// .. + 8 (tiles16), which feed k16 steps 2 j and 2 j + 1 of half h: slot 2 c + e of step 2 j + s is k
+// 32 j + 8 c + 4 s + e of the half, slot 8 + 2 c + e is k 32 j + 8 c + 4 s + 2 + e. So B's 16-byte chunk
+// 4 j + 2 s + u (slots 8 u .. 8 u + 7 of step 2 j + s) of a half holds pair 2 s + u of each of the four
+// 16-byte chunks of x's k 32 j .. 32 j + 32: a 4 x 4 transpose of 4-byte pairs (wgmma_x_kernel).
 
 template <int GS, int NX, int STAGES> struct WGeo {
-  static constexpr int kX = NX * 128;                          // NX x rows x 64 k
-  static constexpr int kRaw = 128 * 32;                        // the packed weights
-  static constexpr int kGroups = GS == 32 ? 2 : 1;             // scale groups a stage touches
-  static constexpr int kSlot = (kX + kRaw + 128 * kGroups * 4 + 1023) / 1024 * 1024;
+  static constexpr int kX = NX * 256;                          // NX x rows x 128 k: two 64-k halves
+  static constexpr int kW = 8 * 1024;                          // the eight weight tiles
+  static constexpr int kGroups = 128 / GS;                     // scale groups of a stage
+  static constexpr int kS = 8 * kGroups * 64;                  // their pairs, [tile][group][16 rows]
+  static constexpr int kSlot = (kX + kW + kS + 1023) / 1024 * 1024;
   static constexpr int kRed = 8 * (NX / 2) * 32 * 4;           // fp32 fragments of the epilogue
   static constexpr int kSmem = (STAGES * kSlot > kRed ? STAGES * kSlot : kRed) + 1024;  // + alignment
-};
-
-// The producer thread p's copies of a stage (byte offsets computed once; a stage adds a multiple of
-// t). Packed weights: local row r = i / 4 (weight row: gated (r / 64) N + row0 + r % 64, else row0 +
-// r, clamped to N - 1), its 8 bytes of piece i % 4 (tiles16: the stage's 64 k of a row are bytes 16 c
-// + 8 (t % 2) .. + 8 of its 64-byte run); pairs: row p of group j; x: task q = p + 128 u is row q / 2
-// (clamped to M - 1: never stored), k 32 (q % 2) .. + 32 of the stage.
-template <typename T, int GS, int NX, int STAGES, int EPI> struct WLoader {
-  using G = WGeo<GS, NX, STAGES>;
-  static constexpr int kXT = NX * 2 / 128;  // x tasks a thread
-  const char* w;
-  const char* s;
-  const char* x;
-  unsigned w_off[4], s_off, x_off[kXT];
-  int p;
-
-  __device__ __forceinline__ WLoader(const T* x_, const void* w_, const __half* scales, const Block& b, int M, int N,
-                                     int K, int p_)
-      : w(static_cast<const char*>(w_)), s(reinterpret_cast<const char*>(scales)),
-        x(reinterpret_cast<const char*>(x_)), p(p_) {
-    auto row_of = [&](int r) {
-      return mma_gated(EPI) ? (r >> 6) * N + min(b.row0 + (r & 63), N - 1) : min(b.row0 + r, N - 1);
-    };
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int i = p + 128 * j;
-      w_off[j] = static_cast<unsigned>(tiled_row(row_of(i >> 2), (K + 127) / 128) * 64 + 16 * (i & 3));
-    }
-    s_off = static_cast<unsigned>(tiled_row(row_of(p), K / GS) * 4);
-#pragma unroll
-    for (int u = 0; u < kXT; ++u) {
-      const int q = p + 128 * u, m = min(b.m0 + (q >> 1), M - 1);
-      x_off[u] = static_cast<unsigned>(((size_t)m * K + 32 * (q & 1)) * sizeof(T));
-    }
-  }
-
-  __device__ __forceinline__ void weights(unsigned slot, int t) const {
-    const unsigned raw = slot + G::kX;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      cp_async8(raw + 8 * (p + 128 * j), w + w_off[j] + (size_t)(t >> 1) * 1024 + 8 * (t & 1));
-#pragma unroll
-    for (int j = 0; j < G::kGroups; ++j)  // group 64 t / GS + j, 64 bytes per group in a 16-row tile
-      cp_async4(raw + G::kRaw + 4 * (p + 128 * j), s + s_off + (size_t)(64 * t / GS + j) * 64);
-  }
-
-  // Stage t's x tasks into registers, and from there into the slot in fragment order.
-  __device__ __forceinline__ void load_x(uint4 (&v)[kXT][4], int t) const {
-#pragma unroll
-    for (int u = 0; u < kXT; ++u)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        v[u][c] = *reinterpret_cast<const uint4*>(x + x_off[u] + (size_t)t * 64 * sizeof(T) + 16 * c);
-  }
-  __device__ __forceinline__ void store_x(unsigned slot, const uint4 (&v)[kXT][4]) const {
-#pragma unroll
-    for (int u = 0; u < kXT; ++u) {
-      const int q = p + 128 * u, row = q >> 1, j = q & 1;
-#pragma unroll
-      for (int ph = 0; ph < 4; ++ph) {  // pair ph = 2 s + h of each chunk: B chunk 4 j + ph
-        const uint4 o{reinterpret_cast<const u32*>(&v[u][0])[ph], reinterpret_cast<const u32*>(&v[u][1])[ph],
-                      reinterpret_cast<const u32*>(&v[u][2])[ph], reinterpret_cast<const u32*>(&v[u][3])[ph]};
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + wgmma::swizzle128(row, 4 * j + ph)),
-                     "r"(o.x), "r"(o.y), "r"(o.z), "r"(o.w)
-                     : "memory");
-      }
-    }
-  }
 };
 
 // (q - z) pairs times the group scale, rounded once to T (as dequantize() rounded to T).
@@ -480,23 +414,24 @@ __device__ __forceinline__ u32 scaled(u32 q, __half2 scale_zero, __nv_bfloat16) 
   return *reinterpret_cast<u32*>(&r);
 }
 
-// The A fragments of a stage's four k16 steps for the lane's rows r and r + 8 (local): a[step][4].
-template <typename T, int GS, int NX, int STAGES>
-__device__ __forceinline__ void dequant_fragments(const unsigned char* slot, int r, int c, u32 (&a)[4][4]) {
+// The A fragments of half H's four k16 steps for the lane's local rows r and r + 8 (one tile), from
+// their 16 bytes v[0], v[1] of the slot's weights: a[step][4].
+template <typename T, int GS, int NX, int STAGES, int H>
+__device__ __forceinline__ void dequant_half(const unsigned char* slot, const uint4 (&v)[2], int r, u32 (&a)[4][4]) {
   using G = WGeo<GS, NX, STAGES>;
-  const unsigned char* raw = slot + G::kX;
   u32 q[2][2][4];  // [row r, r + 8][word j][pairs]
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint2 v = *reinterpret_cast<const uint2*>(raw + (r + 8 * h) * 32 + 8 * c);
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const __half2 sz = *reinterpret_cast<const __half2*>(raw + G::kRaw + ((GS == 32 ? j : 0) * 128 + r + 8 * h) * 4);
-      int4_word<T>(j ? v.y : v.x, zero_sub<true>(sz, T()), q[h][j]);
+      const u32 word = H == 0 ? (j ? v[h].y : v[h].x) : (j ? v[h].w : v[h].z);
+      const int g = (64 * H + 32 * j) / GS;
+      const __half2 sz = *reinterpret_cast<const __half2*>(
+          slot + G::kX + G::kW + (((r >> 4) * G::kGroups + g) * 16 + (r & 15) + 8 * h) * 4);
+      int4_word<T>(word, zero_sub<true>(sz, T()), q[h][j]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) q[h][j][i] = scaled(q[h][j][i], sz, T());
     }
-  }
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -576,21 +511,45 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
                                                      b, M, N);
 }
 
+// x [M, K] T -> xs: per tile of NX x rows and 64-k half t, the NX x 128-byte image of x a slot of
+// linear_wgmma_kernel holds (128-byte swizzle, pairs in the fragments' order: above), halves of a
+// tile consecutive; rows past M are zeros. grid: ceil(M / NX) NX blocks (one row each) · block: 128
+// threads · K % 128 == 0.
+template <typename T, int NX>
+__global__ void __launch_bounds__(128) wgmma_x_kernel(const T* __restrict__ x, unsigned char* __restrict__ xs, int M,
+                                                      int K) {
+  const int row = blockIdx.x, r = row % NX;
+  unsigned char* tile = xs + (size_t)(row / NX) * NX * K * sizeof(T);
+  pdl_wait();
+  pdl_trigger();
+  for (int q = threadIdx.x; q < K / 32; q += 128) {  // k 32 q .. + 32: half q / 2, its chunks 4 (q % 2) ..
+    uint4 v[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      v[c] = row < M ? *reinterpret_cast<const uint4*>(x + (size_t)row * K + 32 * q + 8 * c) : make_uint4(0, 0, 0, 0);
+    unsigned char* half = tile + (size_t)(q >> 1) * NX * 128;
+#pragma unroll
+    for (int ph = 0; ph < 4; ++ph)
+      *reinterpret_cast<uint4*>(half + wgmma::swizzle128(r, 4 * (q & 1) + ph)) =
+          make_uint4(reinterpret_cast<const u32*>(&v[0])[ph], reinterpret_cast<const u32*>(&v[1])[ph],
+                     reinterpret_cast<const u32*>(&v[2])[ph], reinterpret_cast<const u32*>(&v[3])[ph]);
+  }
+}
+
 // grid: (ceil(N / E) * ceil(M / NX), SPLIT), E = 128 (64 gated), the x tiles of one row block
 // adjacent; clusters of (1, SPLIT, 1) · block: 384 threads · smem: dynamic WGeo::kSmem bytes · sm_90a
-// only (elsewhere it traps: ops/linear_mma.py launches it on sm_90). Arguments and results as
-// linear_mma_kernel's; K % 64 == 0; int4 with integer zeros only.
+// only (elsewhere it traps: ops/linear_mma.py launches it on sm_90). x: wgmma_x_kernel's image of x;
+// K % 128 == 0; gated: N % 16 == 0; scales 16-byte aligned; int4 with integer zeros only. The other
+// arguments and the results as linear_mma_kernel's.
 template <typename T, int WBITS, int GS, int NX, int STAGES, int SPLIT, int EPI>
 __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel(MMA_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using G = WGeo<GS, NX, STAGES>;
-  using Loader = WLoader<T, GS, NX, STAGES, EPI>;
   static_assert(WBITS == 4 && (GS == 32 || GS == 64 || GS == 128), "int4 groups of 32, 64 or 128");
-  static_assert(STAGES >= 3 && (NX == 64 || NX == 128), "tile");
-  constexpr int LAG = STAGES - 2 < 2 ? STAGES - 2 : 2;  // stages in flight before the producer waits on one
+  static_assert(STAGES >= 2 && (NX == 64 || NX == 128), "tile");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];  // full[s], empty[s]
-  const int x_tiles = (M + NX - 1) / NX, n_st = K / 64;
+  const int x_tiles = (M + NX - 1) / NX, n_st = K / 128;
   const int per_split = (n_st + SPLIT - 1) / SPLIT, t_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split;
   const Block b{(int)(blockIdx.x / x_tiles) * (mma_gated(EPI) ? 64 : 128), (int)(blockIdx.x % x_tiles) * NX, t_begin,
                 min(n_st, t_begin + per_split)};
@@ -601,7 +560,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 128);
+      mbar_init(full0 + 8 * s, 1);   // the producer's arrival with the stage's bytes
       mbar_init(empty0 + 8 * s, 8);  // lane 0 of each consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -611,67 +570,72 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   float acc[NX / 2];
 #pragma unroll
   for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
-  if (wg == 0) {  // the producer
-    const Loader load(x, w, scales, b, M, N, K, threadIdx.x);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s)  // the weights of the first slots before pdl_wait (no kernel writes them)
-      if (s < n_t) load.weights(ring + s * G::kSlot, b.t_begin + s);
-    pdl_wait();
-    pdl_trigger();
-    uint4 xv[2][Loader::kXT][4];
-    if (n_t > 0) load.load_x(xv[0], b.t_begin);
-    if (n_t > 1) load.load_x(xv[1], b.t_begin + 1);
-    auto step = [&](int i, uint4 (&v)[Loader::kXT][4]) {
-      const unsigned slot = ring + (i % STAGES) * G::kSlot;
-      if (i >= STAGES) {
-        mbar_wait(empty0 + 8 * (i % STAGES), (i / STAGES - 1) & 1);
-        load.weights(slot, b.t_begin + i);
-      }
-      load.store_x(slot, v);
-      if (i + 2 < n_t) load.load_x(v, b.t_begin + i + 2);
-      cp_async_commit();
-      if (i >= LAG) {
-        cp_async_wait<LAG>();        // stage i - LAG's weights have landed (this thread's copies)
-        wgmma::fence_proxy_async();  // they and the x rows stored, visible to the tensor cores
-        mbar_arrive(full0 + 8 * ((i - LAG) % STAGES));
+  if (threadIdx.x < 32) {  // the producer warp: lane l < 8 copies weight tile l and its pairs, lane 8 x
+    const int n_w = mma_gated(EPI) ? 2 * N : N, kt = K / 128;
+    const int l = lane & 7, tl = min((mma_gated(EPI) ? (l >> 2) * N + b.row0 : b.row0) / 16 + (mma_gated(EPI) ? l & 3 : l),
+                                     (n_w + 15) / 16 - 1);
+    const char* wsrc = static_cast<const char*>(w) + (size_t)tl * kt * 1024;
+    const char* ssrc = reinterpret_cast<const char*>(scales) + (size_t)tl * (K / GS) * 64;
+    const char* xsrc = reinterpret_cast<const char*>(x) + (size_t)(b.m0 / NX) * NX * K * sizeof(T);
+    constexpr unsigned kBytes = G::kX + G::kW + G::kS;
+    auto weights = [&](int i) {
+      const unsigned slot = ring + (i % STAGES) * G::kSlot, full = full0 + 8 * (i % STAGES);
+      const int t = b.t_begin + i;
+      if (lane == 0) mbar_expect_tx(full, kBytes);
+      __syncwarp();
+      if (lane < 8) {
+        bulk_load(slot + G::kX + 1024 * l, wsrc + (size_t)t * 1024, 1024, full);
+        bulk_load(slot + G::kX + G::kW + G::kGroups * 64 * l, ssrc + (size_t)t * G::kGroups * 64, G::kGroups * 64,
+                  full);
       }
     };
-    for (int i = 0; i < n_t; i += 2) {
-      step(i, xv[0]);
-      if (i + 1 < n_t) step(i + 1, xv[1]);
+    auto rows = [&](int i) {
+      if (lane == 8)
+        bulk_load(ring + (i % STAGES) * G::kSlot, xsrc + (size_t)(b.t_begin + i) * G::kX, G::kX,
+                  full0 + 8 * (i % STAGES));
+    };
+    const int first = n_t < STAGES ? n_t : STAGES;
+    for (int i = 0; i < first; ++i) weights(i);  // before pdl_wait: no kernel of a graph writes weights
+    pdl_wait();
+    pdl_trigger();
+    for (int i = 0; i < first; ++i) rows(i);
+    for (int i = STAGES; i < n_t; ++i) {
+      mbar_wait(empty0 + 8 * (i % STAGES), (i / STAGES - 1) & 1);
+      weights(i);
+      rows(i);
     }
-    cp_async_wait<0>();
-    wgmma::fence_proxy_async();
-    for (int i = n_t > LAG ? n_t - LAG : 0; i < n_t; ++i) mbar_arrive(full0 + 8 * (i % STAGES));
+  } else if (wg == 0) {
+    pdl_wait();
   } else {  // consumers: warpgroup wg - 1 owns local rows 64 (wg - 1) .. + 64, warp w its 16 rows from 16 w
     pdl_wait();
     const int r = 64 * (wg - 1) + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2), c = lane & 3;
-    u32 a[2][4][4];
-    auto step = [&](int i, u32 (&cur)[4][4], u32 (&prev)[4][4]) {
+    for (int i = 0; i < n_t; ++i) {
       mbar_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);
+      const unsigned char* slot = sm + (i % STAGES) * G::kSlot;
       const unsigned xs = ring + (i % STAGES) * G::kSlot;
-      dequant_fragments<T, GS, NX, STAGES>(sm + (i % STAGES) * G::kSlot, r, c, cur);
+      const unsigned char* wt = slot + G::kX + (r >> 4) * 1024 + (r & 15) * 64 + 16 * c;
+      const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
+      u32 a0[4][4], a1[4][4];
+      dequant_half<T, GS, NX, STAGES, 0>(slot, v, r, a0);
       wgmma::fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, cur[s], wgmma::desc128(xs + 32 * s, 16, 1024));
+      for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], wgmma::desc128(xs + 32 * s, 16, 1024));
       wgmma::commit();
-      wgmma::wait<1>();  // stage i - 1's multiply is done: its slot and its fragments are free
+      dequant_half<T, GS, NX, STAGES, 1>(slot, v, r, a1);  // while the first half multiplies
+      wgmma::fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        wgmma::mma_rs_k<NX, T>(acc, a1[s], wgmma::desc128(xs + NX * 128 + 32 * s, 16, 1024));
+      wgmma::commit();
+      wgmma::wait<0>();  // before the next stage's fragments are written (ptxas serializes wgmma otherwise)
       wgmma::fence_regs(acc);
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::fence_operand(prev[s]);
-      __syncwarp();  // the warp's reads of stage i - 1 come before lane 0's release of its slot
-      if (i > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
-    };
-    for (int i = 0; i < n_t; i += 2) {
-      step(i, a[0], a[1]);
-      if (i + 1 < n_t) step(i + 1, a[1], a[0]);
+      for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
+      __syncwarp();  // the warp's reads of the slot come before lane 0's release of it
+      if (lane == 0) mbar_arrive(empty0 + 8 * (i % STAGES));
     }
-    wgmma::wait<0>();
-    wgmma::fence_regs(acc);
-#pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::fence_operand(a[0][s]), wgmma::fence_operand(a[1][s]);
   }
-  __syncthreads();  // every stage consumed: the ring is free, the fragments reuse it
+  __syncthreads();  // every stage consumed (every copy landed): the ring is free, the fragments reuse it
   float* red = reinterpret_cast<float*>(sm);
   if (wg > 0) {
     const int warp = (threadIdx.x >> 5) - 4;  // warp w of the consumers: rows 16 w (gated: 0..3 gate, 4..7 up)

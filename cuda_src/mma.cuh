@@ -78,6 +78,13 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Bulk copy (TMA, no tensor map) of `bytes` (a multiple of 16) from global src to shared dst, both
+// 16-byte aligned, completing its bytes on the mbarrier bar.
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
 // A CUtensorMap (runtime.tensor_map), passed to kernels by value as `const __grid_constant__ TensorMap`.
 struct alignas(64) TensorMap {
   unsigned long long raw[16];

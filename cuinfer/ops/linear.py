@@ -253,7 +253,7 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
     runtime.check("out", out, align=16)
     if norm is not None and (m > GEMV_MAX_M[bits] or not norm_fits(m, k, x.dtype)):
         x, norm = rms_norm(x, *norm), None
-    if path(bits, m) == "mma" and (m <= MMA_MAX_M or wgmma_fits(w, k)):
+    if path(bits, m) == "mma" and (m <= MMA_MAX_M or wgmma_fits(w, k, activation)):
         return linear_mma(x, w, bias, out, activation, residual)
     if m > GEMV_MAX_M[bits]:
         if activation:

@@ -12,11 +12,13 @@ Two kernels. linear_mma_kernel (mma.sync): the weight dequantized in registers t
 int4 group scales and int8 row scales applied in fp32, so y is x @ dequantize(W).T in fp32 rounded
 once, as the decode GEMV computes it; each block stages 16 RT WARPS weight rows and 8 NT x rows per
 128 k through a cp.async ring. linear_wgmma_kernel (sm_90, int4 with integer zeros, from WGMMA_MIN_M
-rows): a producer warpgroup copies the packed weights and stores x in the order of the weight
-fragments; two consumer warpgroups dequantize their words straight into wgmma's A fragments as
+rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a scratch array from the
+current memory pool); one producer warp fills a ring with bulk copies of the packed weight tiles and
+that x; two consumer warpgroups dequantize their words straight into wgmma's A fragments as
 round((q - z) scale) in T, dequantize() rounded to T as the cuBLAS path's scratch holds it. Small
 grids split K over a thread-block cluster (sm_90), reduced in a fixed order through distributed
-shared memory. Allocates nothing when `out` is given (CUDA-graph safe).
+shared memory. With `out` given, the mma.sync kernel allocates nothing and the wgmma path only its x
+scratch from the current pool (CUDA-graph safe: a capture allocates from its own pool).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # than cuBLAS on the copy up to 256, slower at 512).
 MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 65, 256
-WGMMA_K = 64  # k per stage of the wgmma kernel
+WGMMA_K = 128  # k per stage of the wgmma kernel
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
 GATED = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}
 STAGE_K = 128  # k per pipeline stage
@@ -80,38 +82,45 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
 
 class WgTile(NamedTuple):
     nx: int  # x rows per block (wgmma's N: 64 or 128)
-    stages: int  # depth of the cp.async ring (copies run stages - 2 ahead)
+    stages: int  # depth of the ring of bulk copies
     split: int  # blocks of a cluster splitting K (sm_90)
 
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
-    64 rows, else 128; 8 stages (<= 169 KB, one block an SM). K splits over a cluster of 2 where the
-    grid then still fits one wave (H100, llama3-8b shapes at 65-256 rows: a split of 4 or 8, or a
-    second wave, was slower every time), each block keeping >= 8 stages of 64 k."""
+    64 rows, else 128; as many stages as fit one block an SM (5 at NX = 128, 8 at 64: <= 215 KB). K
+    splits over a cluster of 2 where the grid then still fits one wave (H100, llama3-8b shapes at
+    65-256 rows: a split of 4 or 8, or a second wave, was slower every time), each block keeping >= 8
+    stages of 128 k."""
     nx = 64 if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = 2 if blocks * 2 <= sms and k // WGMMA_K >= 16 else 1
-    return WgTile(nx, 8, split)
+    return WgTile(nx, 5 if nx == 128 else 8, split)
 
 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
-    groups = 2 if group_size == 32 else 1
-    slot = -(-(tile.nx * 128 + 128 * 32 + 128 * groups * 4) // 1024) * 1024
+    slot = -(-(tile.nx * 256 + 8 * 1024 + 8 * (128 // group_size) * 64) // 1024) * 1024
     return max(tile.stages * slot, tile.nx * 512) + 1024
 
 
-def wgmma_fits(w, k: int) -> bool:
-    """Whether the wgmma kernel takes this weight on this device (sm_90; int4 with integer zeros)."""
+def wgmma_fits(w, k: int, activation=None) -> bool:
+    """Whether the wgmma kernel takes this weight on this device: sm_90, int4 with integer zeros, K a
+    multiple of its 128-k stage, the scales 16-byte aligned (bulk copies) and, gated, each half of the
+    stacked weight whole 16-row tiles."""
     return (k % WGMMA_K == 0 and isinstance(w, Int4Weight) and w.integer_zeros
-            and runtime.device_info()["arch"] == "sm_90")
+            and (activation not in GATED or w.shape[0] % 32 == 0)
+            and runtime.device_info()["arch"] == "sm_90" and w.scales_zeros.data.ptr % 16 == 0)
 
 
 def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
     gs = group_size if bits == 4 else 0
     return (f"linear_wgmma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {tile.nx}, {tile.stages}, {tile.split}, "
             f"{EPILOGUES[epilogue]}>")
+
+
+def wgmma_x_instantiation(dtype, nx: int) -> str:
+    return f"wgmma_x_kernel<{runtime.ctype(dtype)}, {nx}>"
 
 
 def smem_bytes(bits: int, group_size: int, tile: MmaTile) -> int:
@@ -146,7 +155,8 @@ INSTANTIATIONS = sorted(
        for b, g, iz in _formats() if iz and b == 4
        for m in (65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
        for epi in EPILOGUES
-       if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)})
+       if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
+    | {wgmma_x_instantiation(dt, nx) for dt in KERNEL_DTYPES for nx in (64, 128)})
 
 
 def linear_mma_reference(x, w, bias=None, activation=None, residual=None):
@@ -231,7 +241,7 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
-    if WGMMA_MIN_M <= m and wgmma_fits(w, k):
+    if WGMMA_MIN_M <= m and wgmma_fits(w, k, activation):
         return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
                        activation or "store")
     tile = mma_tile(bits, m, n, k, activation or "store", info["sm_count"], int(info["arch"][3:]) >= 90,
@@ -250,9 +260,15 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store"):
     args = (x, w.qweight, scales, null if bias is None else bias, null if residual is None else residual, out,
             np.int32(m), np.int32(n), np.int32(k))
     if isinstance(tile, WgTile):
+        if not wgmma_fits(w, k, epilogue):
+            raise ValueError("the wgmma kernel does not take this weight (wgmma_fits)")
+        rows = -(-m // tile.nx) * tile.nx
+        xs = runtime.require_cupy().empty((rows, k), x.dtype)  # x in the kernel's order, from the current pool
+        runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx)), (rows,), (128,),
+                       (x, xs, np.int32(m), np.int32(k)))
         kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue))
         grid = (-(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx), tile.split)
-        runtime.launch(kern, grid, (384,), args, wgmma_smem_bytes(bits, gs, tile))
+        runtime.launch(kern, grid, (384,), (xs,) + args[1:], wgmma_smem_bytes(bits, gs, tile))
         return out
     kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue))
     rows = 16 * tile.rt * (tile.warps // 2 if epilogue in GATED else tile.warps)

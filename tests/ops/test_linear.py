@@ -29,12 +29,12 @@ def cublas_path(fmt, m):
     return path(16 if fmt == "float" else 8 if fmt == "int8" else 4, m) == "cublas"
 
 
-def rounds_w(w_dev, m, k, via_linear=True):
+def rounds_w(w_dev, m, k, via_linear=True, activation=None):
     """Whether linear() (via_linear=False: linear_mma) at M rows multiplies by the weight rounded to T
     (the cuBLAS path's scratch, the wgmma kernel's int4 fragments) rather than the exact dequantized one."""
     if not isinstance(w_dev, (quant.Int8Weight, quant.Int4Weight)):
         return False  # a float weight is T already
-    wg = wgmma_fits(w_dev, k)
+    wg = wgmma_fits(w_dev, k, activation)
     if via_linear and m > (WGMMA_MAX_M if wg else MMA_MAX_M):
         return True  # the cuBLAS path
     return wg and m >= WGMMA_MIN_M
@@ -370,7 +370,7 @@ def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
         y = cp.asnumpy(product).astype(np.float32)
         e = None
     else:
-        y = reference_rounded(x, w, bias, rounds_w(w_dev, m, k))
+        y = reference_rounded(x, w, bias, rounds_w(w_dev, m, k, activation="silu_and_mul"))
         # the kernel's gate and up are float32 sums, each off by its own rounding: act(gate) * up
         # carries |act(gate)| * e_up + max|act'| * |up| * e_gate (max |silu'|, |gelu_tanh'| < 1.13).
         # On the H100, m=5 k=4104 magnitude 30 seed 146415: gate 37.2, up 0.0033 (cancelled), the

@@ -23,6 +23,7 @@ from cuinfer.ops.linear_mma import (
     linear_mma,
     mma_tile,
     smem_bytes,
+    wgmma_fits,
     wgmma_instantiation,
     wgmma_smem_bytes,
     wgmma_tile,
@@ -129,7 +130,7 @@ def n_choices(fmt, gated=False):
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2)]
-WG_TILES = [WgTile(128, 8, 1), WgTile(64, 8, 1), WgTile(128, 8, 8), WgTile(64, 3, 2), WgTile(128, 4, 4)]
+WG_TILES = [WgTile(128, 5, 1), WgTile(64, 8, 1), WgTile(128, 5, 8), WgTile(64, 2, 2), WgTile(128, 3, 4)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
 
 
@@ -166,7 +167,7 @@ def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="st
     if tile is None:
         got = linear_mma(x_dev, w_dev, bias_dev, out=out, activation=None if not gated else epilogue, residual=r_dev)
         assert got is out
-        rounded = rounds_w(w_dev, m, k, False)
+        rounded = rounds_w(w_dev, m, k, False, epilogue)
     else:
         _launch(x_dev, w_dev, bias_dev, r_dev, out, tile, epilogue)
         rounded = isinstance(tile, WgTile) and fmt.startswith("int4")
@@ -265,7 +266,7 @@ WG_ROWS = [65, 100, 128, 129, 200, 256, 300]
 
 
 def wg_k_choices(gs):
-    return [64 * max(1, (gs or 64) // 64) * j for j in (1, 3, 7)] + [4096 + 64 * max(1, (gs or 64) // 64)]
+    return [128 * j for j in (1, 3, 7)] + [4096 + 128]  # whole stages of the wgmma kernel
 
 
 def need_sm90():
@@ -289,6 +290,8 @@ def test_wgmma_matches_reference(fmt, gs, dtype):
            epilogue=st.sampled_from(["store", "store", "silu_and_mul", "gelu_and_mul"]), residual=st.booleans(),
            tile=st.sampled_from([None, None] + WG_TILES), seed=st.integers(0, 2**32 - 1))
     def check(m, n, k, use_bias, magnitude, epilogue, residual, tile, seed):
+        if tile is not None and epilogue != "store":
+            n = -(-n // 16) * 16  # the kernel takes a gated weight of whole 16-row tiles (wgmma_fits)
         mma_case(cp, np.random.default_rng(seed), dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue,
                  residual=residual and epilogue == "store", tile=tile)
 
@@ -299,17 +302,17 @@ def test_wgmma_matches_reference(fmt, gs, dtype):
 @pytest.mark.parametrize("tile", WG_TILES, ids=str)
 def test_wgmma_every_tile(tile):
     """Each tile of the wgmma kernel, int4 g32 (two scale groups a stage) and g128 (one group
-    over two stages), zero-scale groups, K of one stage (splits left without one), x rows past the tile
-    and weight rows past N never stored."""
+    in a stage), zero-scale groups, K of one stage (splits left without one), x rows past the tile and
+    weight rows past N never stored."""
     import cupy as cp
 
     need_sm90()
     rng = np.random.default_rng(sum(tile))
     for fmt, gs in (("int4", 32), ("int4", 128)):
         for epi in ("store", "silu_and_mul"):
-            for m, k in ((65, 64 * (gs // 64 or 1)), (129, 640), (300, 4096 + 128)):
-                mma_case(cp, rng, np.dtype(np.float16), m, 75, k, fmt, gs, True, 1.0, epi, residual=epi == "store",
-                         tile=tile)
+            for m, k in ((65, 128), (129, 640), (300, 4096 + 128)):
+                mma_case(cp, rng, np.dtype(np.float16), m, 75 if epi == "store" else 80, k, fmt, gs, True, 1.0, epi,
+                         residual=epi == "store", tile=tile)
     w = make_weight(rng, 75, 6 * 128, "int4", 64)
     w.scales_zeros[0, 1, [0, 5, 11], 0] = 0
     w.scales_zeros[0, :, 3, 0] = 0
@@ -383,6 +386,15 @@ def test_replays_in_a_cuda_graph(m):
 @pytest.mark.gpu
 def test_device_argument_checks():
     import cupy as cp
+
+    if runtime.device_info()["arch"] == "sm_90":  # weights the wgmma kernel does not take
+        rng = np.random.default_rng(3)
+        for n, k, epi in ((64, 3 * 64, "store"), (2 * 40, 256, "silu_and_mul")):
+            w4 = make_weight(rng, n, k, "int4", 64).to_device()
+            assert not wgmma_fits(w4, k, epi)
+            with pytest.raises(ValueError, match="wgmma kernel does not take"):
+                _launch(cp.zeros((70, k), cp.float16), w4, None, None, cp.zeros((70, n // (1 + (epi != "store"))), cp.float16),
+                        WgTile(128, 5, 1), epi)
 
     w = quant.quantize(np.zeros((8, 72), np.float32), "int8").to_device()
     with pytest.raises(ValueError, match="need a multiple of 16"):
