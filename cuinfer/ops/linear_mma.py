@@ -34,11 +34,12 @@ from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The
 # mma.sync kernel takes MMA_MIN_M..MMA_MAX_M rows (past 128 cuBLAS on the copy was faster: llama3-8b
-# int4 decode at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, K % 64 == 0, int4 with
-# integer zeros) WGMMA_MIN_M..WGMMA_MAX_M (H100, a llama3-8b layer: faster than mma.sync from 65 rows,
-# than cuBLAS on the copy up to 256, slower at 512).
+# int4 decode at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, int4 with integer zeros:
+# wgmma_fits) WGMMA_MIN_M..WGMMA_MAX_M (H100, a llama3-8b layer's four calls: against mma.sync 132 /
+# 135 us at 48 / 64 rows where mma.sync took 156 / 151, 132 at 32 where it took 102; against cuBLAS on
+# the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846).
 MMA_MIN_M, MMA_MAX_M = 17, 128
-WGMMA_MIN_M, WGMMA_MAX_M = 65, 256
+WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 WGMMA_K = 128  # k per stage of the wgmma kernel
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
 GATED = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}
@@ -89,12 +90,13 @@ class WgTile(NamedTuple):
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
     64 rows, else 128; as many stages as fit one block an SM (5 at NX = 128, 8 at 64: <= 215 KB). K
-    splits over a cluster of 2 where the grid then still fits one wave (H100, llama3-8b shapes at
-    65-256 rows: a split of 4 or 8, or a second wave, was slower every time), each block keeping >= 8
-    stages of 128 k."""
+    splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
+    >= 8 stages of 128 k (H100, llama3-8b shapes at 65-256 rows: o at 128 rows split 1 / 2 / 3 / 4
+    43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
+    time, as was a second wave)."""
     nx = 64 if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
-    split = 2 if blocks * 2 <= sms and k // WGMMA_K >= 16 else 1
+    split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
     return WgTile(nx, 5 if nx == 128 else 8, split)
 
 
@@ -153,7 +155,7 @@ INSTANTIATIONS = sorted(
      if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)}  # GELU differs from SiLU in its activation only
     | {wgmma_instantiation(dt, b, g, wgmma_tile(b, m, n, k, epi), epi) for dt in KERNEL_DTYPES
        for b, g, iz in _formats() if iz and b == 4
-       for m in (65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for m in (33, 65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_x_instantiation(dt, nx) for dt in KERNEL_DTYPES for nx in (64, 128)})

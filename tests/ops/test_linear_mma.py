@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuinfer.ops import quant, runtime
-from cuinfer.ops.activation import act_and_mul_reference
+from cuinfer.ops.activation import act_and_mul_reference, gelu_tanh, silu
 from cuinfer.ops.linear import linear, linear_argmax, linear_reference, path
 from cuinfer.ops.linear_mma import (
     INSTANTIATIONS,
@@ -28,7 +28,7 @@ from cuinfer.ops.linear_mma import (
     wgmma_smem_bytes,
     wgmma_tile,
 )
-from tests.conftest import assert_close, poison
+from tests.conftest import accumulation_error, assert_close, poison
 from tests.ops.test_linear import make_weight, reference_rounded, rounds_w
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
@@ -109,7 +109,7 @@ def test_tiles_fit_the_sm_and_the_instantiations():
         for m in (WGMMA_MIN_M, 128, WGMMA_MAX_M):
             for bits, gs in ((4, 128),):
                 t = wgmma_tile(bits, m, n, k)
-                assert t.split in (1, 2, 4, 8) and wgmma_smem_bytes(bits, gs, t) <= 227 * 1024
+                assert t.split in (1, 2, 3) and wgmma_smem_bytes(bits, gs, t) <= 227 * 1024
                 assert wgmma_instantiation(np.float16, bits, gs, t) in INSTANTIATIONS, (m, n, k, t)
     for bits, gs in ((4, 32), (4, 64), (4, 128)):
         for t in WG_TILES:
@@ -130,7 +130,7 @@ def n_choices(fmt, gated=False):
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2)]
-WG_TILES = [WgTile(128, 5, 1), WgTile(64, 8, 1), WgTile(128, 5, 8), WgTile(64, 2, 2), WgTile(128, 3, 4)]
+WG_TILES = [WgTile(128, 5, 1), WgTile(64, 8, 1), WgTile(128, 5, 8), WgTile(64, 2, 2), WgTile(128, 3, 3)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
 
 
@@ -173,7 +173,14 @@ def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="st
         rounded = isinstance(tile, WgTile) and fmt.startswith("int4")
     y = reference_rounded(x, w, bias, rounded)
     if gated:
-        assert_close(out, act_and_mul_reference(y, {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}[epilogue]))
+        # act(gate) * up carries |act(gate)| e_up + max|act'| |up| e_gate from the two fp32 sums (as in
+        # test_linear's fused_case): where gate or up cancels, more than an output-relative tolerance.
+        # On the H100, m=65 n=16 k=4224 g64 magnitude 30 seed 0: gate -0.064, up 34.8, 3.9e-3 off.
+        act = {"silu_and_mul": silu, "gelu_and_mul": gelu_tanh}[epilogue]
+        e = accumulation_error(x, w.dequantize())
+        slack = np.abs(act(y[:, :n])) * e[:, n:] + 1.13 * np.abs(y[:, n:]) * e[:, :n]
+        assert_close(out, act_and_mul_reference(y, {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}[epilogue]),
+                     slack=slack)
         return
     if not residual:
         assert_close(out, y)
@@ -262,7 +269,7 @@ def test_every_tile(fmt, gs, tile):
                      fmt, gs, True, 1.0, epi, residual=epi == "store", tile=tile)
 
 
-WG_ROWS = [65, 100, 128, 129, 200, 256, 300]
+WG_ROWS = [33, 64, 65, 100, 128, 129, 200, 256, 300]
 
 
 def wg_k_choices(gs):
