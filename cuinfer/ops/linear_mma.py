@@ -91,7 +91,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
     64 rows, else 128; as many stages as fit one block an SM (5 at NX = 128, 8 at 64: <= 215 KB). K
     splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
-    >= 8 stages of 128 k (H100, llama3-8b shapes at 65-256 rows: o at 128 rows split 1 / 2 / 3 / 4
+    >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
     time, as was a second wave)."""
     nx = 64 if m <= 64 else 128
