@@ -14,6 +14,9 @@ epilogues (norm, SwiGLU, residual), as a decode graph replays them (docs/linear.
 adds tile_config's tile at those rows of x (a small batch, a verify step's k + 1 rows).
 `--mma-sweep` instead times the quantized GEMM (ops.linear_mma) at each --m with mma_tile's tile and
 its neighbours (split, warps, stages, NT) on the five shapes.
+`--layer PRESET` instead times one decoder layer's four linear calls at each --m as the engine makes
+them (ops.linear: qkv and gate_up with their RMSNorm, gate_up's SiLU, o and down with the residual),
+per --formats, against the fp16 layer (cuBLAS above 16 rows) in the same run.
 """
 from __future__ import annotations
 
@@ -40,11 +43,13 @@ def add_arguments(parser):
     parser.add_argument("--m", type=int, nargs="*", default=list(ROWS_M), help="rows of x")
     parser.add_argument("--sweep", metavar="PRESET",
                         help="instead: time every M = 1 tile of the decode GEMVs of a models/*.json preset")
-    parser.add_argument("--formats", default="int4,int8", help="--sweep's weight formats: fp16, int8, int4")
+    parser.add_argument("--formats", default="int4,int8", help="--sweep's, --mma-sweep's and --layer's weight formats: fp16, int8, int4")
     parser.add_argument("--sweep-m", type=int_in(1, GEMV_ROWS), nargs="*", default=[1],
                         help="--sweep's rows of x, 1..16: every tile at 1, tile_config's at the others")
     parser.add_argument("--mma-sweep", action="store_true",
                         help="instead: time the quantized GEMM's tiles around mma_tile's pick at each --m")
+    parser.add_argument("--layer", metavar="PRESET",
+                        help="instead: time a decoder layer's four linear calls of a models/*.json preset at each --m")
 
 
 SWEEP_BITS = {"fp16": (16, 0), "int8": (8, 0), "int4": (4, 128)}
@@ -216,14 +221,54 @@ def _mma_sweep(cp, rows_m, formats):
     return rows
 
 
+def _layer(cp, preset, rows_m, formats):
+    """Each of a layer's four linear calls (decode_gemvs) through ops.linear, with its norm, residual
+    and activation, from a CUDA graph of one call per layer copy (two copies: HBM, not L2); a row per
+    format and M: ms per layer, each call's us in the shape column. The peer is the fp16 layer."""
+    from ..convert import load_preset
+    from ..serving.runner import capture
+
+    gemvs = decode_gemvs(load_preset(preset))
+    rows = []
+    for m in rows_m:
+        peer_ms = None
+        for fmt in ["fp16"] + [f for f in formats if f != "fp16"]:
+            total, nbytes, cells = 0.0, 0, []
+            for name, k, n, epi, norm, res in gemvs:
+                copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(2)]
+                x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+                norm_w = (1 + 0.05 * cp.random.standard_normal(k, dtype=cp.float32)).astype(cp.float16)
+                residual = cp.random.standard_normal((m, n), dtype=cp.float32).astype(cp.float16)
+                out = cp.empty((m, n), cp.float16)
+
+                def calls(copies=copies, x=x, norm_w=norm_w, residual=residual, out=out, epi=epi, norm=norm, res=res):
+                    for w in copies:
+                        linear(x, w, activation=None if epi == "store" else epi, norm=(norm_w, 1e-5) if norm else None,
+                               residual=residual if res else None, out=out)
+                cp.cuda.Device().synchronize()
+                graph, _, _ = capture(calls, cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+                ms = bench.time_ms(graph.launch, warmup=2, iters=7) / len(copies)
+                total += ms
+                nbytes += copies[0].nbytes + x.nbytes + out.nbytes
+                cells.append(f"{name} {1000 * ms:.1f}")
+                del graph, copies
+                cp.get_default_memory_pool().free_all_blocks()
+            peer_ms = peer_ms or total
+            rows.append(dict(name=f"{preset} layer {fmt}", shape=f"M={m}: " + ", ".join(cells) + " us", dtype="float16",
+                             ms=total, bytes=nbytes, peer="fp16 (cuBLAS)", peer_ms=peer_ms))
+    return rows
+
+
 def run(args):
     cp = runtime.require_cupy()
+    formats = [f.strip() for f in args.formats.split(",")]
+    if any(f not in SWEEP_BITS for f in formats):
+        raise runtime.CuinferError(f"--formats: got {args.formats!r}, need fp16, int8, int4")
+    if args.layer:
+        return _layer(cp, args.layer, args.m, formats)
     if args.mma_sweep:
-        return _mma_sweep(cp, args.m, [f.strip() for f in args.formats.split(",")])
+        return _mma_sweep(cp, args.m, formats)
     if args.sweep:
-        formats = [f.strip() for f in args.formats.split(",")]
-        if any(f not in SWEEP_BITS for f in formats):
-            raise runtime.CuinferError(f"--formats: got {args.formats!r}, need fp16, int8, int4")
         return _sweep(cp, args.sweep, formats, args.sweep_m)
     torch = bench.torch_or_none()
     rows, sums = [], {}
