@@ -571,10 +571,10 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
 #pragma unroll
   for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
   if (threadIdx.x < 32) {  // the producer warp: lane l < 8 copies weight tile l and its pairs, lane 8 x
-    const int n_w = mma_gated(EPI) ? 2 * N : N, kt = K / 128;
-    const int l = lane & 7, tl = min((mma_gated(EPI) ? (l >> 2) * N + b.row0 : b.row0) / 16 + (mma_gated(EPI) ? l & 3 : l),
-                                     (n_w + 15) / 16 - 1);
-    const char* wsrc = static_cast<const char*>(w) + (size_t)tl * kt * 1024;
+    // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
+    const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
+    const int tl = min(mma_gated(EPI) ? (l >> 2) * N + b.row0 + 16 * (l & 3) : b.row0 + 16 * l, n_w - 1) / 16;
+    const char* wsrc = static_cast<const char*>(w) + (size_t)tl * (K / 128) * 1024;
     const char* ssrc = reinterpret_cast<const char*>(scales) + (size_t)tl * (K / GS) * 64;
     const char* xsrc = reinterpret_cast<const char*>(x) + (size_t)(b.m0 / NX) * NX * K * sizeof(T);
     constexpr unsigned kBytes = G::kX + G::kW + G::kS;
