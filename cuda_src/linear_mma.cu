@@ -374,12 +374,16 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 
 // ------------------------------------------------------------------ wgmma (sm_90a)
 // linear_wgmma_kernel, for the larger M (int4 with integer zeros): three warpgroups, 128 weight rows
-// a block times NX x rows, K in stages of 128 through a STAGES-deep ring of shared memory. One warp
-// of warpgroup 0 fills a slot with bulk copies (cp.async.bulk) that complete on the slot's full
-// mbarrier: the block's eight 16-row weight tiles as they are in memory (tiles16: 1 KB a tile and
-// 128 k), their (scale, zero) pairs, and the stage's x, which wgmma_x_kernel has laid out beforehand
-// in the order the weight fragments need (below); it refills a slot once both consumers released it
-// on its empty mbarrier, so copies run up to STAGES stages ahead. Warpgroups 1 and 2 each own 64
+// a block times NX x rows, K in stages of 128 through two rings of shared memory filled by bulk copies
+// (cp.async.bulk) that complete on a slot's full mbarrier and are refilled once the eight consumer
+// warps released the slot on its empty one. Warp 0 fills the WS weight slots, kChunk = 4 stages each:
+// the block's eight 16-row weight tiles as they are in memory (tiles16: a tile's stages are
+// consecutive 1 KB runs, so one copy of 4 KB a tile) and their (scale, zero) pairs (one copy a tile);
+// warp 1 fills the XS x slots, a stage each, with x as wgmma_x_kernel has laid it out beforehand in
+// the order the weight fragments need (below). The bulk copy engine's cost is per copy (H100, gate_up
+// at 128 rows with the multiplies switched off: 1 KB weight and 64-byte scale copies a stage 63.8 us,
+// without the scale copies 48.8, one 8 KB copy 41.4), hence chunks; x, from L2, needs fewer slots in
+// flight than the weights from HBM, hence two rings. Warpgroups 1 and 2 each own 64
 // weight rows (gated: 1 the gate rows, 2 the up rows of the same 64 outputs): per half stage of 64 k
 // each lane turns its words straight into wgmma's A fragments (the mma.sync A fragment of its warp's
 // 16 rows, round((q - z) scale) in T: dequantize() rounded to T, as the cuBLAS path's scratch holds
@@ -392,14 +396,17 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // 4 j + 2 s + u (slots 8 u .. 8 u + 7 of step 2 j + s) of a half holds pair 2 s + u of each of the four
 // 16-byte chunks of x's k 32 j .. 32 j + 32: a 4 x 4 transpose of 4-byte pairs (wgmma_x_kernel).
 
-template <int GS, int NX, int STAGES> struct WGeo {
-  static constexpr int kX = NX * 256;                          // NX x rows x 128 k: two 64-k halves
-  static constexpr int kW = 8 * 1024;                          // the eight weight tiles
-  static constexpr int kGroups = 128 / GS;                     // scale groups of a stage
-  static constexpr int kS = 8 * kGroups * 64;                  // their pairs, [tile][group][16 rows]
-  static constexpr int kSlot = (kX + kW + kS + 1023) / 1024 * 1024;
-  static constexpr int kRed = 8 * (NX / 2) * 32 * 4;           // fp32 fragments of the epilogue
-  static constexpr int kSmem = (STAGES * kSlot > kRed ? STAGES * kSlot : kRed) + 1024;  // + alignment
+template <int GS, int NX, int WS, int XS> struct WGeo {
+  static constexpr int kChunk = 4;                              // stages of a weight slot
+  static constexpr int kX = NX * 256;                           // an x slot: NX rows x 128 k, two 64-k halves
+  static constexpr int kTile = kChunk * 1024;                   // a weight tile's kChunk stages
+  static constexpr int kW = 8 * kTile;                          // the eight tiles, [tile][stage][1 KB]
+  static constexpr int kGroups = 128 / GS;                      // scale groups of a stage
+  static constexpr int kTileS = kChunk * kGroups * 64;          // a tile's pairs, [stage][group][16 rows]
+  static constexpr int kWSlot = (kW + 8 * kTileS + 1023) / 1024 * 1024;
+  static constexpr int kRing = WS * kWSlot + XS * kX;          // weight slots, then x slots
+  static constexpr int kRed = 8 * (NX / 2) * 32 * 4;            // fp32 fragments of the epilogue
+  static constexpr int kSmem = (kRing > kRed ? kRing : kRed) + 1024;  // + alignment
 };
 
 // (q - z) pairs times the group scale, rounded once to T (as dequantize() rounded to T).
@@ -415,10 +422,9 @@ __device__ __forceinline__ u32 scaled(u32 q, __half2 scale_zero, __nv_bfloat16) 
 }
 
 // The A fragments of half H's four k16 steps for the lane's local rows r and r + 8 (one tile), from
-// their 16 bytes v[0], v[1] of the slot's weights: a[step][4].
-template <typename T, int GS, int NX, int STAGES, int H>
-__device__ __forceinline__ void dequant_half(const unsigned char* slot, const uint4 (&v)[2], int r, u32 (&a)[4][4]) {
-  using G = WGeo<GS, NX, STAGES>;
+// their 16 bytes v[0], v[1] of the stage's weights and the tile's pairs of the stage sz: a[step][4].
+template <typename T, int GS, int H>
+__device__ __forceinline__ void dequant_half(const unsigned char* sz0, const uint4 (&v)[2], int r, u32 (&a)[4][4]) {
   u32 q[2][2][4];  // [row r, r + 8][word j][pairs]
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -426,8 +432,7 @@ __device__ __forceinline__ void dequant_half(const unsigned char* slot, const ui
     for (int j = 0; j < 2; ++j) {
       const u32 word = H == 0 ? (j ? v[h].y : v[h].x) : (j ? v[h].w : v[h].z);
       const int g = (64 * H + 32 * j) / GS;
-      const __half2 sz = *reinterpret_cast<const __half2*>(
-          slot + G::kX + G::kW + (((r >> 4) * G::kGroups + g) * 16 + (r & 15) + 8 * h) * 4);
+      const __half2 sz = *reinterpret_cast<const __half2*>(sz0 + (g * 16 + (r & 15) + 8 * h) * 4);
       int4_word<T>(word, zero_sub<true>(sz, T()), q[h][j]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) q[h][j][i] = scaled(q[h][j][i], sz, T());
@@ -541,27 +546,34 @@ __global__ void __launch_bounds__(128) wgmma_x_kernel(const T* __restrict__ x, u
 // only (elsewhere it traps: ops/linear_mma.py launches it on sm_90). x: wgmma_x_kernel's image of x;
 // K % 128 == 0; gated: N % 16 == 0; scales 16-byte aligned; int4 with integer zeros only. The other
 // arguments and the results as linear_mma_kernel's.
-template <typename T, int WBITS, int GS, int NX, int STAGES, int SPLIT, int EPI>
+template <typename T, int WBITS, int GS, int NX, int WS, int XS, int SPLIT, int EPI>
 __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel(MMA_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using G = WGeo<GS, NX, STAGES>;
+  using G = WGeo<GS, NX, WS, XS>;
   static_assert(WBITS == 4 && (GS == 32 || GS == 64 || GS == 128), "int4 groups of 32, 64 or 128");
-  static_assert(STAGES >= 2 && (NX == 64 || NX == 128), "tile");
+  static_assert(WS >= 2 && XS >= 2 && (NX == 64 || NX == 128), "tile");
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) unsigned long long bars[2 * STAGES];  // full[s], empty[s]
+  // wfull[WS], wempty[WS], xfull[XS], xempty[XS]
+  __shared__ __align__(8) unsigned long long bars[2 * (WS + XS)];
   const int x_tiles = (M + NX - 1) / NX, n_st = K / 128;
   const int per_split = (n_st + SPLIT - 1) / SPLIT, t_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split;
   const Block b{(int)(blockIdx.x / x_tiles) * (mma_gated(EPI) ? 64 : 128), (int)(blockIdx.x % x_tiles) * NX, t_begin,
                 min(n_st, t_begin + per_split)};
   const int n_t = b.t_end - b.t_begin;  // <= 0: a split past K (its fragments are zeros)
   const unsigned raw_base = smem_u32(smem), ring = (raw_base + 1023) & ~1023u;  // swizzled tiles: 1024-aligned
+  const unsigned xring = ring + WS * G::kWSlot;
   unsigned char* sm = smem + (ring - raw_base);
-  const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
-  const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
+  const unsigned wfull0 = smem_u32(bars), wempty0 = wfull0 + 8 * WS, xfull0 = wempty0 + 8 * WS,
+                 xempty0 = xfull0 + 8 * XS;
+  const int wg = threadIdx.x >> 7, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1);   // the producer's arrival with the stage's bytes
-      mbar_init(empty0 + 8 * s, 8);  // lane 0 of each consumer warp
+    for (int s = 0; s < WS; ++s) {
+      mbar_init(wfull0 + 8 * s, 1);   // the producer's arrival with the chunk's bytes
+      mbar_init(wempty0 + 8 * s, 8);  // lane 0 of each consumer warp
+    }
+    for (int s = 0; s < XS; ++s) {
+      mbar_init(xfull0 + 8 * s, 1);
+      mbar_init(xempty0 + 8 * s, 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -570,58 +582,55 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   float acc[NX / 2];
 #pragma unroll
   for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
-  if (threadIdx.x < 32) {  // the producer warp: lane l < 8 copies weight tile l and its pairs, lane 8 x
+  if (warp == 0) {  // weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a weight slot
     // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
     const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
     const int tl = min(mma_gated(EPI) ? (l >> 2) * N + b.row0 + 16 * (l & 3) : b.row0 + 16 * l, n_w - 1) / 16;
-    const char* wsrc = static_cast<const char*>(w) + (size_t)tl * (K / 128) * 1024;
-    const char* ssrc = reinterpret_cast<const char*>(scales) + (size_t)tl * (K / GS) * 64;
-    const char* xsrc = reinterpret_cast<const char*>(x) + (size_t)(b.m0 / NX) * NX * K * sizeof(T);
-    constexpr unsigned kBytes = G::kX + G::kW + G::kS;
-    auto weights = [&](int i) {
-      const unsigned slot = ring + (i % STAGES) * G::kSlot, full = full0 + 8 * (i % STAGES);
-      const int t = b.t_begin + i;
-      if (lane == 0) mbar_expect_tx(full, kBytes);
+    const char* wsrc = static_cast<const char*>(w) + ((size_t)tl * n_st + b.t_begin) * 1024;
+    const char* ssrc = reinterpret_cast<const char*>(scales) + ((size_t)tl * n_st + b.t_begin) * G::kGroups * 64;
+    for (int c = 0; c * G::kChunk < n_t; ++c) {  // no kernel of a graph writes weights: no pdl_wait
+      const unsigned slot = ring + (c % WS) * G::kWSlot, full = wfull0 + 8 * (c % WS);
+      const int t = c * G::kChunk, st = min(G::kChunk, n_t - t);
+      if (c >= WS) mbar_wait(wempty0 + 8 * (c % WS), (c / WS - 1) & 1);
+      if (lane == 0) mbar_expect_tx(full, st * 8 * (1024 + G::kGroups * 64));
       __syncwarp();
       if (lane < 8) {
-        bulk_load(slot + G::kX + 1024 * l, wsrc + (size_t)t * 1024, 1024, full);
-        bulk_load(slot + G::kX + G::kW + G::kGroups * 64 * l, ssrc + (size_t)t * G::kGroups * 64, G::kGroups * 64,
-                  full);
+        bulk_load(slot + G::kTile * l, wsrc + (size_t)t * 1024, st * 1024, full);
+        bulk_load(slot + G::kW + G::kTileS * l, ssrc + (size_t)t * G::kGroups * 64, st * G::kGroups * 64, full);
       }
-    };
-    auto rows = [&](int i) {
-      if (lane == 8)
-        bulk_load(ring + (i % STAGES) * G::kSlot, xsrc + (size_t)(b.t_begin + i) * G::kX, G::kX,
-                  full0 + 8 * (i % STAGES));
-    };
-    const int first = n_t < STAGES ? n_t : STAGES;
-    for (int i = 0; i < first; ++i) weights(i);  // before pdl_wait: no kernel of a graph writes weights
+    }
+  } else if (warp == 1) {  // x: lane 0 copies each stage's slot image (wgmma_x_kernel's) to an x slot
     pdl_wait();
     pdl_trigger();
-    for (int i = 0; i < first; ++i) rows(i);
-    for (int i = STAGES; i < n_t; ++i) {
-      mbar_wait(empty0 + 8 * (i % STAGES), (i / STAGES - 1) & 1);
-      weights(i);
-      rows(i);
+    const char* xsrc =
+        reinterpret_cast<const char*>(x) + ((size_t)(b.m0 / NX) * NX * K * sizeof(T) + (size_t)b.t_begin * G::kX);
+    for (int i = 0; i < n_t && lane == 0; ++i) {
+      const unsigned full = xfull0 + 8 * (i % XS);
+      if (i >= XS) mbar_wait(xempty0 + 8 * (i % XS), (i / XS - 1) & 1);
+      mbar_expect_tx(full, G::kX);
+      bulk_load(xring + (i % XS) * G::kX, xsrc + (size_t)i * G::kX, G::kX, full);
     }
   } else if (wg == 0) {
     pdl_wait();
   } else {  // consumers: warpgroup wg - 1 owns local rows 64 (wg - 1) .. + 64, warp w its 16 rows from 16 w
     pdl_wait();
-    const int r = 64 * (wg - 1) + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2), c = lane & 3;
+    const int r = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), c = lane & 3;
     for (int i = 0; i < n_t; ++i) {
-      mbar_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);
-      const unsigned char* slot = sm + (i % STAGES) * G::kSlot;
-      const unsigned xs = ring + (i % STAGES) * G::kSlot;
-      const unsigned char* wt = slot + G::kX + (r >> 4) * 1024 + (r & 15) * 64 + 16 * c;
+      const int ch = i / G::kChunk, j = i % G::kChunk;
+      mbar_wait(wfull0 + 8 * (ch % WS), (ch / WS) & 1);
+      mbar_wait(xfull0 + 8 * (i % XS), (i / XS) & 1);
+      const unsigned char* slot = sm + (ch % WS) * G::kWSlot;
+      const unsigned xs = xring + (i % XS) * G::kX;
+      const unsigned char* wt = slot + (r >> 4) * G::kTile + j * 1024 + (r & 15) * 64 + 16 * c;
+      const unsigned char* sz = slot + G::kW + (r >> 4) * G::kTileS + j * G::kGroups * 64;
       const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
       u32 a0[4][4], a1[4][4];
-      dequant_half<T, GS, NX, STAGES, 0>(slot, v, r, a0);
+      dequant_half<T, GS, 0>(sz, v, r, a0);
       wgmma::fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], wgmma::desc128(xs + 32 * s, 16, 1024));
       wgmma::commit();
-      dequant_half<T, GS, NX, STAGES, 1>(slot, v, r, a1);  // while the first half multiplies
+      dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
       wgmma::fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s)
@@ -631,16 +640,18 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       wgmma::fence_regs(acc);
 #pragma unroll
       for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
-      __syncwarp();  // the warp's reads of the slot come before lane 0's release of it
-      if (lane == 0) mbar_arrive(empty0 + 8 * (i % STAGES));
+      __syncwarp();  // the warp's reads of the slots come before lane 0's release of them
+      if (lane == 0) {
+        mbar_arrive(xempty0 + 8 * (i % XS));
+        if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * (ch % WS));
+      }
     }
   }
   __syncthreads();  // every stage consumed (every copy landed): the ring is free, the fragments reuse it
   float* red = reinterpret_cast<float*>(sm);
-  if (wg > 0) {
-    const int warp = (threadIdx.x >> 5) - 4;  // warp w of the consumers: rows 16 w (gated: 0..3 gate, 4..7 up)
+  if (wg > 0) {  // consumer warp w = warp - 4: rows 16 w (gated: 0..3 gate, 4..7 up)
 #pragma unroll
-    for (int i = 0; i < NX / 2; ++i) red[(warp * (NX / 2) + i) * 32 + lane] = acc[i];
+    for (int i = 0; i < NX / 2; ++i) red[((warp - 4) * (NX / 2) + i) * 32 + lane] = acc[i];
   }
   store_out<T, WBITS, NX / 8, 1, 8, SPLIT, EPI, 384>(red, scales, bias, residual, out, b, M, N);
 #else

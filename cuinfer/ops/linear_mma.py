@@ -41,6 +41,7 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 WGMMA_K = 128  # k per stage of the wgmma kernel
+WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
 GATED = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}
 STAGE_K = 128  # k per pipeline stage
@@ -83,13 +84,14 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
 
 class WgTile(NamedTuple):
     nx: int  # x rows per block (wgmma's N: 64 or 128)
-    stages: int  # depth of the ring of bulk copies
+    wstages: int  # weight slots of WGMMA_CHUNK stages each
+    xstages: int  # x slots of a stage each
     split: int  # blocks of a cluster splitting K (sm_90)
 
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
-    64 rows, else 128; as many stages as fit one block an SM (5 at NX = 128, 8 at 64: <= 215 KB). K
+    64 rows, else 128; 3 weight slots and 3 x slots at NX = 128, 4 and 4 at 64 (<= 225 KB at g32). K
     splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
     >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
@@ -97,13 +99,13 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     nx = 64 if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
-    return WgTile(nx, 5 if nx == 128 else 8, split)
+    return WgTile(nx, 3, 3, split) if nx == 128 else WgTile(nx, 4, 4, split)
 
 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
-    slot = -(-(tile.nx * 256 + 8 * 1024 + 8 * (128 // group_size) * 64) // 1024) * 1024
-    return max(tile.stages * slot, tile.nx * 512) + 1024
+    wslot = -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024
+    return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.nx * 512) + 1024
 
 
 def wgmma_fits(w, k: int, activation=None) -> bool:
@@ -117,8 +119,8 @@ def wgmma_fits(w, k: int, activation=None) -> bool:
 
 def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
     gs = group_size if bits == 4 else 0
-    return (f"linear_wgmma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {tile.nx}, {tile.stages}, {tile.split}, "
-            f"{EPILOGUES[epilogue]}>")
+    return (f"linear_wgmma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {tile.nx}, {tile.wstages}, {tile.xstages}, "
+            f"{tile.split}, {EPILOGUES[epilogue]}>")
 
 
 def wgmma_x_instantiation(dtype, nx: int) -> str:

@@ -130,7 +130,7 @@ def n_choices(fmt, gated=False):
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2)]
-WG_TILES = [WgTile(128, 5, 1), WgTile(64, 8, 1), WgTile(128, 5, 8), WgTile(64, 2, 2), WgTile(128, 3, 3)]
+WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
 
 
@@ -401,7 +401,7 @@ def test_device_argument_checks():
             assert not wgmma_fits(w4, k, epi)
             out = cp.zeros((70, n if epi == "store" else n // 2), cp.float16)
             with pytest.raises(ValueError, match="wgmma kernel does not take"):
-                _launch(cp.zeros((70, k), cp.float16), w4, None, None, out, WgTile(128, 5, 1), epi)
+                _launch(cp.zeros((70, k), cp.float16), w4, None, None, out, WgTile(128, 3, 3, 1), epi)
 
     w = quant.quantize(np.zeros((8, 72), np.float32), "int8").to_device()
     with pytest.raises(ValueError, match="need a multiple of 16"):
