@@ -91,7 +91,9 @@ class WgTile(NamedTuple):
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
-    64 rows, else 128; 3 weight slots and 3 x slots at NX = 128, 4 and 4 at 64 (<= 225 KB at g32). K
+    64 rows, else 128; 2 weight slots (8 stages) and 4 x slots at NX = 128, 2 and 6 at 64 (<= 209 KB
+    at g32; H100, a llama3-8b layer's four calls at 64 / 128 / 256 rows: 3 and 3 at NX = 128, 4 and 4
+    at 64 took 2.4 / 4.8 / 4.0 % longer, 4 and 2 longer still: x, from L2, wants the deeper ring). K
     splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
     >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
@@ -99,7 +101,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     nx = 64 if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
-    return WgTile(nx, 3, 3, split) if nx == 128 else WgTile(nx, 4, 4, split)
+    return WgTile(nx, 2, 4, split) if nx == 128 else WgTile(nx, 2, 6, split)
 
 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
