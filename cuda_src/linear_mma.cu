@@ -382,9 +382,10 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // warp 1 fills the XS x slots, a stage each, with x as wgmma_x_kernel has laid it out beforehand in
 // the order the weight fragments need (below). The bulk copy engine's cost is per copy (H100, gate_up
 // at 128 rows with the multiplies switched off: 1 KB weight and 64-byte scale copies a stage 63.8 us,
-// without the scale copies 48.8, one 8 KB copy 41.4), hence chunks; x, from L2, needs fewer slots in
-// flight than the weights from HBM, hence two rings. Warpgroups 1 and 2 each own 64
-// weight rows (gated: 1 the gate rows, 2 the up rows of the same 64 outputs): per half stage of 64 k
+// without the scale copies 48.8, one 8 KB copy 41.4), hence chunks; x, from L2, needs fewer stages
+// in flight than the weights from HBM (4 against 8, ops/linear_mma.py's wgmma_tile), and a stage at a
+// time, hence two rings. Warpgroups 1 and 2 each own 64 weight rows (gated: 1 the gate rows, 2 the up
+// rows of the same 64 outputs): per half stage of 64 k
 // each lane turns its words straight into wgmma's A fragments (the mma.sync A fragment of its warp's
 // 16 rows, round((q - z) scale) in T: dequantize() rounded to T, as the cuBLAS path's scratch holds
 // it) and multiplies them by the x tile in shared memory (K-major B, 128-byte swizzle); the second
