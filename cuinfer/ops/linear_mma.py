@@ -93,7 +93,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
     64 rows, else 128; 2 weight slots (8 stages) and 4 x slots at NX = 128, 2 and 6 at 64 (<= 209 KB
     at g32; H100, a llama3-8b layer's four calls at 64 / 128 / 256 rows: 3 and 3 at NX = 128, 4 and 4
-    at 64 took 2.4 / 4.8 / 4.0 % longer, 4 and 2 longer still: x, from L2, wants the deeper ring). K
+    at 64 took 2.4 / 4.8 / 4.0 % longer, 4 and 2 no less: x, from L2, wants the deeper ring). K
     splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
     >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
