@@ -13,12 +13,13 @@ int4 group scales and int8 row scales applied in fp32, so y is x @ dequantize(W)
 once, as the decode GEMV computes it; each block stages 16 RT WARPS weight rows and 8 NT x rows per
 128 k through a cp.async ring. linear_wgmma_kernel (sm_90, int4 with integer zeros, from WGMMA_MIN_M
 rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a scratch array from the
-current memory pool); one producer warp fills a ring with bulk copies of the packed weight tiles and
-that x; two consumer warpgroups dequantize their words straight into wgmma's A fragments as
-round((q - z) scale) in T, dequantize() rounded to T as the cuBLAS path's scratch holds it. Small
-grids split K over a thread-block cluster (sm_90), reduced in a fixed order through distributed
-shared memory. With `out` given, the mma.sync kernel allocates nothing and the wgmma path only its x
-scratch from the current pool (CUDA-graph safe: a capture allocates from its own pool).
+current memory pool); one producer warp fills a ring with bulk copies of the packed weight tiles
+(four stages a copy), another a ring with that x; two consumer warpgroups dequantize their words
+straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
+cuBLAS path's scratch holds it. Small grids split K over a thread-block cluster (sm_90), reduced in a
+fixed order through distributed shared memory. With `out` given, the mma.sync kernel allocates
+nothing and the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture
+allocates from its own pool).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
 """
 from __future__ import annotations
