@@ -43,7 +43,8 @@ def add_arguments(parser):
     parser.add_argument("--m", type=int, nargs="*", default=list(ROWS_M), help="rows of x")
     parser.add_argument("--sweep", metavar="PRESET",
                         help="instead: time every M = 1 tile of the decode GEMVs of a models/*.json preset")
-    parser.add_argument("--formats", default="int4,int8", help="--sweep's, --mma-sweep's and --layer's weight formats: fp16, int8, int4")
+    parser.add_argument("--formats", default="int4,int8",
+                        help="--sweep's, --mma-sweep's and --layer's weight formats: fp16, int8, int4")
     parser.add_argument("--sweep-m", type=int_in(1, GEMV_ROWS), nargs="*", default=[1],
                         help="--sweep's rows of x, 1..16: every tile at 1, tile_config's at the others")
     parser.add_argument("--mma-sweep", action="store_true",

@@ -41,11 +41,14 @@ def gelu_tanh(x):
         return x / (np.float32(1) + np.exp(np.float32(-2) * z))
 
 
+REFERENCES = {"silu": silu, "gelu_tanh": gelu_tanh}  # the float32 NumPy activations, by name
+
+
 def act_and_mul_reference(x, act):
     """float32 [..., d]: act(gate) * up in float32, x = [gate | up] along the last axis."""
     x32 = np.asarray(x).astype(np.float32)
     d = x32.shape[-1] // 2
-    return {"silu": silu, "gelu_tanh": gelu_tanh}[act](x32[..., :d]) * x32[..., d:]
+    return REFERENCES[act](x32[..., :d]) * x32[..., d:]
 
 
 def _act_and_mul(x, act, out):

@@ -28,10 +28,10 @@ the GEMM of ops.linear_mma (dequantization in registers, the x rows tiled in sha
 residual / gated epilogues fused, y rounded once). With norm, every GEMV block first normalizes the
 rows of x into shared memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM
 bytes; otherwise, and on the GEMM and prefill paths, ops.rms_norm runs first. Without norm the rows
-are copied there all the same when they fit, so the main loop's x reads never miss L1. Beyond those (fp16 / bf16 weights
-above 16 rows, quantized ones above those: prefill) the weight is dequantized to a scratch
-[N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in an fp32
-scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; a gated
+are copied there all the same when they fit, so the main loop's x reads never miss L1. Beyond those
+(fp16 / bf16 weights above 16 rows, quantized ones above those: prefill) the weight is dequantized
+to a scratch [N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in
+an fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; a gated
 epilogue then runs unfused (ops.silu_and_mul / gelu_and_mul on an [M, 2I] intermediate) and the
 residual is added after. Every path can be captured in a CUDA graph: the GEMV, the GEMM, the
 reduction and the norm allocate nothing when `out` (and for argmax `workspace`) is given; the
