@@ -318,35 +318,54 @@ __device__ __forceinline__ void store_out(const float* red, const __half* __rest
   } else {
     __syncthreads();
   }
-  for (int i = rank * THREADS + threadIdx.x; i < TOTAL; i += SPLIT * THREADS) {
-    const int g4 = i & 7, h = (i >> 3) & 1, e = (i >> 4) & 1, c = (i >> 5) & 3, v2 = i >> 7;
-    const int n = v2 % NT, r = (v2 / NT) % RT, w = v2 / (NT * RT);
-    const int idx = (w * V + (r * NT + n) * 4 + 2 * h + e) * 32 + 4 * g4 + c;
-    const int row = b.row0 + (w * RT + r) * 16 + g4 + 8 * h, m = b.m0 + 8 * n + 2 * c + e;
-    if (row >= N || m >= M) continue;
-    float y = 0.0f, up = 0.0f;
-    if constexpr (SPLIT > 1) {
+  // U outputs a thread at a time: every load of the batch (shared, the cluster's, the residual) is in
+  // flight before the first one is used.
+  constexpr int STEP = SPLIT * THREADS, U = 4;
+  for (int i0 = rank * THREADS + threadIdx.x; i0 < TOTAL; i0 += U * STEP) {
+    int rows[U], ms[U];
+    float y[U], up[U], res[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * STEP;
+      const int g4 = i & 7, h = (i >> 3) & 1, e = (i >> 4) & 1, c = (i >> 5) & 3, v2 = i >> 7;
+      const int n = v2 % NT, r = (v2 / NT) % RT, w = v2 / (NT * RT);
+      const int idx = (w * V + (r * NT + n) * 4 + 2 * h + e) * 32 + 4 * g4 + c;
+      const int row = b.row0 + (w * RT + r) * 16 + g4 + 8 * h, m = b.m0 + 8 * n + 2 * c + e;
+      rows[u] = i < TOTAL && row < N && m < M ? row : -1;
+      ms[u] = m;
+      y[u] = up[u] = res[u] = 0.0f;
+      if (rows[u] < 0) continue;
+      if constexpr (SPLIT > 1) {
 #if __CUDA_ARCH__ >= 900
 #pragma unroll
-      for (int s = 0; s < SPLIT; ++s) {
-        y += load_cluster(red + idx, s);
-        if constexpr (mma_gated(EPI)) up += load_cluster(red + idx + TOTAL, s);
-      }
+        for (int s = 0; s < SPLIT; ++s) {
+          y[u] += load_cluster(red + idx, s);
+          if constexpr (mma_gated(EPI)) up[u] += load_cluster(red + idx + TOTAL, s);
+        }
 #endif
-    } else {
-      y = red[idx];
-      if constexpr (mma_gated(EPI)) up = red[idx + TOTAL];
+      } else {
+        y[u] = red[idx];
+        if constexpr (mma_gated(EPI)) up[u] = red[idx + TOTAL];
+      }
+      if (EPI == MMA_EPI_STORE && residual != nullptr) res[u] = to_float(residual[(size_t)m * N + row]);
     }
-    if constexpr (WBITS == 8) y *= __half2float(scales[row]);
-    if (bias != nullptr) y += to_float(bias[row]);
-    if constexpr (mma_gated(EPI)) {
-      if constexpr (WBITS == 8) up *= __half2float(scales[row + N]);
-      if (bias != nullptr) up += to_float(bias[row + N]);
-      y = (EPI == MMA_EPI_SILU_AND_MUL ? silu(y) : gelu_tanh(y)) * up;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int row = rows[u], m = ms[u];
+      if (row < 0) continue;
+      float v = y[u];
+      if constexpr (WBITS == 8) v *= __half2float(scales[row]);
+      if (bias != nullptr) v += to_float(bias[row]);
+      if constexpr (mma_gated(EPI)) {
+        float g = up[u];
+        if constexpr (WBITS == 8) g *= __half2float(scales[row + N]);
+        if (bias != nullptr) g += to_float(bias[row + N]);
+        v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * g;
+      }
+      if (EPI == MMA_EPI_STORE && residual != nullptr)
+        v = to_float(from_float<T>(v)) + res[u];  // round(round(y) + residual)
+      out[(size_t)m * N + row] = from_float<T>(v);
     }
-    if (EPI == MMA_EPI_STORE && residual != nullptr)
-      y = to_float(from_float<T>(y)) + to_float(residual[(size_t)m * N + row]);  // round(round(y) + residual)
-    out[(size_t)m * N + row] = from_float<T>(y);
   }
   if constexpr (SPLIT > 1) {
 #if __CUDA_ARCH__ >= 900
