@@ -425,7 +425,8 @@ template <int GS, int NX, int WS, int XS> struct WGeo {
   static constexpr int kTileS = kChunk * kGroups * 64;          // a tile's pairs, [stage][group][16 rows]
   static constexpr int kWSlot = (kW + 8 * kTileS + 1023) / 1024 * 1024;
   static constexpr int kRing = WS * kWSlot + XS * kX;          // weight slots, then x slots
-  static constexpr int kRed = 8 * (NX / 2) * 32 * 4;            // fp32 fragments of the epilogue
+  static constexpr int kRS = 132;                               // the epilogue's row stride (floats)
+  static constexpr int kRed = NX * kRS * 4;                     // fp32 results of the epilogue
   static constexpr int kSmem = (kRing > kRed ? kRing : kRed) + 1024;  // + alignment
 };
 
@@ -535,6 +536,80 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
   mma_epilogue<T, WBITS, NT, RT, WARPS, SPLIT, EPI>(acc, reinterpret_cast<float*>(smem), scales, bias, residual, out,
                                                      b, M, N);
 }
+
+// The wgmma kernel's results in red ([NX x rows][RS] fp32, a row's 128 weight rows in order, gated: the
+// 64 gate rows then their 64 up rows; RS = 4 mod 32: the fragments' writes are conflict-free) summed
+// over the cluster's blocks in rank order and stored through the epilogue, 8 consecutive outputs of
+// an x row a thread at a time (16-byte loads and stores where N % 8 == 0): with SPLIT > 1 each block
+// of the cluster finishes 1 / SPLIT of them, reading the others' results through distributed shared
+// memory.
+#if __CUDA_ARCH__ >= 900  // (the cluster's instructions)
+template <typename T, int RS, int NX, int SPLIT, int EPI>
+__device__ __forceinline__ void wgmma_store(const float* red, const T* __restrict__ bias,
+                                            const T* __restrict__ residual, T* __restrict__ out, const Block& b,
+                                            int M, int N) {
+  constexpr int OUTS = mma_gated(EPI) ? 64 : 128, UNITS = NX * OUTS / 8;
+  unsigned rank = 0;
+  if constexpr (SPLIT > 1) {
+    cluster_sync();  // every block's results are in its shared memory
+    rank = cluster_rank();
+  } else {
+    __syncthreads();
+  }
+  for (int u = rank * 384 + threadIdx.x; u < UNITS; u += SPLIT * 384) {
+    const int mi = u / (OUTS / 8), r0 = u % (OUTS / 8) * 8, m = b.m0 + mi, row = b.row0 + r0;
+    if (m >= M || row >= N) continue;
+    float y[8], g[8];
+#pragma unroll
+    for (int s = 0; s < SPLIT; ++s)
+#pragma unroll
+      for (int q = 0; q < (mma_gated(EPI) ? 4 : 2); ++q) {  // 16-byte pieces: y, then gated the up rows
+        const float* p = red + mi * RS + r0 + (q & 1) * 4 + (q >> 1) * 64;
+        float4 v;
+        if constexpr (SPLIT > 1) {
+          unsigned remote;
+          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(s));
+          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                       : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+        } else {
+          v = *reinterpret_cast<const float4*>(p);
+        }
+        float* d = (q >> 1 ? g : y) + (q & 1) * 4;
+        if (s == 0) d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+        else d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
+      }
+    const bool vec = N % 8 == 0;  // then the 8 outputs are whole and 16-byte aligned
+    T res[8];
+    if (EPI == MMA_EPI_STORE && residual != nullptr) {
+      if (vec) *reinterpret_cast<uint4*>(res) = *reinterpret_cast<const uint4*>(residual + (size_t)m * N + row);
+      else
+#pragma unroll
+        for (int k = 0; k < 8; ++k) res[k] = row + k < N ? residual[(size_t)m * N + row + k] : T();
+    }
+    T o[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int rk = min(row + k, N - 1);  // past N: computed, not stored
+      float v = y[k];
+      if (bias != nullptr) v += to_float(bias[rk]);
+      if constexpr (mma_gated(EPI)) {
+        float up = g[k];
+        if (bias != nullptr) up += to_float(bias[rk + N]);
+        v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * up;
+      }
+      if (EPI == MMA_EPI_STORE && residual != nullptr)
+        v = to_float(from_float<T>(v)) + to_float(res[k]);  // round(round(y) + residual)
+      o[k] = from_float<T>(v);
+    }
+    if (vec) *reinterpret_cast<uint4*>(out + (size_t)m * N + row) = *reinterpret_cast<const uint4*>(o);
+    else
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (row + k < N) out[(size_t)m * N + row + k] = o[k];
+  }
+  if constexpr (SPLIT > 1) cluster_sync();  // the others have read this block's shared memory: it may exit
+}
+#endif
 
 // x [M, K] T -> xs: per tile of NX x rows and 64-k half t, the NX x 128-byte image of x a slot of
 // linear_wgmma_kernel holds (128-byte swizzle, pairs in the fragments' order: above), halves of a
@@ -667,13 +742,14 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       }
     }
   }
-  __syncthreads();  // every stage consumed (every copy landed): the ring is free, the fragments reuse it
+  __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it
   float* red = reinterpret_cast<float*>(sm);
-  if (wg > 0) {  // consumer warp w = warp - 4: rows 16 w (gated: 0..3 gate, 4..7 up)
+  if (wg > 0) {  // d[4 j + 2 h + e]: local row 64 (wg - 1) + 16 (warp % 4) + lane / 4 + 8 h, x row 8 j + 2 (lane % 4) + e
+    const int lr = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), mr = 2 * (lane & 3);
 #pragma unroll
-    for (int i = 0; i < NX / 2; ++i) red[((warp - 4) * (NX / 2) + i) * 32 + lane] = acc[i];
+    for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * G::kRS + lr + 8 * ((i >> 1) & 1)] = acc[i];
   }
-  store_out<T, WBITS, NX / 8, 1, 8, SPLIT, EPI, 384>(red, scales, bias, residual, out, b, M, N);
+  wgmma_store<T, G::kRS, NX, SPLIT, EPI>(red, bias, residual, out, b, M, N);
 #else
   __trap();
 #endif

@@ -108,7 +108,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
     wslot = -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024
-    return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.nx * 512) + 1024
+    return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.nx * 528) + 1024
 
 
 def wgmma_fits(w, k: int, activation=None) -> bool:
