@@ -59,7 +59,7 @@ template <int WBITS, int GS, int NT, int RT, int WARPS, int STAGES> struct Geo {
   static constexpr int kS = kTiles * kGroups * 64;            // int4 (scale, zero) pairs of a stage
   static constexpr int kXRow = 256 + (WBITS == 4 ? 64 : 16);  // one x row of a stage, padded
   static constexpr int kStage = kW + kS + 8 * NT * kXRow;
-  static constexpr int kRed = WARPS * RT * NT * 4 * 32 * 4;   // fp32 fragments of the epilogue
+  static constexpr int kRed = 8 * NT * (16 * kTiles + 4) * 4;  // fp32 results of the epilogue (store_rows)
   static constexpr int kSmem = STAGES * kStage > kRed ? STAGES * kStage : kRed;
 };
 
@@ -296,21 +296,22 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
   }
 }
 
-// The fragments in red (fragment (w, r) of "warp" w: its rows row0 + (w RT + r) 16, gated: warps
-// [0, WARPS / 2) the gate rows, the others the up rows of the same outputs; red: [WARPS][RT NT 4][32]
-// fp32) summed over the cluster's blocks and stored through the epilogue by THREADS threads: with
-// SPLIT > 1 each block of the cluster finishes 1 / SPLIT of the outputs, summing the blocks'
-// fragments in rank order (deterministic) through distributed shared memory. Thread order: 16
-// consecutive threads take 16 consecutive output rows of one x row (32-byte stores).
-template <typename T, int WBITS, int NT, int RT, int WARPS, int SPLIT, int EPI, int THREADS>
-__device__ __forceinline__ void store_out(const float* red, const __half* __restrict__ scales,
-                                          const T* __restrict__ bias, const T* __restrict__ residual,
-                                          T* __restrict__ out, const Block& b, int M, int N) {
-  constexpr int V = RT * NT * 4, EW = mma_gated(EPI) ? WARPS / 2 : WARPS, TOTAL = EW * V * 32;
+// The block's results in red ([8 NT x rows][RS = ROWS + 4] fp32: an x row's ROWS weight rows in order,
+// gated the first half the gate rows and the second their up rows; RS = 4 mod 32 keeps the fragments'
+// writes conflict-free) summed over the cluster's blocks in rank order and stored through the
+// epilogue by THREADS threads, 8 consecutive outputs of an x row a thread at a time (16-byte loads and
+// stores where N % 8 == 0 and out and residual are 16-byte aligned): with SPLIT > 1 each block of the
+// cluster finishes 1 / SPLIT of them, reading the others' results through distributed shared memory.
+template <typename T, int WBITS, int ROWS, int XR, int THREADS, int SPLIT, int EPI>
+__device__ __forceinline__ void store_rows(const float* red, const __half* __restrict__ scales,
+                                           const T* __restrict__ bias, const T* __restrict__ residual,
+                                           T* __restrict__ out, const Block& b, int M, int N) {
+  constexpr int RS = ROWS + 4, OUTS = mma_gated(EPI) ? ROWS / 2 : ROWS, UNITS = XR * OUTS / 8;
+  static_assert(ROWS % 32 == 0, "RS = 4 mod 32");
   unsigned rank = 0;
   if constexpr (SPLIT > 1) {
 #if __CUDA_ARCH__ >= 900
-    cluster_sync();  // every block's fragments are in its shared memory
+    cluster_sync();  // every block's results are in its shared memory
     rank = cluster_rank();
 #else
     __trap();  // unreachable: SPLIT > 1 is launched on sm_90 and newer only (ops/linear_mma.py)
@@ -318,54 +319,57 @@ __device__ __forceinline__ void store_out(const float* red, const __half* __rest
   } else {
     __syncthreads();
   }
-  // U outputs a thread at a time: every load of the batch (shared, the cluster's, the residual) is in
-  // flight before the first one is used.
-  constexpr int STEP = SPLIT * THREADS, U = 4;
-  for (int i0 = rank * THREADS + threadIdx.x; i0 < TOTAL; i0 += U * STEP) {
-    int rows[U], ms[U];
-    float y[U], up[U], res[U];
+  const bool vec = N % 8 == 0 && ((reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(residual)) & 15) == 0;
+  for (int u = rank * THREADS + threadIdx.x; u < UNITS; u += SPLIT * THREADS) {
+    const int mi = u / (OUTS / 8), r0 = u % (OUTS / 8) * 8, m = b.m0 + mi, row = b.row0 + r0;
+    if (m >= M || row >= N) continue;
+    float y[8], g[8];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = i0 + u * STEP;
-      const int g4 = i & 7, h = (i >> 3) & 1, e = (i >> 4) & 1, c = (i >> 5) & 3, v2 = i >> 7;
-      const int n = v2 % NT, r = (v2 / NT) % RT, w = v2 / (NT * RT);
-      const int idx = (w * V + (r * NT + n) * 4 + 2 * h + e) * 32 + 4 * g4 + c;
-      const int row = b.row0 + (w * RT + r) * 16 + g4 + 8 * h, m = b.m0 + 8 * n + 2 * c + e;
-      rows[u] = i < TOTAL && row < N && m < M ? row : -1;
-      ms[u] = m;
-      y[u] = up[u] = res[u] = 0.0f;
-      if (rows[u] < 0) continue;
-      if constexpr (SPLIT > 1) {
+    for (int s = 0; s < SPLIT; ++s)
+#pragma unroll
+      for (int q = 0; q < (mma_gated(EPI) ? 4 : 2); ++q) {  // 16-byte pieces: y, then gated the up rows
+        const float* p = red + mi * RS + r0 + (q & 1) * 4 + (q >> 1) * OUTS;
+        float4 v;
+        if constexpr (SPLIT > 1) {
 #if __CUDA_ARCH__ >= 900
-#pragma unroll
-        for (int s = 0; s < SPLIT; ++s) {
-          y[u] += load_cluster(red + idx, s);
-          if constexpr (mma_gated(EPI)) up[u] += load_cluster(red + idx + TOTAL, s);
-        }
+          v = load_cluster4(p, s);
 #endif
-      } else {
-        y[u] = red[idx];
-        if constexpr (mma_gated(EPI)) up[u] = red[idx + TOTAL];
+        } else {
+          v = *reinterpret_cast<const float4*>(p);
+        }
+        float* d = (q >> 1 ? g : y) + (q & 1) * 4;
+        if (s == 0) d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+        else d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
       }
-      if (EPI == MMA_EPI_STORE && residual != nullptr) res[u] = to_float(residual[(size_t)m * N + row]);
-    }
+    T res[8];
+    if (EPI == MMA_EPI_STORE && residual != nullptr) {
+      if (vec) *reinterpret_cast<uint4*>(res) = *reinterpret_cast<const uint4*>(residual + (size_t)m * N + row);
+      else
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int row = rows[u], m = ms[u];
-      if (row < 0) continue;
-      float v = y[u];
-      if constexpr (WBITS == 8) v *= __half2float(scales[row]);
-      if (bias != nullptr) v += to_float(bias[row]);
+        for (int k = 0; k < 8; ++k) res[k] = row + k < N ? residual[(size_t)m * N + row + k] : T();
+    }
+    T o[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int rk = min(row + k, N - 1);  // past N: computed, not stored
+      float v = y[k];
+      if constexpr (WBITS == 8) v *= __half2float(scales[rk]);
+      if (bias != nullptr) v += to_float(bias[rk]);
       if constexpr (mma_gated(EPI)) {
-        float g = up[u];
-        if constexpr (WBITS == 8) g *= __half2float(scales[row + N]);
-        if (bias != nullptr) g += to_float(bias[row + N]);
-        v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * g;
+        float up = g[k];
+        if constexpr (WBITS == 8) up *= __half2float(scales[rk + N]);
+        if (bias != nullptr) up += to_float(bias[rk + N]);
+        v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * up;
       }
       if (EPI == MMA_EPI_STORE && residual != nullptr)
-        v = to_float(from_float<T>(v)) + res[u];  // round(round(y) + residual)
-      out[(size_t)m * N + row] = from_float<T>(v);
+        v = to_float(from_float<T>(v)) + to_float(res[k]);  // round(round(y) + residual)
+      o[k] = from_float<T>(v);
     }
+    if (vec) *reinterpret_cast<uint4*>(out + (size_t)m * N + row) = *reinterpret_cast<const uint4*>(o);
+    else
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (row + k < N) out[(size_t)m * N + row + k] = o[k];
   }
   if constexpr (SPLIT > 1) {
 #if __CUDA_ARCH__ >= 900
@@ -374,21 +378,24 @@ __device__ __forceinline__ void store_out(const float* red, const __half* __rest
   }
 }
 
-// The warps' fragments to shared memory, then store_out.
+// The warps' fragments to shared memory as store_rows reads them, then store_rows. acc[r][n][j] is the
+// mma.sync C fragment: weight row (warp RT + r) 16 + lane / 4 (+ 8 for j >= 2), x row 8 n + 2 (lane % 4)
+// (+ 1 for odd j).
 template <typename T, int WBITS, int NT, int RT, int WARPS, int SPLIT, int EPI>
 __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], float* red,
                                              const __half* __restrict__ scales,
                                              const T* __restrict__ bias, const T* __restrict__ residual,
                                              T* __restrict__ out, const Block& b, int M, int N) {
-  constexpr int V = RT * NT * 4;
+  constexpr int ROWS = 16 * RT * WARPS, RS = ROWS + 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) red[(warp * V + (r * NT + n) * 4 + j) * 32 + lane] = acc[r][n][j];
-  store_out<T, WBITS, NT, RT, WARPS, SPLIT, EPI, 32 * WARPS>(red, scales, bias, residual, out, b, M, N);
+      for (int j = 0; j < 4; ++j)
+        red[(8 * n + 2 * (lane & 3) + (j & 1)) * RS + (warp * RT + r) * 16 + (lane >> 2) + 8 * (j >> 1)] = acc[r][n][j];
+  store_rows<T, WBITS, ROWS, 8 * NT, 32 * WARPS, SPLIT, EPI>(red, scales, bias, residual, out, b, M, N);
 }
 
 // ------------------------------------------------------------------ wgmma (sm_90a)
@@ -425,7 +432,7 @@ template <int GS, int NX, int WS, int XS> struct WGeo {
   static constexpr int kTileS = kChunk * kGroups * 64;          // a tile's pairs, [stage][group][16 rows]
   static constexpr int kWSlot = (kW + 8 * kTileS + 1023) / 1024 * 1024;
   static constexpr int kRing = WS * kWSlot + XS * kX;          // weight slots, then x slots
-  static constexpr int kRS = 132;                               // the epilogue's row stride (floats)
+  static constexpr int kRS = 128 + 4;                          // store_rows' row stride (floats)
   static constexpr int kRed = NX * kRS * 4;                     // fp32 results of the epilogue
   static constexpr int kSmem = (kRing > kRed ? kRing : kRed) + 1024;  // + alignment
 };
@@ -536,80 +543,6 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
   mma_epilogue<T, WBITS, NT, RT, WARPS, SPLIT, EPI>(acc, reinterpret_cast<float*>(smem), scales, bias, residual, out,
                                                      b, M, N);
 }
-
-// The wgmma kernel's results in red ([NX x rows][RS] fp32, a row's 128 weight rows in order, gated: the
-// 64 gate rows then their 64 up rows; RS = 4 mod 32: the fragments' writes are conflict-free) summed
-// over the cluster's blocks in rank order and stored through the epilogue, 8 consecutive outputs of
-// an x row a thread at a time (16-byte loads and stores where N % 8 == 0): with SPLIT > 1 each block
-// of the cluster finishes 1 / SPLIT of them, reading the others' results through distributed shared
-// memory.
-#if __CUDA_ARCH__ >= 900  // (the cluster's instructions)
-template <typename T, int RS, int NX, int SPLIT, int EPI>
-__device__ __forceinline__ void wgmma_store(const float* red, const T* __restrict__ bias,
-                                            const T* __restrict__ residual, T* __restrict__ out, const Block& b,
-                                            int M, int N) {
-  constexpr int OUTS = mma_gated(EPI) ? 64 : 128, UNITS = NX * OUTS / 8;
-  unsigned rank = 0;
-  if constexpr (SPLIT > 1) {
-    cluster_sync();  // every block's results are in its shared memory
-    rank = cluster_rank();
-  } else {
-    __syncthreads();
-  }
-  for (int u = rank * 384 + threadIdx.x; u < UNITS; u += SPLIT * 384) {
-    const int mi = u / (OUTS / 8), r0 = u % (OUTS / 8) * 8, m = b.m0 + mi, row = b.row0 + r0;
-    if (m >= M || row >= N) continue;
-    float y[8], g[8];
-#pragma unroll
-    for (int s = 0; s < SPLIT; ++s)
-#pragma unroll
-      for (int q = 0; q < (mma_gated(EPI) ? 4 : 2); ++q) {  // 16-byte pieces: y, then gated the up rows
-        const float* p = red + mi * RS + r0 + (q & 1) * 4 + (q >> 1) * 64;
-        float4 v;
-        if constexpr (SPLIT > 1) {
-          unsigned remote;
-          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(s));
-          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                       : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-        } else {
-          v = *reinterpret_cast<const float4*>(p);
-        }
-        float* d = (q >> 1 ? g : y) + (q & 1) * 4;
-        if (s == 0) d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
-        else d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
-      }
-    const bool vec = N % 8 == 0;  // then the 8 outputs are whole and 16-byte aligned
-    T res[8];
-    if (EPI == MMA_EPI_STORE && residual != nullptr) {
-      if (vec) *reinterpret_cast<uint4*>(res) = *reinterpret_cast<const uint4*>(residual + (size_t)m * N + row);
-      else
-#pragma unroll
-        for (int k = 0; k < 8; ++k) res[k] = row + k < N ? residual[(size_t)m * N + row + k] : T();
-    }
-    T o[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int rk = min(row + k, N - 1);  // past N: computed, not stored
-      float v = y[k];
-      if (bias != nullptr) v += to_float(bias[rk]);
-      if constexpr (mma_gated(EPI)) {
-        float up = g[k];
-        if (bias != nullptr) up += to_float(bias[rk + N]);
-        v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * up;
-      }
-      if (EPI == MMA_EPI_STORE && residual != nullptr)
-        v = to_float(from_float<T>(v)) + to_float(res[k]);  // round(round(y) + residual)
-      o[k] = from_float<T>(v);
-    }
-    if (vec) *reinterpret_cast<uint4*>(out + (size_t)m * N + row) = *reinterpret_cast<const uint4*>(o);
-    else
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        if (row + k < N) out[(size_t)m * N + row + k] = o[k];
-  }
-  if constexpr (SPLIT > 1) cluster_sync();  // the others have read this block's shared memory: it may exit
-}
-#endif
 
 // x [M, K] T -> xs: per tile of NX x rows and 64-k half t, the NX x 128-byte image of x a slot of
 // linear_wgmma_kernel holds (128-byte swizzle, pairs in the fragments' order: above), halves of a
@@ -749,7 +682,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
 #pragma unroll
     for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * G::kRS + lr + 8 * ((i >> 1) & 1)] = acc[i];
   }
-  wgmma_store<T, G::kRS, NX, SPLIT, EPI>(red, bias, residual, out, b, M, N);
+  store_rows<T, WBITS, 128, NX, 384, SPLIT, EPI>(red, scales, bias, residual, out, b, M, N);
 #else
   __trap();
 #endif

@@ -135,7 +135,7 @@ def smem_bytes(bits: int, group_size: int, tile: MmaTile) -> int:
     tiles = tile.rt * tile.warps
     stage = tiles * (1 if bits == 4 else 2) * 1024 + (tiles * (128 // group_size) * 64 if bits == 4 else 0)
     stage += 8 * tile.nt * (256 + (64 if bits == 4 else 16))
-    return max(tile.stages * stage, tile.warps * tile.rt * tile.nt * 4 * 32 * 4)
+    return max(tile.stages * stage, 8 * tile.nt * (16 * tiles + 4) * 4)
 
 
 def instantiation(dtype, bits: int, group_size: int, integer_zeros: bool, tile: MmaTile, epilogue="store") -> str:
