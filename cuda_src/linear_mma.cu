@@ -423,6 +423,9 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // 4 j + 2 s + u (slots 8 u .. 8 u + 7 of step 2 j + s) of a half holds pair 2 s + u of each of the four
 // 16-byte chunks of x's k 32 j .. 32 j + 32: a 4 x 4 transpose of 4-byte pairs (wgmma_x_kernel).
 
+// desc128's high word for a K-major 128-byte-swizzled operand (sbo 1024, the swizzle mode)
+constexpr unsigned long long kDescHi = (1024ull >> 4 << 32) | (1ull << 62);
+
 template <int GS, int NX, int WS, int XS> struct WGeo {
   static constexpr int kChunk = 4;                              // stages of a weight slot
   static constexpr int kX = NX * 256;                           // an x slot: NX rows x 128 k, two 64-k halves
@@ -643,26 +646,30 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   } else {  // consumers: warpgroup wg - 1 owns local rows 64 (wg - 1) .. + 64, warp w its 16 rows from 16 w
     pdl_wait();
     const int r = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), c = lane & 3;
+    // The lane's weights and pairs in weight slot 0, and x slot 0's descriptor's low word (desc128 with
+    // lbo 16: the shared address / 16, below 2^14, so 32 bytes further adds 2); the slots and parities
+    // advance by counting, and a chunk's bytes are waited for at its first stage.
+    const unsigned char* wt0 = sm + (r >> 4) * G::kTile + (r & 15) * 64 + 16 * c;
+    const unsigned char* sz0 = sm + G::kW + (r >> 4) * G::kTileS;
+    const unsigned xd0 = (xring >> 4) | (1u << 16);
+    int j = 0, wslot = 0, wpar = 0, xslot = 0, xpar = 0;
     for (int i = 0; i < n_t; ++i) {
-      const int ch = i / G::kChunk, j = i % G::kChunk;
-      mbar_wait(wfull0 + 8 * (ch % WS), (ch / WS) & 1);
-      mbar_wait(xfull0 + 8 * (i % XS), (i / XS) & 1);
-      const unsigned char* slot = sm + (ch % WS) * G::kWSlot;
-      const unsigned xs = xring + (i % XS) * G::kX;
-      const unsigned char* wt = slot + (r >> 4) * G::kTile + j * 1024 + (r & 15) * 64 + 16 * c;
-      const unsigned char* sz = slot + G::kW + (r >> 4) * G::kTileS + j * G::kGroups * 64;
+      if (j == 0) mbar_wait(wfull0 + 8 * wslot, wpar);
+      mbar_wait(xfull0 + 8 * xslot, xpar);
+      const unsigned char* wt = wt0 + wslot * G::kWSlot + j * 1024;
+      const unsigned char* sz = sz0 + wslot * G::kWSlot + j * G::kGroups * 64;
+      const unsigned xd = xd0 + xslot * (G::kX >> 4);
       const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
       u32 a0[4][4], a1[4][4];
       dequant_half<T, GS, 0>(sz, v, r, a0);
       wgmma::fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], wgmma::desc128(xs + 32 * s, 16, 1024));
+      for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], kDescHi | (xd + 2 * s));
       wgmma::commit();
       dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
       wgmma::fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s)
-        wgmma::mma_rs_k<NX, T>(acc, a1[s], wgmma::desc128(xs + NX * 128 + 32 * s, 16, 1024));
+      for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a1[s], kDescHi | (xd + NX * 8 + 2 * s));
       wgmma::commit();
       wgmma::wait<0>();  // before the next stage's fragments are written (ptxas serializes wgmma otherwise)
       wgmma::fence_regs(acc);
@@ -670,8 +677,13 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
       __syncwarp();  // the warp's reads of the slots come before lane 0's release of them
       if (lane == 0) {
-        mbar_arrive(xempty0 + 8 * (i % XS));
-        if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * (ch % WS));
+        mbar_arrive(xempty0 + 8 * xslot);
+        if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * wslot);
+      }
+      if (++xslot == XS) xslot = 0, xpar ^= 1;
+      if (++j == G::kChunk) {
+        j = 0;
+        if (++wslot == WS) wslot = 0, wpar ^= 1;
       }
     }
   }
