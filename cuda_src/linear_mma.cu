@@ -401,8 +401,8 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // ------------------------------------------------------------------ wgmma (sm_90a)
 // linear_wgmma_kernel, for the larger M (int4 with integer zeros): three warpgroups, 128 weight rows
 // a block times NX x rows, K in stages of 128 through two rings of shared memory filled by bulk copies
-// (cp.async.bulk) that complete on a slot's full mbarrier and are refilled once the eight consumer
-// warps released the slot on its empty one. Warp 0 fills the WS weight slots, kChunk = 4 stages each:
+// (cp.async.bulk) that complete on a slot's full mbarrier and are refilled once the 256 consumer
+// threads released the slot on its empty one (each its own reads: no warp-level hand-off). Warp 0 fills the WS weight slots, kChunk = 4 stages each:
 // the block's eight 16-row weight tiles as they are in memory (tiles16: a tile's stages are
 // consecutive 1 KB runs, so one copy of 4 KB a tile) and their (scale, zero) pairs (one copy a tile);
 // warp 1 fills the XS x slots, a stage each, with x as wgmma_x_kernel has laid it out beforehand in
@@ -599,12 +599,12 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   const int wg = threadIdx.x >> 7, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < WS; ++s) {
-      mbar_init(wfull0 + 8 * s, 1);   // the producer's arrival with the chunk's bytes
-      mbar_init(wempty0 + 8 * s, 8);  // lane 0 of each consumer warp
+      mbar_init(wfull0 + 8 * s, 1);     // the producer's arrival with the chunk's bytes
+      mbar_init(wempty0 + 8 * s, 256);  // every consumer thread
     }
     for (int s = 0; s < XS; ++s) {
       mbar_init(xfull0 + 8 * s, 1);
-      mbar_init(xempty0 + 8 * s, 8);
+      mbar_init(xempty0 + 8 * s, 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -675,11 +675,8 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       wgmma::fence_regs(acc);
 #pragma unroll
       for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
-      __syncwarp();  // the warp's reads of the slots come before lane 0's release of them
-      if (lane == 0) {
-        mbar_arrive(xempty0 + 8 * xslot);
-        if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * wslot);
-      }
+      mbar_arrive(xempty0 + 8 * xslot);  // each thread releases its own reads of the slots
+      if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * wslot);
       if (++xslot == XS) xslot = 0, xpar ^= 1;
       if (++j == G::kChunk) {
         j = 0;
