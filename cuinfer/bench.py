@@ -21,7 +21,7 @@ import sys
 
 from .ops import runtime
 
-SUITES = ("kernels", "attention", "linear", "decode", "mixed", "gaps", "serve", "spec")
+SUITES = ("kernels", "attention", "linear", "decode", "mixed", "gaps", "serve", "spec", "hopper")
 
 
 def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:

@@ -1,0 +1,70 @@
+"""Hopper ceilings for the wgmma GEMM: bulk-copy streams into shared memory and the wgmma issue rate.
+
+Rows (cuda_src/probe.cu, sm_90 only):
+- bulk copies from HBM: 132 blocks (one an SM) each streaming its own run of a 1 GiB buffer through
+  a ring of shared-memory slots, one copy a slot; GB/s of the bytes read;
+- bulk copies from L2: the same, every block reading one 1 MB region over and over;
+- the wgmma GEMM's streams of gate_up (llama3-8b, 4096 x 28672 int4 g128) without its multiplies:
+  224 blocks of 32 stages, each 8 KB of weights from HBM and the x tile from L2 (32 KB at 128 rows,
+  16 KB at 64), ring depths as the kernel's; GB/s counts the weights' bytes;
+- wgmma m64nNk16 with one block an SM: FLOP an SM-cycle (the H100's dense fp16 peak is 4,096) and
+  TFLOP/s, by N, warpgroups, A from registers (RS) or shared memory (SS), and the wait after each
+  group of 8 (all, or all but the last).
+Each stream row is the median of three timed passes after a warm-up, its launches rotating over the
+buffer so that no pass reads what the previous left in L2.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import bench
+from ..ops import probe, runtime
+
+SMS = 132
+GIB = 1 << 30
+
+
+def add_arguments(parser):
+    parser.add_argument("--iters", type=int, default=2000, help="groups of 8 wgmma a warpgroup issues")
+
+
+def stream_row(cp, w, x, name, grid, stages, shape, x_wrap):
+    slots, wb, xb = shape
+    per_launch = grid * stages * wb
+    launches = max(1, min(20, GIB // max(per_launch, 1)))
+    out = cp.zeros(1, cp.uint64)
+
+    def passes():
+        for j in range(launches):
+            probe.stream_probe(w[j * per_launch:], x, grid, stages, shape, x_wrap, out=out)
+
+    ms = bench.time_ms(passes, warmup=1, iters=3) / launches
+    landed = grid * stages * (wb + xb)
+    return dict(name=name, shape=f"{grid} blocks x {stages} stages, {slots} slots of {wb // 1024} KB HBM + "
+                f"{xb // 1024} KB L2 ({landed / ms / 1e6:,.0f} GB/s landed)", dtype="uint8", ms=ms,
+                bytes=per_launch if wb else landed)
+
+
+def run(args):
+    cp = runtime.require_cupy()
+    w = cp.random.randint(0, 256, GIB, dtype=cp.uint8)
+    x = cp.random.randint(0, 256, 1 << 20, dtype=cp.uint8)
+    rows = [stream_row(cp, w, x, "bulk copy HBM -> shared", SMS, 240, (4, 32768, 0), 1 << 20),
+            stream_row(cp, w, x, "bulk copy L2 -> shared", SMS, 512, (4, 0, 32768), 1 << 20),
+            stream_row(cp, w, x, "gate_up's streams, 128 rows", 224, 32, (4, 8192, 32768), 1 << 20),
+            stream_row(cp, w, x, "gate_up's streams, 64 rows", 224, 32, (6, 8192, 16384), 1 << 19)]
+    for nx, wgs, regs, wait in probe.WGMMA_SHAPES:
+        probe.wgmma_probe(nx, wgs, regs, wait, 10, SMS)
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        cycles, acc = probe.wgmma_probe(nx, wgs, regs, wait, args.iters, SMS)
+        b.record()
+        b.synchronize()
+        if not bool((acc == 128.0 * args.iters).all()):
+            raise runtime.CuinferError(f"wgmma_probe N={nx}: accumulators {acc[:4].get()} != {128 * args.iters}")
+        flops = SMS * wgs * args.iters * 8 * 64 * nx * 16 * 2
+        per_cycle = flops / SMS / float(cycles.max())
+        rows.append(dict(name=f"wgmma m64n{nx}k16 {'RS' if regs else 'SS'}",
+                         shape=f"{wgs} warpgroups, wait<{wait}>: {per_cycle:,.0f} FLOP/SM-cycle", dtype="float16",
+                         ms=cp.cuda.get_elapsed_time(a, b), flops=flops))
+    return rows

@@ -1,0 +1,92 @@
+"""Machine-ceiling probes for the wgmma GEMM (sm_90): bulk-copy streams and the wgmma issue rate.
+
+stream_probe(w, x, grid, stages, shape, x_wrap, out=None) -> uint64 [1], the sum of the words landed
+    w, x: uint8, 16-byte aligned; shape = (slots, w_bytes, x_bytes), one of STREAM_SHAPES. Block b of
+    `grid` streams stages of w_bytes of w (its own run: w[(b stages + i) w_bytes:]) and x_bytes of x
+    (x[i x_bytes % x_wrap:], one region every block reads) through a ring of `slots` slots of shared
+    memory, one bulk copy each (the wgmma GEMM's weights from HBM and x from L2); `out` (zeroed by the
+    caller) gets the 32-bit words landed, summed mod 2^64. numpy arrays run the reference.
+wgmma_probe(nx, warpgroups, registers, wait, iters, blocks) -> (cycles int64 [blocks], acc float32 [blocks])
+    One block an SM, each warpgroup issuing `iters` groups of 8 wgmma m64n{nx}k16 (A from registers
+    or from shared memory, B from shared memory, all ones) with a wait for all (wait 0) or all but
+    the last group (wait 1) after each: the clock64 cycles of each block's loop, and its first
+    accumulator (128 iters when every product landed). Needs sm_90.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import runtime
+
+STREAM_SHAPES = [(4, 32768, 0), (4, 0, 32768), (8, 8192, 0), (4, 8192, 32768), (6, 8192, 16384)]
+WGMMA_SHAPES = [(64, 2, True, 0), (128, 1, True, 0), (128, 2, True, 0), (128, 2, False, 0), (128, 2, True, 1),
+                (256, 2, True, 0)]
+
+
+def stream_instantiation(shape) -> str:
+    slots, wb, xb = shape
+    return f"stream_probe_kernel<{slots}, {wb}, {xb}>"
+
+
+def wgmma_instantiation(nx: int, warpgroups: int, registers: bool, wait: int) -> str:
+    return f"wgmma_probe_kernel<{nx}, {warpgroups}, {str(registers).lower()}, {wait}>"
+
+
+INSTANTIATIONS = [stream_instantiation(s) for s in STREAM_SHAPES] + [wgmma_instantiation(*s) for s in WGMMA_SHAPES]
+
+
+def stream_probe_reference(w, x, grid: int, stages: int, shape, x_wrap: int) -> np.ndarray:
+    """The words stream_probe lands, summed mod 2^64: uint64 [1]."""
+    _, wb, xb = shape
+    total = int(np.asarray(w[:grid * stages * wb]).view(np.uint32).sum(dtype=np.uint64)) if wb else 0
+    for i in range(stages if xb else 0):
+        o = i * xb % x_wrap
+        total += grid * int(np.asarray(x[o:o + xb]).view(np.uint32).sum(dtype=np.uint64))
+    return np.array([total % (1 << 64)], np.uint64)
+
+
+def _check_stream(w, x, grid, stages, shape, x_wrap):
+    if tuple(shape) not in STREAM_SHAPES:
+        raise ValueError(f"shape {tuple(shape)} is not one of STREAM_SHAPES {STREAM_SHAPES}")
+    _, wb, xb = shape
+    if grid < 1 or stages < 1:
+        raise ValueError(f"grid and stages must be >= 1, got {grid} and {stages}")
+    for name, a in (("w", w), ("x", x)):
+        if a.dtype != np.uint8 or a.ndim != 1:
+            raise ValueError(f"{name} must be 1-D uint8, got {a.dtype} {a.shape}")
+    if w.size < grid * stages * wb:
+        raise ValueError(f"w holds {w.size} bytes, the stream reads {grid * stages * wb}")
+    if xb and (x_wrap % 16 or x_wrap < xb or x_wrap % xb or x.size < x_wrap):
+        raise ValueError(f"x_wrap {x_wrap}: a multiple of x_bytes ({xb}) within x ({x.size} bytes)")
+
+
+def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None):
+    """See the module docstring."""
+    _check_stream(w, x, grid, stages, shape, x_wrap)
+    if isinstance(w, np.ndarray):
+        return stream_probe_reference(w, x, grid, stages, shape, x_wrap)
+    cp = runtime.require_cupy()
+    if runtime.device_info()["arch"] != "sm_90":
+        raise runtime.CuinferError("stream_probe needs an sm_90 GPU (bulk copies)")
+    if (w.data.ptr | x.data.ptr) % 16:
+        raise ValueError("w and x must be 16-byte aligned")
+    out = cp.zeros(1, cp.uint64) if out is None else out
+    slots, wb, xb = shape
+    kern = runtime.kernel("probe", stream_instantiation(shape))
+    runtime.launch(kern, (grid,), (160,), (w, x, np.int32(stages), np.int64(max(x_wrap, 16)), out), slots * (wb + xb))
+    return out
+
+
+def wgmma_probe(nx: int, warpgroups: int, registers: bool, wait: int, iters: int, blocks: int):
+    """See the module docstring."""
+    if (nx, warpgroups, registers, wait) not in WGMMA_SHAPES:
+        raise ValueError(f"({nx}, {warpgroups}, {registers}, {wait}) is not one of WGMMA_SHAPES {WGMMA_SHAPES}")
+    if iters < 1 or blocks < 1:
+        raise ValueError(f"iters and blocks must be >= 1, got {iters} and {blocks}")
+    cp = runtime.require_cupy()
+    if runtime.device_info()["arch"] != "sm_90":
+        raise runtime.CuinferError("wgmma_probe needs an sm_90 GPU (wgmma)")
+    cycles, acc = cp.zeros(blocks, cp.int64), cp.full(blocks, np.nan, cp.float32)
+    kern = runtime.kernel("probe", wgmma_instantiation(nx, warpgroups, registers, wait))
+    runtime.launch(kern, (blocks,), (128 * warpgroups,), (np.int32(iters), cycles, acc), nx * 256 + 9 * 1024)
+    return cycles, acc
