@@ -38,15 +38,19 @@ __global__ void __launch_bounds__(160) stream_probe_kernel(const char* __restric
       if (XB) bulk_load(slot + WB, x + (long long)i * XB % xwrap, XB, full);
     }
   } else if (threadIdx.x >= 32) {
-    unsigned long long acc = 0;
+    unsigned long long acc[4] = {0, 0, 0, 0};  // four chains: the sums keep up with an L2 stream
     for (int i = 0; i < stages; ++i) {
       mbar_wait(full0 + 8 * (i % SLOTS), (i / SLOTS) & 1);
-      const unsigned* words = reinterpret_cast<const unsigned*>(smem + (i % SLOTS) * kSlot);
-      for (int k = threadIdx.x - 32; k < kSlot / 4; k += 128) acc += words[k];
+      const uint4* v = reinterpret_cast<const uint4*>(smem + (i % SLOTS) * kSlot);
+      for (int k = threadIdx.x - 32; k < kSlot / 16; k += 128) {
+        const uint4 q = v[k];
+        acc[0] += q.x, acc[1] += q.y, acc[2] += q.z, acc[3] += q.w;
+      }
       mbar_arrive(empty0 + 8 * (i % SLOTS));  // each thread releases its own reads
     }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32 - 1] = acc;
+    acc[0] += acc[1] + acc[2] + acc[3];
+    for (int o = 16; o > 0; o >>= 1) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32 - 1] = acc[0];
   }
   __syncthreads();
   if (threadIdx.x == 0) atomicAdd(sum, part[0] + part[1] + part[2] + part[3]);
