@@ -10,9 +10,10 @@ using namespace cuinfer;
 // Per stage i < stages a slot of the ring receives WB bytes of w (block b's own run: w + (b stages +
 // i) WB, as the GEMM's weights from HBM) and XB bytes of x (x + i XB mod xwrap, one region all blocks
 // share, as the GEMM's x from L2), both by one bulk copy completing on the slot's full mbarrier; the
-// consumers add up the slot's 32-bit words (mod 2^64) and release it. sum += the block's total.
+// consumers add up the slot's 32-bit words (mod 2^64, SUM) or read one word (the copies alone, as fast
+// as they go) and release it. sum += the block's total.
 // w, x 16-byte aligned; WB, XB, xwrap multiples of 16.
-template <int SLOTS, int WB, int XB>
+template <int SLOTS, int WB, int XB, bool SUM>
 __global__ void __launch_bounds__(160) stream_probe_kernel(const char* __restrict__ w, const char* __restrict__ x,
                                                            int stages, long long xwrap,
                                                            unsigned long long* __restrict__ sum) {
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(160) stream_probe_kernel(const char* __restric
     for (int i = 0; i < stages; ++i) {
       mbar_wait(full0 + 8 * (i % SLOTS), (i / SLOTS) & 1);
       const uint4* v = reinterpret_cast<const uint4*>(smem + (i % SLOTS) * kSlot);
-      for (int k = threadIdx.x - 32; k < kSlot / 16; k += 128) {
+      for (int k = threadIdx.x - 32; k < (SUM ? kSlot / 16 : 1); k += 128) {
         const uint4 q = v[k];
         acc[0] += q.x, acc[1] += q.y, acc[2] += q.z, acc[3] += q.w;
       }

@@ -1,11 +1,12 @@
 """Machine-ceiling probes for the wgmma GEMM (sm_90): bulk-copy streams and the wgmma issue rate.
 
-stream_probe(w, x, grid, stages, shape, x_wrap, out=None) -> uint64 [1], the sum of the words landed
+stream_probe(w, x, grid, stages, shape, x_wrap, out=None, checksum=True) -> uint64 [1]
     w, x: uint8, 16-byte aligned; shape = (slots, w_bytes, x_bytes), one of STREAM_SHAPES. Block b of
     `grid` streams stages of w_bytes of w (its own run: w[(b stages + i) w_bytes:]) and x_bytes of x
     (x[i x_bytes % x_wrap:], one region every block reads) through a ring of `slots` slots of shared
     memory, one bulk copy each (the wgmma GEMM's weights from HBM and x from L2); `out` (zeroed by the
-    caller) gets the 32-bit words landed, summed mod 2^64. numpy arrays run the reference.
+    caller) gets the 32-bit words landed summed mod 2^64, or with checksum=False those of each slot's
+    first 16 bytes only (the copies alone, for timing). numpy arrays run the reference.
 wgmma_probe(nx, warpgroups, registers, wait, iters, blocks) -> (cycles int64 [blocks], acc float32 [blocks])
     One block an SM, each warpgroup issuing `iters` groups of 8 wgmma m64n{nx}k16 (A from registers
     or from shared memory, B from shared memory, all ones) with a wait for all (wait 0) or all but
@@ -23,22 +24,27 @@ WGMMA_SHAPES = [(64, 2, True, 0), (128, 1, True, 0), (128, 2, True, 0), (128, 2,
                 (256, 2, True, 0)]
 
 
-def stream_instantiation(shape) -> str:
+def stream_instantiation(shape, checksum=True) -> str:
     slots, wb, xb = shape
-    return f"stream_probe_kernel<{slots}, {wb}, {xb}>"
+    return f"stream_probe_kernel<{slots}, {wb}, {xb}, {str(checksum).lower()}>"
 
 
 def wgmma_instantiation(nx: int, warpgroups: int, registers: bool, wait: int) -> str:
     return f"wgmma_probe_kernel<{nx}, {warpgroups}, {str(registers).lower()}, {wait}>"
 
 
-INSTANTIATIONS = [stream_instantiation(s) for s in STREAM_SHAPES] + [wgmma_instantiation(*s) for s in WGMMA_SHAPES]
+INSTANTIATIONS = [stream_instantiation(s, c) for s in STREAM_SHAPES for c in (True, False)] + [wgmma_instantiation(*s) for s in WGMMA_SHAPES]
 
 
-def stream_probe_reference(w, x, grid: int, stages: int, shape, x_wrap: int) -> np.ndarray:
-    """The words stream_probe lands, summed mod 2^64: uint64 [1]."""
+def stream_probe_reference(w, x, grid: int, stages: int, shape, x_wrap: int, checksum=True) -> np.ndarray:
+    """The words stream_probe lands (checksum=False: each slot's first 16 bytes), summed mod 2^64: uint64 [1]."""
     _, wb, xb = shape
-    total = int(np.asarray(w[:grid * stages * wb]).view(np.uint32).sum(dtype=np.uint64)) if wb else 0
+    w = np.asarray(w[:grid * stages * wb])
+    if not checksum:  # a slot starts with its weights' run, or without weights its x
+        first = w.reshape(grid * stages, wb)[:, :16] if wb else np.stack(
+            [np.asarray(x[i * xb % x_wrap:][:16]) for i in range(stages)] * grid)
+        return np.array([int(np.ascontiguousarray(first).view(np.uint32).sum(dtype=np.uint64)) % (1 << 64)], np.uint64)
+    total = int(w.view(np.uint32).sum(dtype=np.uint64)) if wb else 0
     for i in range(stages if xb else 0):
         o = i * xb % x_wrap
         total += grid * int(np.asarray(x[o:o + xb]).view(np.uint32).sum(dtype=np.uint64))
@@ -60,11 +66,11 @@ def _check_stream(w, x, grid, stages, shape, x_wrap):
         raise ValueError(f"x_wrap {x_wrap}: a multiple of x_bytes ({xb}) within x ({x.size} bytes)")
 
 
-def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None):
+def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None, checksum=True):
     """See the module docstring."""
     _check_stream(w, x, grid, stages, shape, x_wrap)
     if isinstance(w, np.ndarray):
-        return stream_probe_reference(w, x, grid, stages, shape, x_wrap)
+        return stream_probe_reference(w, x, grid, stages, shape, x_wrap, checksum)
     cp = runtime.require_cupy()
     if runtime.device_info()["arch"] != "sm_90":
         raise runtime.CuinferError("stream_probe needs an sm_90 GPU (bulk copies)")
@@ -72,7 +78,7 @@ def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None):
         raise ValueError("w and x must be 16-byte aligned")
     out = cp.zeros(1, cp.uint64) if out is None else out
     slots, wb, xb = shape
-    kern = runtime.kernel("probe", stream_instantiation(shape))
+    kern = runtime.kernel("probe", stream_instantiation(shape, checksum))
     runtime.launch(kern, (grid,), (160,), (w, x, np.int32(stages), np.int64(max(x_wrap, 16)), out), slots * (wb + xb))
     return out
 

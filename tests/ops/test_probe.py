@@ -20,6 +20,9 @@ def test_stream_reference_sums_words():
     want = int(w[:grid * stages * 8192].view(np.uint32).sum(dtype=np.uint64))
     want += sum(grid * int(x[i * 32768 % wrap:][:32768].view(np.uint32).sum(dtype=np.uint64)) for i in range(stages))
     assert int(probe.stream_probe(w, x, grid, stages, shape, wrap)[0]) == want % (1 << 64)
+    first = w[:grid * stages * 8192].reshape(-1, 8192)[:, :16].copy()
+    assert int(probe.stream_probe(w, x, grid, stages, shape, wrap, checksum=False)[0]) == int(
+        first.view(np.uint32).sum(dtype=np.uint64))
 
 
 @pytest.mark.parametrize("bad", [dict(shape=(3, 8192, 0)), dict(grid=0), dict(x_wrap=40000),
@@ -44,16 +47,17 @@ def sm90():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("checksum", [True, False])
 @pytest.mark.parametrize("shape", probe.STREAM_SHAPES, ids=str)
-def test_stream_lands_every_word(shape):
+def test_stream_lands_every_word(shape, checksum):
     import cupy as cp
 
     sm90()
     rng = np.random.default_rng(abs(hash(shape)) % (1 << 32))
     grid, stages, wrap = 7, 11, 2 * max(shape[2], 16)
     w, x = stream_case(rng, grid, stages, shape, wrap)
-    want = probe.stream_probe_reference(w, x, grid, stages, shape, wrap)
-    got = probe.stream_probe(cp.asarray(w), cp.asarray(x), grid, stages, shape, wrap)
+    want = probe.stream_probe_reference(w, x, grid, stages, shape, wrap, checksum)
+    got = probe.stream_probe(cp.asarray(w), cp.asarray(x), grid, stages, shape, wrap, checksum=checksum)
     np.testing.assert_array_equal(cp.asnumpy(got), want)
 
 
