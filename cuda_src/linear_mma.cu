@@ -402,20 +402,20 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // linear_wgmma_kernel, for the larger M (int4 with integer zeros): three warpgroups, 128 weight rows
 // a block times NX x rows, K in stages of 128 through two rings of shared memory filled by bulk copies
 // (cp.async.bulk) that complete on a slot's full mbarrier and are refilled once the 256 consumer
-// threads released the slot on its empty one (each its own reads: no warp-level hand-off). Warp 0 fills the WS weight slots, kChunk = 4 stages each:
-// the block's eight 16-row weight tiles as they are in memory (tiles16: a tile's stages are
-// consecutive 1 KB runs, so one copy of 4 KB a tile) and their (scale, zero) pairs (one copy a tile);
-// warp 1 fills the XS x slots, a stage each, with x as wgmma_x_kernel has laid it out beforehand in
-// the order the weight fragments need (below). The bulk copy engine's cost is per copy (H100, gate_up
-// at 128 rows with the multiplies switched off: 1 KB weight and 64-byte scale copies a stage 63.8 us,
-// without the scale copies 48.8, one 8 KB copy 41.4), hence chunks; x, from L2, needs fewer stages
-// in flight than the weights from HBM (4 against 8, ops/linear_mma.py's wgmma_tile), and a stage at a
-// time, hence two rings. Warpgroups 1 and 2 each own 64 weight rows (gated: 1 the gate rows, 2 the up
-// rows of the same 64 outputs): per half stage of 64 k
-// each lane turns its words straight into wgmma's A fragments (the mma.sync A fragment of its warp's
-// 16 rows, round((q - z) scale) in T: dequantize() rounded to T, as the cuBLAS path's scratch holds
-// it) and multiplies them by the x tile in shared memory (K-major B, 128-byte swizzle); the second
-// half is dequantized while the first one's multiplies run. No barrier over the block inside the loop.
+// threads released the slot on its empty one (each its own reads). Warp 0 fills the WS weight slots,
+// kChunk = 4 stages each: the block's eight 16-row weight tiles as they are in memory (tiles16: a
+// tile's stages are consecutive 1 KB runs, so one copy of 4 KB a tile) and their (scale, zero) pairs
+// (one copy a tile); warp 1 fills the XS x slots, a stage each, with x as wgmma_x_kernel has laid it
+// out beforehand in the order the weight fragments need (below). In this kernel the count of copies
+// costs more than their bytes (H100, gate_up at 128 rows with the multiplies switched off: 1 KB weight
+// and 64-byte scale copies a stage 63.8 us, without the scale copies 48.8, one 8 KB copy 41.4), hence
+// chunks; x, from L2, wants a deeper ring of one-stage slots (ops/linear_mma.py's wgmma_tile), hence
+// two rings. Warpgroups 1 and 2 each own 64 weight rows (gated: 1 the gate rows, 2 the up rows of the
+// same 64 outputs): per half stage of 64 k each lane turns its words straight into wgmma's A fragments
+// (the mma.sync A fragment of its warp's 16 rows, round((q - z) scale) in T: dequantize() rounded to
+// T, as the cuBLAS path's scratch holds it) and multiplies them by the x tile in shared memory (K-major
+// B, 128-byte swizzle); the second half is dequantized while the first one's multiplies run. No
+// barrier over the block inside the loop; the results leave through store_rows.
 //
 // The order of k: lane c's 16 bytes of a row of a weight tile are words 2 h + j = k 64 h + 32 j + 8 c
 // .. + 8 (tiles16), which feed k16 steps 2 j and 2 j + 1 of half h: slot 2 c + e of step 2 j + s is k
@@ -686,7 +686,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   }
   __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it
   float* red = reinterpret_cast<float*>(sm);
-  if (wg > 0) {  // d[4 j + 2 h + e]: local row 64 (wg - 1) + 16 (warp % 4) + lane / 4 + 8 h, x row 8 j + 2 (lane % 4) + e
+  if (wg > 0) {  // d[4 j + 2 h + e]: row 64 (wg - 1) + 16 (warp % 4) + lane / 4 + 8 h, x row 8 j + 2 (lane % 4) + e
     const int lr = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), mr = 2 * (lane & 3);
 #pragma unroll
     for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * G::kRS + lr + 8 * ((i >> 1) & 1)] = acc[i];

@@ -10,9 +10,9 @@ Rows (cuda_src/probe.cu, sm_90 only):
 - wgmma m64nNk16 with one block an SM: FLOP an SM-cycle (the H100's dense fp16 peak is 4,096) and
   TFLOP/s, by N, warpgroups, A from registers (RS) or shared memory (SS), and the wait after each
   group of 8 (all, or all but the last).
-The stream rows time the copies alone (the consumers only wait and release; the GPU tests check
-the same copies land every word). Each is the median of three timed passes after a warm-up, its launches rotating over the
-buffer so that no pass reads what the previous left in L2.
+The stream rows time the copies alone (the consumers only wait and release; the GPU tests check that
+the same copies land every word), each the median of three timed passes after a warm-up, its
+launches rotating over the buffer so that no pass reads what the previous left in L2.
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ def wgmma_instantiation(nx: int, warpgroups: int, registers: bool, wait: int) ->
     return f"wgmma_probe_kernel<{nx}, {warpgroups}, {str(registers).lower()}, {wait}>"
 
 
-INSTANTIATIONS = [stream_instantiation(s, c) for s in STREAM_SHAPES for c in (True, False)] + [wgmma_instantiation(*s) for s in WGMMA_SHAPES]
+INSTANTIATIONS = ([stream_instantiation(s, c) for s in STREAM_SHAPES for c in (True, False)]
+                  + [wgmma_instantiation(*s) for s in WGMMA_SHAPES])
 
 
 def stream_probe_reference(w, x, grid: int, stages: int, shape, x_wrap: int, checksum=True) -> np.ndarray:
