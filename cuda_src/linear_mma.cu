@@ -302,10 +302,13 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
 // epilogue by THREADS threads, 8 consecutive outputs of an x row a thread at a time (16-byte loads and
 // stores where N % 8 == 0 and out and residual are 16-byte aligned): with SPLIT > 1 each block of the
 // cluster finishes 1 / SPLIT of them, reading the others' results through distributed shared memory.
-template <typename T, int WBITS, int ROWS, int XR, int THREADS, int SPLIT, int EPI>
+// tid: the thread's index among the THREADS; NAMED: they are not the whole block, and meet at named
+// barrier 1 instead of __syncthreads.
+template <typename T, int WBITS, int ROWS, int XR, int THREADS, int SPLIT, int EPI, bool NAMED = false>
 __device__ __forceinline__ void store_rows(const float* red, const __half* __restrict__ scales,
                                            const T* __restrict__ bias, const T* __restrict__ residual,
-                                           T* __restrict__ out, const Block& b, int M, int N) {
+                                           T* __restrict__ out, const Block& b, int M, int N,
+                                           int tid) {
   constexpr int RS = ROWS + 4, OUTS = mma_gated(EPI) ? ROWS / 2 : ROWS, UNITS = XR * OUTS / 8;
   static_assert(ROWS % 32 == 0, "RS = 4 mod 32");
   unsigned rank = 0;
@@ -316,11 +319,13 @@ __device__ __forceinline__ void store_rows(const float* red, const __half* __res
 #else
     __trap();  // unreachable: SPLIT > 1 is launched on sm_90 and newer only (ops/linear_mma.py)
 #endif
+  } else if constexpr (NAMED) {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
   } else {
     __syncthreads();
   }
   const bool vec = N % 8 == 0 && ((reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(residual)) & 15) == 0;
-  for (int u = rank * THREADS + threadIdx.x; u < UNITS; u += SPLIT * THREADS) {
+  for (int u = rank * THREADS + tid; u < UNITS; u += SPLIT * THREADS) {
     const int mi = u / (OUTS / 8), r0 = u % (OUTS / 8) * 8, m = b.m0 + mi, row = b.row0 + r0;
     if (m >= M || row >= N) continue;
     float y[8], g[8];
@@ -395,7 +400,7 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         red[(8 * n + 2 * (lane & 3) + (j & 1)) * RS + (warp * RT + r) * 16 + (lane >> 2) + 8 * (j >> 1)] = acc[r][n][j];
-  store_rows<T, WBITS, ROWS, 8 * NT, 32 * WARPS, SPLIT, EPI>(red, scales, bias, residual, out, b, M, N);
+  store_rows<T, WBITS, ROWS, 8 * NT, 32 * WARPS, SPLIT, EPI>(red, scales, bias, residual, out, b, M, N, threadIdx.x);
 }
 
 // ------------------------------------------------------------------ wgmma (sm_90a)
@@ -437,7 +442,8 @@ template <int GS, int NX, int WS, int XS> struct WGeo {
   static constexpr int kRing = WS * kWSlot + XS * kX;          // weight slots, then x slots
   static constexpr int kRS = 128 + 4;                          // store_rows' row stride (floats)
   static constexpr int kRed = NX * kRS * 4;                     // fp32 results of the epilogue
-  static constexpr int kSmem = (kRing > kRed ? kRing : kRed) + 1024;  // + alignment
+  static constexpr int kRedAt = WS * kWSlot;                     // the results go over the x slots
+  static constexpr int kSmem = (kRing > kRedAt + kRed ? kRing : kRedAt + kRed) + 1024;  // + alignment
 };
 
 // (q - z) pairs times the group scale, rounded once to T (as dequantize() rounded to T).
@@ -572,8 +578,18 @@ __global__ void __launch_bounds__(128) wgmma_x_kernel(const T* __restrict__ x, u
   }
 }
 
-// grid: (ceil(N / E) * ceil(M / NX), SPLIT), E = 128 (64 gated), the x tiles of one row block
-// adjacent; clusters of (1, SPLIT, 1) · block: 384 threads · smem: dynamic WGeo::kSmem bytes · sm_90a
+// A consumer thread's accumulators into red as store_rows reads them: d[4 j + 2 h + e] is weight row
+// 64 (wg - 1) + 16 (warp % 4) + lane / 4 + 8 h and x row 8 j + 2 (lane % 4) + e.
+template <int NX, int RS>
+__device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX / 2], int wg, int warp, int lane) {
+  const int lr = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), mr = 2 * (lane & 3);
+#pragma unroll
+  for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * RS + lr + 8 * ((i >> 1) & 1)] = acc[i];
+}
+
+// grid: (tiles, SPLIT) with SPLIT > 1, (min(tiles, SMs), 1) with SPLIT 1 (a persistent grid), tiles =
+// ceil(N / E) * ceil(M / NX), E = 128 (64 gated), the x tiles of one row block adjacent; clusters of
+// (1, SPLIT, 1) · block: 384 threads · smem: dynamic WGeo::kSmem bytes · sm_90a
 // only (elsewhere it traps: ops/linear_mma.py launches it on sm_90). x: wgmma_x_kernel's image of x;
 // K % 128 == 0; gated: N % 16 == 0; scales 16-byte aligned; int4 with integer zeros only. The other
 // arguments and the results as linear_mma_kernel's.
@@ -584,18 +600,18 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   static_assert(WBITS == 4 && (GS == 32 || GS == 64 || GS == 128), "int4 groups of 32, 64 or 128");
   static_assert(WS >= 2 && XS >= 2 && (NX == 64 || NX == 128), "tile");
   extern __shared__ __align__(128) unsigned char smem[];
-  // wfull[WS], wempty[WS], xfull[XS], xempty[XS]
-  __shared__ __align__(8) unsigned long long bars[2 * (WS + XS)];
-  const int x_tiles = (M + NX - 1) / NX, n_st = K / 128;
+  // wfull[WS], wempty[WS], xfull[XS], xempty[XS], redfree
+  __shared__ __align__(8) unsigned long long bars[2 * (WS + XS) + 1];
+  const int x_tiles = (M + NX - 1) / NX, n_st = K / 128, rows = mma_gated(EPI) ? 64 : 128;
+  const int tiles = (N + rows - 1) / rows * x_tiles;  // SPLIT > 1: the grid has one block a tile
   const int per_split = (n_st + SPLIT - 1) / SPLIT, t_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split;
-  const Block b{(int)(blockIdx.x / x_tiles) * (mma_gated(EPI) ? 64 : 128), (int)(blockIdx.x % x_tiles) * NX, t_begin,
-                min(n_st, t_begin + per_split)};
-  const int n_t = b.t_end - b.t_begin;  // <= 0: a split past K (its fragments are zeros)
+  const int n_t = min(n_st, t_begin + per_split) - t_begin;  // <= 0: a split past K (its fragments are zeros)
+  auto block_of = [&](int tile) { return Block{tile / x_tiles * rows, tile % x_tiles * NX, t_begin, t_begin + n_t}; };
   const unsigned raw_base = smem_u32(smem), ring = (raw_base + 1023) & ~1023u;  // swizzled tiles: 1024-aligned
   const unsigned xring = ring + WS * G::kWSlot;
   unsigned char* sm = smem + (ring - raw_base);
   const unsigned wfull0 = smem_u32(bars), wempty0 = wfull0 + 8 * WS, xfull0 = wempty0 + 8 * WS,
-                 xempty0 = xfull0 + 8 * XS;
+                 xempty0 = xfull0 + 8 * XS, redfree = xempty0 + 8 * XS;
   const int wg = threadIdx.x >> 7, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < WS; ++s) {
@@ -606,40 +622,51 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       mbar_init(xfull0 + 8 * s, 1);
       mbar_init(xempty0 + 8 * s, 256);
     }
+    mbar_init(redfree, 256);  // every consumer thread, once it has stored a tile's results
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
+  // SPLIT 1: the block takes tiles blockIdx.x, + gridDim.x, ... (a persistent grid of at most one
+  // block an SM); the rings run on across tiles, each tile starting a fresh weight chunk, and a tile's
+  // results go over the x slots, so the weights of the next tile stream in during its epilogue and x's
+  // wait for redfree.
   float acc[NX / 2];
-#pragma unroll
-  for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
   if (warp == 0) {  // weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a weight slot
-    // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
     const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
-    const int tl = min(mma_gated(EPI) ? (l >> 2) * N + b.row0 + 16 * (l & 3) : b.row0 + 16 * l, n_w - 1) / 16;
-    const char* wsrc = static_cast<const char*>(w) + ((size_t)tl * n_st + b.t_begin) * 1024;
-    const char* ssrc = reinterpret_cast<const char*>(scales) + ((size_t)tl * n_st + b.t_begin) * G::kGroups * 64;
-    for (int c = 0; c * G::kChunk < n_t; ++c) {  // no kernel of a graph writes weights: no pdl_wait
-      const unsigned slot = ring + (c % WS) * G::kWSlot, full = wfull0 + 8 * (c % WS);
-      const int t = c * G::kChunk, st = min(G::kChunk, n_t - t);
-      if (c >= WS) mbar_wait(wempty0 + 8 * (c % WS), (c / WS - 1) & 1);
-      if (lane == 0) mbar_expect_tx(full, st * 8 * (1024 + G::kGroups * 64));
-      __syncwarp();
-      if (lane < 8) {
-        bulk_load(slot + G::kTile * l, wsrc + (size_t)t * 1024, st * 1024, full);
-        bulk_load(slot + G::kW + G::kTileS * l, ssrc + (size_t)t * G::kGroups * 64, st * G::kGroups * 64, full);
+    int gc = 0;  // chunks issued
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
+      const int row0 = block_of(tile).row0;
+      const int tl = min(mma_gated(EPI) ? (l >> 2) * N + row0 + 16 * (l & 3) : row0 + 16 * l, n_w - 1) / 16;
+      const char* wsrc = static_cast<const char*>(w) + ((size_t)tl * n_st + t_begin) * 1024;
+      const char* ssrc = reinterpret_cast<const char*>(scales) + ((size_t)tl * n_st + t_begin) * G::kGroups * 64;
+      for (int c = 0; c * G::kChunk < n_t; ++c, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
+        const unsigned slot = ring + (gc % WS) * G::kWSlot, full = wfull0 + 8 * (gc % WS);
+        const int t = c * G::kChunk, st = min(G::kChunk, n_t - t);
+        if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
+        if (lane == 0) mbar_expect_tx(full, st * 8 * (1024 + G::kGroups * 64));
+        __syncwarp();
+        if (lane < 8) {
+          bulk_load(slot + G::kTile * l, wsrc + (size_t)t * 1024, st * 1024, full);
+          bulk_load(slot + G::kW + G::kTileS * l, ssrc + (size_t)t * G::kGroups * 64, st * G::kGroups * 64, full);
+        }
       }
     }
   } else if (warp == 1) {  // x: lane 0 copies each stage's slot image (wgmma_x_kernel's) to an x slot
     pdl_wait();
     pdl_trigger();
-    const char* xsrc =
-        reinterpret_cast<const char*>(x) + ((size_t)(b.m0 / NX) * NX * K * sizeof(T) + (size_t)b.t_begin * G::kX);
-    for (int i = 0; i < n_t && lane == 0; ++i) {
-      const unsigned full = xfull0 + 8 * (i % XS);
-      if (i >= XS) mbar_wait(xempty0 + 8 * (i % XS), (i / XS - 1) & 1);
-      mbar_expect_tx(full, G::kX);
-      bulk_load(xring + (i % XS) * G::kX, xsrc + (size_t)i * G::kX, G::kX, full);
+    int gs = 0, k = 0;  // stages issued, tiles begun
+    for (int tile = blockIdx.x; tile < tiles && lane == 0; tile += gridDim.x, ++k) {
+      const char* xsrc = reinterpret_cast<const char*>(x) +
+                         ((size_t)(tile % x_tiles) * NX * K * sizeof(T) + (size_t)t_begin * G::kX);
+      if (k > 0) mbar_wait(redfree, (k - 1) & 1);  // the previous tile's results are stored
+      for (int i = 0; i < n_t; ++i, ++gs) {
+        const unsigned full = xfull0 + 8 * (gs % XS);
+        if (gs >= XS) mbar_wait(xempty0 + 8 * (gs % XS), (gs / XS - 1) & 1);
+        mbar_expect_tx(full, G::kX);
+        bulk_load(xring + (gs % XS) * G::kX, xsrc + (size_t)i * G::kX, G::kX, full);
+      }
     }
   } else if (wg == 0) {
     pdl_wait();
@@ -653,45 +680,56 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     const unsigned char* sz0 = sm + G::kW + (r >> 4) * G::kTileS;
     const unsigned xd0 = (xring >> 4) | (1u << 16);
     int j = 0, wslot = 0, wpar = 0, xslot = 0, xpar = 0;
-    for (int i = 0; i < n_t; ++i) {
-      if (j == 0) mbar_wait(wfull0 + 8 * wslot, wpar);
-      mbar_wait(xfull0 + 8 * xslot, xpar);
-      const unsigned char* wt = wt0 + wslot * G::kWSlot + j * 1024;
-      const unsigned char* sz = sz0 + wslot * G::kWSlot + j * G::kGroups * 64;
-      const unsigned xd = xd0 + xslot * (G::kX >> 4);
-      const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
-      u32 a0[4][4], a1[4][4];
-      dequant_half<T, GS, 0>(sz, v, r, a0);
-      wgmma::fence();
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], kDescHi | (xd + 2 * s));
-      wgmma::commit();
-      dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
-      wgmma::fence();
+      for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < n_t; ++i) {
+        if (j == 0) mbar_wait(wfull0 + 8 * wslot, wpar);
+        mbar_wait(xfull0 + 8 * xslot, xpar);
+        const unsigned char* wt = wt0 + wslot * G::kWSlot + j * 1024;
+        const unsigned char* sz = sz0 + wslot * G::kWSlot + j * G::kGroups * 64;
+        const unsigned xd = xd0 + xslot * (G::kX >> 4);
+        const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
+        u32 a0[4][4], a1[4][4];
+        dequant_half<T, GS, 0>(sz, v, r, a0);
+        wgmma::fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a1[s], kDescHi | (xd + NX * 8 + 2 * s));
-      wgmma::commit();
-      wgmma::wait<0>();  // before the next stage's fragments are written (ptxas serializes wgmma otherwise)
-      wgmma::fence_regs(acc);
+        for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], kDescHi | (xd + 2 * s));
+        wgmma::commit();
+        dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
+        wgmma::fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
-      mbar_arrive(xempty0 + 8 * xslot);  // each thread releases its own reads of the slots
-      if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * wslot);
-      if (++xslot == XS) xslot = 0, xpar ^= 1;
-      if (++j == G::kChunk) {
-        j = 0;
-        if (++wslot == WS) wslot = 0, wpar ^= 1;
+        for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a1[s], kDescHi | (xd + NX * 8 + 2 * s));
+        wgmma::commit();
+        wgmma::wait<0>();  // before the next stage's fragments are written (ptxas serializes wgmma otherwise)
+        wgmma::fence_regs(acc);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
+        mbar_arrive(xempty0 + 8 * xslot);  // each thread releases its own reads of the slots
+        if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * wslot);
+        if (++xslot == XS) xslot = 0, xpar ^= 1;
+        if (++j == G::kChunk || i == n_t - 1) {  // the next tile starts a fresh chunk
+          j = 0;
+          if (++wslot == WS) wslot = 0, wpar ^= 1;
+        }
+      }
+      if constexpr (SPLIT == 1) {  // the results over the x slots, stored by the 256 consumers
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' multiplies have read their x
+        float* red = reinterpret_cast<float*>(smem + (xring - raw_base));
+        wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
+        store_rows<T, WBITS, 128, NX, 256, 1, EPI, true>(red, scales, bias, residual, out, block_of(tile), M, N,
+                                                         threadIdx.x - 128);
+        mbar_arrive(redfree);  // this thread's reads of the results are done
       }
     }
   }
-  __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it
-  float* red = reinterpret_cast<float*>(sm);
-  if (wg > 0) {  // d[4 j + 2 h + e]: row 64 (wg - 1) + 16 (warp % 4) + lane / 4 + 8 h, x row 8 j + 2 (lane % 4) + e
-    const int lr = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), mr = 2 * (lane & 3);
-#pragma unroll
-    for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * G::kRS + lr + 8 * ((i >> 1) & 1)] = acc[i];
+  if constexpr (SPLIT > 1) {  // one tile a block: every thread takes part in the cluster's reduction
+    __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it
+    float* red = reinterpret_cast<float*>(sm);
+    if (wg > 0) wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
+    store_rows<T, WBITS, 128, NX, 384, SPLIT, EPI>(red, scales, bias, residual, out, block_of(blockIdx.x), M, N,
+                                                   threadIdx.x);
   }
-  store_rows<T, WBITS, 128, NX, 384, SPLIT, EPI>(red, scales, bias, residual, out, b, M, N);
 #else
   __trap();
 #endif

@@ -108,7 +108,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
     wslot = -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024
-    return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.nx * 528) + 1024
+    return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.wstages * wslot + tile.nx * 528) + 1024
 
 
 def wgmma_fits(w, k: int, activation=None) -> bool:
@@ -274,7 +274,8 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store"):
         runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx)), (rows,), (128,),
                        (x, xs, np.int32(m), np.int32(k)))
         kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue))
-        grid = (-(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx), tile.split)
+        tiles = -(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx)
+        grid = (tiles if tile.split > 1 else min(tiles, runtime.device_info()["sm_count"]), tile.split)
         runtime.launch(kern, grid, (384,), (xs,) + args[1:], wgmma_smem_bytes(bits, gs, tile))
         return out
     kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue))

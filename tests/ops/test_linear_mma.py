@@ -306,6 +306,24 @@ def test_wgmma_matches_reference(fmt, gs, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted({t for t in WG_TILES if t.split == 1}
+                                         | {WgTile(128, 2, 4, 1), WgTile(64, 2, 6, 1)}), ids=str)
+def test_wgmma_persistent_tiles(tile):
+    """With split 1 the grid is at most one block an SM, each block taking every gridDim.x-th tile: more
+    tiles than SMs, the rings running on across a block's tiles (K of a partial chunk: each tile starts
+    a fresh one), the next tile's x waiting for the previous tile's results, which lie over the x slots."""
+    import cupy as cp
+
+    need_sm90()
+    sms = runtime.device_info()["sm_count"]
+    rng = np.random.default_rng(tile.nx + tile.xstages)
+    for epi, n in (("store", 128 * (sms + 9) - 40), ("silu_and_mul", 64 * (sms + 9))):
+        for m, k in ((tile.nx + 2, 3 * 128), (40, 5 * 128)):
+            mma_case(cp, rng, np.dtype(np.float16), m, n, k, "int4", 128, True, 1.0, epi, residual=epi == "store",
+                     tile=tile)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", WG_TILES, ids=str)
 def test_wgmma_every_tile(tile):
     """Each tile of the wgmma kernel, int4 g32 (two scale groups a stage) and g128 (one group
