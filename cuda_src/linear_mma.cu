@@ -607,6 +607,8 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   const int per_split = (n_st + SPLIT - 1) / SPLIT, t_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split;
   const int n_t = min(n_st, t_begin + per_split) - t_begin;  // <= 0: a split past K (its fragments are zeros)
   auto block_of = [&](int tile) { return Block{tile / x_tiles * rows, tile % x_tiles * NX, t_begin, t_begin + n_t}; };
+  // a block's tiles: with SPLIT > 1 its one tile (a loop of one trip the compiler sees as such)
+  auto more = [&](int tile, int k) { return SPLIT > 1 ? k < 1 : tile < tiles; };
   const unsigned raw_base = smem_u32(smem), ring = (raw_base + 1023) & ~1023u;  // swizzled tiles: 1024-aligned
   const unsigned xring = ring + WS * G::kWSlot;
   unsigned char* sm = smem + (ring - raw_base);
@@ -635,7 +637,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   if (warp == 0) {  // weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a weight slot
     const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
     int gc = 0;  // chunks issued
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
       // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
       const int row0 = block_of(tile).row0;
       const int tl = min(mma_gated(EPI) ? (l >> 2) * N + row0 + 16 * (l & 3) : row0 + 16 * l, n_w - 1) / 16;
@@ -657,7 +659,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     pdl_wait();
     pdl_trigger();
     int gs = 0, k = 0;  // stages issued, tiles begun
-    for (int tile = blockIdx.x; tile < tiles && lane == 0; tile += gridDim.x, ++k) {
+    for (int tile = blockIdx.x; more(tile, k) && lane == 0; tile += gridDim.x, ++k) {
       const char* xsrc = reinterpret_cast<const char*>(x) +
                          ((size_t)(tile % x_tiles) * NX * K * sizeof(T) + (size_t)t_begin * G::kX);
       if (k > 0) mbar_wait(redfree, (k - 1) & 1);  // the previous tile's results are stored
@@ -680,7 +682,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     const unsigned char* sz0 = sm + G::kW + (r >> 4) * G::kTileS;
     const unsigned xd0 = (xring >> 4) | (1u << 16);
     int j = 0, wslot = 0, wpar = 0, xslot = 0, xpar = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
 #pragma unroll
       for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
       for (int i = 0; i < n_t; ++i) {
