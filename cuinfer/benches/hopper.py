@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import bench
+from ..cli import int_in
 from ..ops import probe, runtime
 
 SMS = 132
@@ -26,7 +27,8 @@ GIB = 1 << 30
 
 
 def add_arguments(parser):
-    parser.add_argument("--iters", type=int, default=2000, help="groups of 8 wgmma a warpgroup issues")
+    parser.add_argument("--iters", type=int_in(1, 100000), default=2000,
+                        help="groups of 8 wgmma a warpgroup issues (its accumulators stay exact up to 131,072)")
 
 
 def stream_row(cp, w, x, name, grid, stages, shape, x_wrap):
