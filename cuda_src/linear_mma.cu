@@ -50,6 +50,10 @@ __host__ __device__ constexpr bool mma_gated(int epi) {
   return epi == MMA_EPI_SILU_AND_MUL || epi == MMA_EPI_GELU_AND_MUL;
 }
 
+// store_rows' row stride (floats) for a block of `rows` weight rows: 4 mod 32, so the fragments'
+// writes of both GEMMs are free of bank conflicts.
+__host__ __device__ constexpr int red_stride(int rows) { return rows + 4; }
+
 // Shared-memory geometry of a block (bytes). ops/linear_mma.py smem_bytes mirrors kSmem.
 template <int WBITS, int GS, int NT, int RT, int WARPS, int STAGES> struct Geo {
   static constexpr int kTiles = RT * WARPS;                   // 16-row weight tiles of the block
@@ -59,7 +63,7 @@ template <int WBITS, int GS, int NT, int RT, int WARPS, int STAGES> struct Geo {
   static constexpr int kS = kTiles * kGroups * 64;            // int4 (scale, zero) pairs of a stage
   static constexpr int kXRow = 256 + (WBITS == 4 ? 64 : 16);  // one x row of a stage, padded
   static constexpr int kStage = kW + kS + 8 * NT * kXRow;
-  static constexpr int kRed = 8 * NT * (16 * kTiles + 4) * 4;  // fp32 results of the epilogue (store_rows)
+  static constexpr int kRed = 8 * NT * red_stride(16 * kTiles) * 4;  // fp32 results of the epilogue (store_rows)
   static constexpr int kSmem = STAGES * kStage > kRed ? STAGES * kStage : kRed;
 };
 
@@ -296,21 +300,20 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
   }
 }
 
-// The block's results in red ([8 NT x rows][RS = ROWS + 4] fp32: an x row's ROWS weight rows in order,
-// gated the first half the gate rows and the second their up rows; RS = 4 mod 32 keeps the fragments'
-// writes conflict-free) summed over the cluster's blocks in rank order and stored through the
-// epilogue by THREADS threads, 8 consecutive outputs of an x row a thread at a time (16-byte loads and
-// stores where N % 8 == 0 and out and residual are 16-byte aligned): with SPLIT > 1 each block of the
-// cluster finishes 1 / SPLIT of them, reading the others' results through distributed shared memory.
-// tid: the thread's index among the THREADS; NAMED: they are not the whole block, and meet at named
-// barrier 1 instead of __syncthreads.
+// The block's results in red ([8 NT x rows][red_stride(ROWS)] fp32: an x row's ROWS weight rows in
+// order, gated the first half the gate rows and the second their up rows) summed over the cluster's
+// blocks in rank order and stored through the epilogue by THREADS threads, 8 consecutive outputs of an
+// x row a thread at a time (16-byte loads and stores where N % 8 == 0 and out and residual are 16-byte
+// aligned): with SPLIT > 1 each block of the cluster finishes 1 / SPLIT of them, reading the others'
+// results through distributed shared memory. tid: the thread's index among the THREADS; NAMED: they
+// are not the whole block, and meet at named barrier 1 instead of __syncthreads.
 template <typename T, int WBITS, int ROWS, int XR, int THREADS, int SPLIT, int EPI, bool NAMED = false>
 __device__ __forceinline__ void store_rows(const float* red, const __half* __restrict__ scales,
                                            const T* __restrict__ bias, const T* __restrict__ residual,
                                            T* __restrict__ out, const Block& b, int M, int N,
                                            int tid) {
-  constexpr int RS = ROWS + 4, OUTS = mma_gated(EPI) ? ROWS / 2 : ROWS, UNITS = XR * OUTS / 8;
-  static_assert(ROWS % 32 == 0, "RS = 4 mod 32");
+  constexpr int RS = red_stride(ROWS), OUTS = mma_gated(EPI) ? ROWS / 2 : ROWS, UNITS = XR * OUTS / 8;
+  static_assert(ROWS % 32 == 0, "red_stride(ROWS) = 4 mod 32");
   unsigned rank = 0;
   if constexpr (SPLIT > 1) {
 #if __CUDA_ARCH__ >= 900
@@ -391,7 +394,7 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
                                              const __half* __restrict__ scales,
                                              const T* __restrict__ bias, const T* __restrict__ residual,
                                              T* __restrict__ out, const Block& b, int M, int N) {
-  constexpr int ROWS = 16 * RT * WARPS, RS = ROWS + 4;
+  constexpr int ROWS = 16 * RT * WARPS, RS = red_stride(ROWS);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < RT; ++r)
@@ -440,7 +443,7 @@ template <int GS, int NX, int WS, int XS> struct WGeo {
   static constexpr int kTileS = kChunk * kGroups * 64;          // a tile's pairs, [stage][group][16 rows]
   static constexpr int kWSlot = (kW + 8 * kTileS + 1023) / 1024 * 1024;
   static constexpr int kRing = WS * kWSlot + XS * kX;          // weight slots, then x slots
-  static constexpr int kRS = 128 + 4;                          // store_rows' row stride (floats)
+  static constexpr int kRS = red_stride(128);                    // store_rows' row stride (floats)
   static constexpr int kRed = NX * kRS * 4;                     // fp32 results of the epilogue
   static constexpr int kRedAt = WS * kWSlot;                     // the results go over the x slots
   static constexpr int kSmem = (kRing > kRedAt + kRed ? kRing : kRedAt + kRed) + 1024;  // + alignment
@@ -661,7 +664,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     int gs = 0, k = 0;  // stages issued, tiles begun
     for (int tile = blockIdx.x; more(tile, k) && lane == 0; tile += gridDim.x, ++k) {
       const char* xsrc = reinterpret_cast<const char*>(x) +
-                         ((size_t)(tile % x_tiles) * NX * K * sizeof(T) + (size_t)t_begin * G::kX);
+                         ((size_t)block_of(tile).m0 * K * sizeof(T) + (size_t)t_begin * G::kX);
       if (k > 0) mbar_wait(redfree, (k - 1) & 1);  // the previous tile's results are stored
       for (int i = 0; i < n_t; ++i, ++gs) {
         const unsigned full = xfull0 + 8 * (gs % XS);

@@ -1,7 +1,7 @@
 """Hopper ceilings for the wgmma GEMM: bulk-copy streams into shared memory and the wgmma issue rate.
 
 Rows (cuda_src/probe.cu, sm_90 only):
-- bulk copies from HBM: 132 blocks (one an SM) each streaming its own run of a 1 GiB buffer through
+- bulk copies from HBM: one block an SM each streaming its own run of a 1 GiB buffer through
   a ring of shared-memory slots, one copy a slot; GB/s of the bytes read;
 - bulk copies from L2: the same, every block reading one 1 MB region over and over;
 - the wgmma GEMM's streams of gate_up (llama3-8b, 4096 x 28672 int4 g128) without its multiplies:
@@ -22,7 +22,6 @@ from .. import bench
 from ..cli import int_in
 from ..ops import probe, runtime
 
-SMS = 132
 GIB = 1 << 30
 
 
@@ -50,23 +49,24 @@ def stream_row(cp, w, x, name, grid, stages, shape, x_wrap):
 
 def run(args):
     cp = runtime.require_cupy()
+    sms = runtime.device_info()["sm_count"]
     w = cp.random.randint(0, 256, GIB, dtype=cp.uint8)
     x = cp.random.randint(0, 256, 1 << 20, dtype=cp.uint8)
-    rows = [stream_row(cp, w, x, "bulk copy HBM -> shared", SMS, 240, (4, 32768, 0), 1 << 20),
-            stream_row(cp, w, x, "bulk copy L2 -> shared", SMS, 512, (4, 0, 32768), 1 << 20),
+    rows = [stream_row(cp, w, x, "bulk copy HBM -> shared", sms, 240, (4, 32768, 0), 1 << 20),
+            stream_row(cp, w, x, "bulk copy L2 -> shared", sms, 512, (4, 0, 32768), 1 << 20),
             stream_row(cp, w, x, "gate_up's streams, 128 rows", 224, 32, (4, 8192, 32768), 1 << 20),
             stream_row(cp, w, x, "gate_up's streams, 64 rows", 224, 32, (6, 8192, 16384), 1 << 19)]
     for nx, wgs, regs, wait in probe.WGMMA_SHAPES:
-        probe.wgmma_probe(nx, wgs, regs, wait, 10, SMS)
+        probe.wgmma_probe(nx, wgs, regs, wait, 10, sms)
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record()
-        cycles, acc = probe.wgmma_probe(nx, wgs, regs, wait, args.iters, SMS)
+        cycles, acc = probe.wgmma_probe(nx, wgs, regs, wait, args.iters, sms)
         b.record()
         b.synchronize()
         if not bool((acc == 128.0 * args.iters).all()):
             raise runtime.CuinferError(f"wgmma_probe N={nx}: accumulators {acc[:4].get()} != {128 * args.iters}")
-        flops = SMS * wgs * args.iters * 8 * 64 * nx * 16 * 2
-        per_cycle = flops / SMS / float(cycles.max())
+        flops = sms * wgs * args.iters * 8 * 64 * nx * 16 * 2
+        per_cycle = flops / sms / float(cycles.max())
         rows.append(dict(name=f"wgmma m64n{nx}k16 {'RS' if regs else 'SS'}",
                          shape=f"{wgs} warpgroups, wait<{wait}>: {per_cycle:,.0f} FLOP/SM-cycle", dtype="float16",
                          ms=cp.cuda.get_elapsed_time(a, b), flops=flops))

@@ -108,7 +108,8 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
     wslot = -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024
-    return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.wstages * wslot + tile.nx * 528) + 1024
+    red = tile.nx * (128 + 4) * 4  # store_rows' results over the x slots (red_stride(128) floats a row)
+    return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.wstages * wslot + red) + 1024
 
 
 def wgmma_fits(w, k: int, activation=None) -> bool:
@@ -135,7 +136,7 @@ def smem_bytes(bits: int, group_size: int, tile: MmaTile) -> int:
     tiles = tile.rt * tile.warps
     stage = tiles * (1 if bits == 4 else 2) * 1024 + (tiles * (128 // group_size) * 64 if bits == 4 else 0)
     stage += 8 * tile.nt * (256 + (64 if bits == 4 else 16))
-    return max(tile.stages * stage, 8 * tile.nt * (16 * tiles + 4) * 4)
+    return max(tile.stages * stage, 8 * tile.nt * (16 * tiles + 4) * 4)  # the ring, or store_rows' results
 
 
 def instantiation(dtype, bits: int, group_size: int, integer_zeros: bool, tile: MmaTile, epilogue="store") -> str:
