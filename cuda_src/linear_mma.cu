@@ -434,12 +434,13 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // desc128's high word for a K-major 128-byte-swizzled operand (sbo 1024, the swizzle mode)
 constexpr unsigned long long kDescHi = (1024ull >> 4 << 32) | (1ull << 62);
 
-template <int GS, int NX, int WS, int XS> struct WGeo {
-  static constexpr int kChunk = 4;                              // stages of a weight slot
+template <int WBITS, int GS, int NX, int WS, int XS> struct WGeo {
+  static constexpr int kChunk = WBITS == 16 ? 1 : 4;            // stages of a weight slot
   static constexpr int kX = NX * 256;                           // an x slot: NX rows x 128 k, two 64-k halves
-  static constexpr int kTile = kChunk * 1024;                   // a weight tile's kChunk stages
-  static constexpr int kW = 8 * kTile;                          // the eight tiles, [tile][stage][1 KB]
-  static constexpr int kGroups = 128 / GS;                      // scale groups of a stage
+  static constexpr int kTile = kChunk * 1024;                   // int4: a weight tile's kChunk stages
+  // int4: the eight tiles, [tile][stage][1 KB]; 16-bit: the stage's 128 rows, [64-k half][row][128 bytes]
+  static constexpr int kW = WBITS == 16 ? 2 * 128 * 128 : 8 * kTile;
+  static constexpr int kGroups = WBITS == 16 ? 0 : 128 / GS;    // scale groups of a stage
   static constexpr int kTileS = kChunk * kGroups * 64;          // a tile's pairs, [stage][group][16 rows]
   static constexpr int kWSlot = (kW + 8 * kTileS + 1023) / 1024 * 1024;
   static constexpr int kRing = WS * kWSlot + XS * kX;          // weight slots, then x slots
@@ -557,27 +558,52 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
 }
 
 // x [M, K] T -> xs: per tile of NX x rows and 64-k half t, the NX x 128-byte image of x a slot of
-// linear_wgmma_kernel holds (128-byte swizzle, pairs in the fragments' order: above), halves of a
-// tile consecutive; rows past M are zeros. grid: ceil(M / NX) NX blocks (one row each) · block: 128
-// threads · K % 128 == 0.
-template <typename T, int NX>
-__global__ void __launch_bounds__(128) wgmma_x_kernel(const T* __restrict__ x, unsigned char* __restrict__ xs, int M,
-                                                      int K) {
+// linear_wgmma_kernel holds (128-byte swizzle; PAIRS: pairs in the int4 fragments' order, above, else
+// k in order, for 16-bit weights), halves of a tile consecutive; rows past M are zeros. NORM: each row
+// RMS-normalized first with norm_w (ops.rms_norm's rounding, rms_normed). grid: ceil(M / NX) NX blocks
+// (one row each) · block: 128 threads · K % 128 == 0.
+template <typename T, int NX, bool PAIRS, bool NORM>
+__global__ void __launch_bounds__(128) wgmma_x_kernel(const T* __restrict__ x, unsigned char* __restrict__ xs,
+                                                      const T* __restrict__ norm_w, float eps, int M, int K) {
   const int row = blockIdx.x, r = row % NX;
+  const T* xr = x + (size_t)row * K;
   unsigned char* tile = xs + (size_t)(row / NX) * NX * K * sizeof(T);
+  pdl_trigger();  // the GEMM may start streaming its weights (it waits for this grid before reading xs)
   pdl_wait();
-  pdl_trigger();
+  float inv_rms = 0.0f;
+  if constexpr (NORM) {
+    __shared__ float scratch[32];
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; row < M && i < K / 8; i += 128) {
+      const uint4 v = *reinterpret_cast<const uint4*>(xr + 8 * i);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float f = to_float(reinterpret_cast<const T*>(&v)[e]);
+        sum_sq += f * f;
+      }
+    }
+    inv_rms = rms_inv(block_reduce(sum_sq, scratch), K, eps);
+  }
   for (int q = threadIdx.x; q < K / 32; q += 128) {  // k 32 q .. + 32: half q / 2, its chunks 4 (q % 2) ..
     uint4 v[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-      v[c] = row < M ? *reinterpret_cast<const uint4*>(x + (size_t)row * K + 32 * q + 8 * c) : make_uint4(0, 0, 0, 0);
+    for (int c = 0; c < 4; ++c) {
+      v[c] = row < M ? *reinterpret_cast<const uint4*>(xr + 32 * q + 8 * c) : make_uint4(0, 0, 0, 0);
+      if constexpr (NORM) {
+        const uint4 wv = *reinterpret_cast<const uint4*>(norm_w + 32 * q + 8 * c);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          reinterpret_cast<T*>(&v[c])[e] =
+              rms_normed(reinterpret_cast<const T*>(&v[c])[e], reinterpret_cast<const T*>(&wv)[e], inv_rms);
+      }
+    }
     unsigned char* half = tile + (size_t)(q >> 1) * NX * 128;
 #pragma unroll
     for (int ph = 0; ph < 4; ++ph)
       *reinterpret_cast<uint4*>(half + wgmma::swizzle128(r, 4 * (q & 1) + ph)) =
-          make_uint4(reinterpret_cast<const u32*>(&v[0])[ph], reinterpret_cast<const u32*>(&v[1])[ph],
-                     reinterpret_cast<const u32*>(&v[2])[ph], reinterpret_cast<const u32*>(&v[3])[ph]);
+          PAIRS ? make_uint4(reinterpret_cast<const u32*>(&v[0])[ph], reinterpret_cast<const u32*>(&v[1])[ph],
+                             reinterpret_cast<const u32*>(&v[2])[ph], reinterpret_cast<const u32*>(&v[3])[ph])
+                : v[ph];
   }
 }
 
@@ -599,9 +625,10 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
 template <typename T, int WBITS, int GS, int NX, int WS, int XS, int SPLIT, int EPI>
 __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel(MMA_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using G = WGeo<GS, NX, WS, XS>;
-  static_assert(WBITS == 4 && (GS == 32 || GS == 64 || GS == 128), "int4 groups of 32, 64 or 128");
-  static_assert(WS >= 2 && XS >= 2 && (NX == 64 || NX == 128), "tile");
+  using G = WGeo<WBITS, GS, NX, WS, XS>;
+  static_assert(WBITS == 16 || (WBITS == 4 && (GS == 32 || GS == 64 || GS == 128)),
+                "16-bit weights, or int4 groups of 32, 64 or 128");
+  static_assert(WS >= 2 && XS >= 2 && (NX == 64 || NX == 128 || (WBITS == 16 && NX == 32)), "tile");
   extern __shared__ __align__(128) unsigned char smem[];
   // wfull[WS], wempty[WS], xfull[XS], xempty[XS], redfree
   __shared__ __align__(8) unsigned long long bars[2 * (WS + XS) + 1];
@@ -637,7 +664,22 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   // results go over the x slots, so the weights of the next tile stream in during its epilogue and x's
   // wait for redfree.
   float acc[NX / 2];
-  if (warp == 0) {  // weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a weight slot
+  if (WBITS == 16 && warp == 0) {  // weights: lane 0 copies each stage's 128 rows through the tensor map
+    if (lane == 0) {
+      const TensorMap* map = static_cast<const TensorMap*>(w);
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+      int gc = 0;  // stages issued
+      for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
+        const int row0 = block_of(tile).row0;
+        for (int i = 0; i < n_t; ++i, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
+          const unsigned full = wfull0 + 8 * (gc % WS);
+          if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
+          mbar_expect_tx(full, G::kW);  // rows past N are zero-filled, and count
+          tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, 2 * (t_begin + i), full);
+        }
+      }
+    }
+  } else if (warp == 0) {  // int4 weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a slot
     const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
     int gc = 0;  // chunks issued
     for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
@@ -684,6 +726,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     const unsigned char* wt0 = sm + (r >> 4) * G::kTile + (r & 15) * 64 + 16 * c;
     const unsigned char* sz0 = sm + G::kW + (r >> 4) * G::kTileS;
     const unsigned xd0 = (xring >> 4) | (1u << 16);
+    const unsigned wd0 = ((ring + (wg - 1) * 64 * 128) >> 4) | (1u << 16);  // 16-bit: the warpgroup's rows
     int j = 0, wslot = 0, wpar = 0, xslot = 0, xpar = 0;
     for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
 #pragma unroll
@@ -691,25 +734,39 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       for (int i = 0; i < n_t; ++i) {
         if (j == 0) mbar_wait(wfull0 + 8 * wslot, wpar);
         mbar_wait(xfull0 + 8 * xslot, xpar);
-        const unsigned char* wt = wt0 + wslot * G::kWSlot + j * 1024;
-        const unsigned char* sz = sz0 + wslot * G::kWSlot + j * G::kGroups * 64;
         const unsigned xd = xd0 + xslot * (G::kX >> 4);
-        const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
-        u32 a0[4][4], a1[4][4];
-        dequant_half<T, GS, 0>(sz, v, r, a0);
-        wgmma::fence();
+        if constexpr (WBITS == 16) {  // A straight from the slot: [half][row][128 bytes], 128-byte swizzle
+          const unsigned wd = wd0 + wslot * (G::kWSlot >> 4);
+          wgmma::fence();
 #pragma unroll
-        for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], kDescHi | (xd + 2 * s));
-        wgmma::commit();
-        dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
-        wgmma::fence();
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a1[s], kDescHi | (xd + NX * 8 + 2 * s));
-        wgmma::commit();
-        wgmma::wait<0>();  // before the next stage's fragments are written (ptxas serializes wgmma otherwise)
-        wgmma::fence_regs(acc);
+            for (int s = 0; s < 4; ++s)
+              wgmma::mma_ss<NX, T>(acc, kDescHi | (wd + h * (128 * 128 >> 4) + 2 * s),
+                                   kDescHi | (xd + h * NX * 8 + 2 * s), 1);
+          wgmma::commit();
+          wgmma::wait<0>();
+          wgmma::fence_regs(acc);
+        } else {
+          const unsigned char* wt = wt0 + wslot * G::kWSlot + j * 1024;
+          const unsigned char* sz = sz0 + wslot * G::kWSlot + j * G::kGroups * 64;
+          const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
+          u32 a0[4][4], a1[4][4];
+          dequant_half<T, GS, 0>(sz, v, r, a0);
+          wgmma::fence();
 #pragma unroll
-        for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
+          for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], kDescHi | (xd + 2 * s));
+          wgmma::commit();
+          dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
+          wgmma::fence();
+#pragma unroll
+          for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a1[s], kDescHi | (xd + NX * 8 + 2 * s));
+          wgmma::commit();
+          wgmma::wait<0>();  // before the next stage's fragments are written (ptxas serializes wgmma otherwise)
+          wgmma::fence_regs(acc);
+#pragma unroll
+          for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
+        }
         mbar_arrive(xempty0 + 8 * xslot);  // each thread releases its own reads of the slots
         if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * wslot);
         if (++xslot == XS) xslot = 0, xpar ^= 1;

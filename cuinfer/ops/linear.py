@@ -46,7 +46,7 @@ import numpy as np
 from . import runtime
 from .activation import act_and_mul_reference, gelu_and_mul, silu_and_mul
 from .cublas import gemm
-from .linear_mma import MMA_MAX_M, WGMMA_MAX_M, check_epilogue, check_quant_weight, linear_mma, wgmma_fits
+from .linear_mma import MMA_MAX_M, WGMMA16_MAX_M, WGMMA_MAX_M, check_epilogue, check_quant_weight, linear_mma, wgmma_fits
 from .quant import GROUP_SIZES, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
@@ -75,11 +75,11 @@ def weight_bits(w) -> int:
 
 def path(bits: int, m: int) -> str:
     """The device path linear() takes for M rows of x and weights of `bits`: "gemv", "mma" (the
-    quantized GEMM of ops.linear_mma; int4 past MMA_MAX_M rows only where its wgmma kernel takes the
-    weight, linear_mma.wgmma_fits, else cuBLAS) or "cublas"."""
+    GEMMs of ops.linear_mma; int4 past MMA_MAX_M rows and fp16 / bf16 always only where its wgmma
+    kernel takes the weight, linear_mma.wgmma_fits, else cuBLAS) or "cublas"."""
     if m <= GEMV_MAX_M[bits]:
         return "gemv"
-    return "mma" if bits < 16 and m <= (WGMMA_MAX_M if bits == 4 else MMA_MAX_M) else "cublas"
+    return "mma" if m <= {16: WGMMA16_MAX_M, 8: MMA_MAX_M, 4: WGMMA_MAX_M}[bits] else "cublas"
 
 
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
@@ -251,10 +251,10 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
         out[...] = y if residual is None else (y.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
         return out
     runtime.check("out", out, align=16)
+    if path(bits, m) == "mma" and ((bits < 16 and m <= MMA_MAX_M) or wgmma_fits(w, k, activation)):
+        return linear_mma(x, w, bias, out, activation, residual, norm)
     if norm is not None and (m > GEMV_MAX_M[bits] or not norm_fits(m, k, x.dtype)):
         x, norm = rms_norm(x, *norm), None
-    if path(bits, m) == "mma" and (m <= MMA_MAX_M or wgmma_fits(w, k, activation)):
-        return linear_mma(x, w, bias, out, activation, residual)
     if m > GEMV_MAX_M[bits]:
         if activation:
             return GATED[activation][1](_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)

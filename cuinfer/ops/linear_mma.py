@@ -31,6 +31,7 @@ import numpy as np
 from . import runtime
 from .activation import act_and_mul_reference
 from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
+from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The
@@ -41,6 +42,10 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846).
 MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
+# fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
+# fp16 decode: b=32 4,630 -> 4,724 tok/s; at 64 rows a layer's four calls 181.3 us against cuBLAS's
+# 182.4 but the decode step 0.05 ms slower)
+WGMMA16_MAX_M = 32
 WGMMA_K = 128  # k per stage of the wgmma kernel
 WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
@@ -84,8 +89,8 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
 
 
 class WgTile(NamedTuple):
-    nx: int  # x rows per block (wgmma's N: 64 or 128)
-    wstages: int  # weight slots of WGMMA_CHUNK stages each
+    nx: int  # x rows per block (wgmma's N: 64 or 128; 16-bit weights also 32)
+    wstages: int  # weight slots of WGMMA_CHUNK stages each (16-bit weights: one stage each)
     xstages: int  # x slots of a stage each
     split: int  # blocks of a cluster splitting K (sm_90)
 
@@ -98,24 +103,32 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
     >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
-    time, as was a second wave)."""
-    nx = 64 if m <= 64 else 128
+    time, as was a second wave). 16-bit weights, whose copies are 32 KB stages (no dequantization: the
+    kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128)."""
+    nx = (32 if m <= 32 and bits == 16 else 64) if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
+    if bits == 16:
+        return WgTile(nx, 3, 3, split) if nx == 128 else WgTile(nx, 4, 4, split)
     return WgTile(nx, 2, 4, split) if nx == 128 else WgTile(nx, 2, 6, split)
 
 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
-    wslot = -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024
+    wslot = (2 * 128 * 128 if bits == 16 else
+             -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024)
     red = tile.nx * (128 + 4) * 4  # store_rows' results over the x slots (red_stride(128) floats a row)
     return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.wstages * wslot + red) + 1024
 
 
 def wgmma_fits(w, k: int, activation=None) -> bool:
-    """Whether the wgmma kernel takes this weight on this device: sm_90, int4 with integer zeros, K a
-    multiple of its 128-k stage, the scales 16-byte aligned (bulk copies) and, gated, each half of the
-    stacked weight whole 16-row tiles."""
+    """Whether the wgmma kernel takes this weight on this device: sm_90, K a multiple of its 128-k
+    stage, and int4 with integer zeros, the scales 16-byte aligned (bulk copies) and, gated, each half
+    of the stacked weight whole 16-row tiles; or a C-contiguous fp16 / bf16 weight 16-byte aligned
+    (its tensor map)."""
+    if is_plain(w):
+        return (k % WGMMA_K == 0 and w.flags.c_contiguous and w.data.ptr % 16 == 0
+                and runtime.device_info()["arch"] == "sm_90")
     return (k % WGMMA_K == 0 and isinstance(w, Int4Weight) and w.integer_zeros
             and (activation not in GATED or w.shape[0] % 32 == 0)
             and runtime.device_info()["arch"] == "sm_90" and w.scales_zeros.data.ptr % 16 == 0)
@@ -127,8 +140,14 @@ def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogu
             f"{tile.split}, {EPILOGUES[epilogue]}>")
 
 
-def wgmma_x_instantiation(dtype, nx: int) -> str:
-    return f"wgmma_x_kernel<{runtime.ctype(dtype)}, {nx}>"
+def wgmma_x_instantiation(dtype, nx: int, pairs=True, norm=False) -> str:
+    b = {True: "true", False: "false"}
+    return f"wgmma_x_kernel<{runtime.ctype(dtype)}, {nx}, {b[pairs]}, {b[norm]}>"
+
+
+def is_plain(w) -> bool:
+    """w is an unquantized weight: an fp16 / bf16 array, not an Int8Weight / Int4Weight."""
+    return not isinstance(w, (Int8Weight, Int4Weight))
 
 
 def smem_bytes(bits: int, group_size: int, tile: MmaTile) -> int:
@@ -164,13 +183,18 @@ INSTANTIATIONS = sorted(
        for m in (33, 65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
-    | {wgmma_x_instantiation(dt, nx) for dt in KERNEL_DTYPES for nx in (64, 128)})
+    | {wgmma_instantiation(dt, 16, 0, wgmma_tile(16, m, n, k, epi), epi) for dt in KERNEL_DTYPES
+       for m in (17,) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for epi in EPILOGUES
+       if epi != "gelu_and_mul" or (m, n, k) == (17, 4096, 4096)}
+    | {wgmma_x_instantiation(dt, nx, nx > 32, norm) for dt in KERNEL_DTYPES for nx in (32, 64, 128)
+       for norm in (False, True)})
 
 
 def linear_mma_reference(x, w, bias=None, activation=None, residual=None):
     """x @ dequantize(W).T + bias in float32, the gated epilogue, rounded once to x's dtype, plus the residual
     rounded again."""
-    y = np.asarray(x, np.float32) @ w.dequantize().T
+    y = np.asarray(x, np.float32) @ (np.asarray(w, np.float32) if is_plain(w) else w.dequantize()).T
     if bias is not None:
         y = y + np.asarray(bias, np.float32)
     y = (act_and_mul_reference(y, GATED[activation]) if activation else y).astype(x.dtype)
@@ -226,54 +250,88 @@ def check_epilogue(x, n_w: int, bias, out, activation, residual):
     return n, runtime.check_out(out, (m, n), x.dtype, x)
 
 
-def linear_mma(x, w, bias=None, out=None, activation=None, residual=None):
-    """x @ W.T (+ bias) for a quantized W, or act(gate) * up, plus a residual: see the module docstring."""
-    dev = runtime.on_device(x, bias, out, residual)
+def linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=None):
+    """x @ W.T (+ bias) for a quantized W (or, sm_90, an fp16 / bf16 one the wgmma kernel takes), or
+    act(gate) * up, plus a residual, of x or its RMSNorm: see the module docstring."""
+    if norm is not None and not (isinstance(norm, tuple) and len(norm) == 2):
+        raise ValueError("norm: need a (weight, eps) pair or None")
+    dev = runtime.on_device(x, bias, out, residual, w if is_plain(w) else None, None if norm is None else norm[0])
     runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
     m, k = x.shape
-    n, out = check_epilogue(x, check_quant_weight(w, k, dev), bias, out, activation, residual)
+    if is_plain(w):
+        runtime.check("w", w, dtype=x.dtype, ndim=2)
+        if w.shape[1] != k:
+            raise ValueError(f"w: got shape {tuple(w.shape)}, need [*, {k}] (x has {k} columns)")
+        n_w = w.shape[0]
+    else:
+        n_w = check_quant_weight(w, k, dev)
+    n, out = check_epilogue(x, n_w, bias, out, activation, residual)
+    if norm is not None:
+        runtime.check("norm weight", norm[0], dtype=x.dtype, shape=(k,))
     if not dev:
-        out[...] = linear_mma_reference(x, w, bias, activation, residual)
+        xn = x if norm is None else rms_norm_reference(x, *norm)
+        out[...] = linear_mma_reference(xn, w, bias, activation, residual)
         return out
-    bits = 4 if isinstance(w, Int4Weight) else 8
-    runtime.check("w.qweight", w.qweight, align=16)
+    bits = 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
+    if bits == 16 and not wgmma_fits(w, k, activation):
+        raise ValueError(f"w: {x.dtype} weights need sm_90, K a multiple of {WGMMA_K} and a C-contiguous, "
+                         "16-byte aligned array (wgmma_fits)")
+    weight = w if bits == 16 else w.qweight
+    runtime.check("w" if bits == 16 else "w.qweight", weight, align=16)
     if bits == 4:
         runtime.check("w.scales_zeros", w.scales_zeros, align=4)
     if k % (need := 32 if bits == 4 else 16):
         raise ValueError(f"x: got K = {k} columns, need a multiple of {need} for {bits}-bit weights")
     runtime.check("x", x, align=16)
     runtime.check("out", out, align=2)
-    for name, a in (("x", x), ("w.qweight", w.qweight)):
+    if norm is not None:
+        runtime.check("norm weight", norm[0], align=16)
+    for name, a in (("x", x), ("w" if bits == 16 else "w.qweight", weight)):
         if a.nbytes >= 1 << 32:  # the kernel keeps byte offsets in 32 bits
             raise ValueError(f"{name}: got {a.nbytes} bytes, need < 4 GiB")
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
-    if WGMMA_MIN_M <= m and wgmma_fits(w, k, activation):
+    if (bits == 16 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation):
         return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
-                       activation or "store")
+                       activation or "store", norm)
+    if norm is not None:
+        x = rms_norm(x, *norm)
     tile = mma_tile(bits, m, n, k, activation or "store", info["sm_count"], int(info["arch"][3:]) >= 90,
                     bits == 4 and w.integer_zeros)
     return _launch(x, w, bias, residual, out, tile, activation or "store")
 
 
-def _launch(x, w, bias, residual, out, tile, epilogue="store"):
+def weight_map(w, gated: bool):
+    """The device-memory tensor map through which the wgmma kernel copies a 16-bit weight [N', K]: the
+    [K / 64, 1, N', 64] view in boxes of (2, 1, 128, 64), or gated the [K / 64, 2, N, 64] view ([gate;
+    up], N = N' / 2) in boxes of (2, 2, 64, 64): a stage's 128 k of the block's 128 rows (gated: 64 gate
+    and their 64 up rows) as two 64-k halves of 128 rows x 128 bytes."""
+    (n_w, k), e = w.shape, w.itemsize
+    g = 2 if gated else 1
+    shape, strides = (k // 64, g, n_w // g, 64), (64 * e, n_w // g * k * e, k * e, e)
+    return runtime.tensor_map_device(w, shape, strides, (2, g, 128 // g, 64))
+
+
+def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None):
     """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
-    checked arguments (tile.split > 1: sm_90 only)."""
-    (m, k), bits = x.shape, 4 if isinstance(w, Int4Weight) else 8
+    checked arguments (tile.split > 1: sm_90 only; norm: WgTile only)."""
+    (m, k), bits = x.shape, 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
     null = np.uint64(0)
-    scales = w.scales_zeros if bits == 4 else w.scales
-    args = (x, w.qweight, scales, null if bias is None else bias, null if residual is None else residual, out,
+    weight = weight_map(w, epilogue in GATED) if bits == 16 else w.qweight
+    scales = null if bits == 16 else w.scales_zeros if bits == 4 else w.scales
+    args = (x, weight, scales, null if bias is None else bias, null if residual is None else residual, out,
             np.int32(m), np.int32(n), np.int32(k))
     if isinstance(tile, WgTile):
         if not wgmma_fits(w, k, epilogue):
             raise ValueError("the wgmma kernel does not take this weight (wgmma_fits)")
         rows = -(-m // tile.nx) * tile.nx
         xs = runtime.require_cupy().empty((rows, k), x.dtype)  # x in the kernel's order, from the current pool
-        runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx)), (rows,), (128,),
-                       (x, xs, np.int32(m), np.int32(k)))
+        runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx, bits == 4, norm is not None)),
+                       (rows,), (128,), (x, xs, null if norm is None else norm[0],
+                                         np.float32(0.0 if norm is None else norm[1]), np.int32(m), np.int32(k)))
         kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue))
         tiles = -(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx)
         grid = (tiles if tile.split > 1 else min(tiles, runtime.device_info()["sm_count"]), tile.split)

@@ -406,6 +406,31 @@ def tensor_map(a, box) -> bytes:
     return _encoded_map(a.data.ptr, tuple(a.shape), tuple(a.strides), tuple(box))
 
 
+_DEVICE_MAPS: dict = {}  # (pointer, shape, strides, box) -> the map in device memory, kept for good
+
+
+def tensor_map_device(a, shape, strides, box):
+    """tensor_map's map of a view of the 16-bit device array `a` (its pointer with `shape` and byte
+    `strides`, outermost first: the innermost stride one element, the others multiples of 16) as a
+    128-byte device array, for a kernel that takes a `const TensorMap*` in global memory (launched
+    through CuPy, with no host cost). Maps are kept for good, as graphs replay them: one per weight and
+    box. The first call for a view copies its map to the device, which a stream capturing a CUDA graph
+    cannot do: run the call once before capturing it (serving.runner.capture does)."""
+    if (a.dtype.itemsize != 2 or strides[-1] != 2 or any(s % 16 for s in strides[:-1]) or box[-1] != 64
+            or len(box) != len(shape)):
+        raise ValueError(f"tensor_map_device: need a 16-bit view with unit innermost stride, 16-byte outer "
+                         f"strides and a box ending in 64 (got {a.dtype}, shape {shape}, strides {strides}, box {box})")
+    key = (a.data.ptr, tuple(shape), tuple(strides), tuple(box))
+    if key not in _DEVICE_MAPS:
+        if capturing():
+            raise CuinferError("tensor_map_device: a new tensor map cannot be copied to the device during CUDA "
+                               "graph capture: run the call once before capturing it")
+        cp = require_cupy()
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # not a graph's pool
+            _DEVICE_MAPS[key] = cp.asarray(np.frombuffer(_encoded_map(*key), np.uint8))
+    return _DEVICE_MAPS[key]
+
+
 @functools.lru_cache(maxsize=1024)
 def _encoded_map(ptr: int, shape: tuple, strides: tuple, box: tuple) -> bytes:
     rank = len(shape)

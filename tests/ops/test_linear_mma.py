@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 from cuinfer.ops import quant, runtime
 from cuinfer.ops.activation import REFERENCES, act_and_mul_reference
 from cuinfer.ops.linear import linear, linear_argmax, linear_reference, path
+from cuinfer.ops.rms_norm import rms_norm_reference
 from cuinfer.ops.linear_mma import (
     GATED,
     INSTANTIATIONS,
     MMA_MAX_M,
     MMA_MIN_M,
+    WGMMA16_MAX_M,
     WGMMA_MAX_M,
     WGMMA_MIN_M,
     MmaTile,
@@ -54,6 +56,9 @@ def test_reference_is_linear_reference_with_its_epilogues():
             np.testing.assert_array_equal(linear_mma(x, w, bias, activation=act),
                                           act_and_mul_reference(y, name).astype(np.float16))
             np.testing.assert_array_equal(linear(x, w, bias, activation=act), linear_mma(x, w, bias, activation=act))
+        g = rng.uniform(0.5, 1.5, 64).astype(np.float16)
+        np.testing.assert_array_equal(linear_mma(x, w, bias, norm=(g, 1e-5)),
+                                      linear_mma(rms_norm_reference(x, g, 1e-5), w, bias))
 
 
 def test_argument_checks():
@@ -61,8 +66,10 @@ def test_argument_checks():
     w = quant.quantize(np.zeros((8, 64), np.float32), "int4", 32)
     with pytest.raises(ValueError, match="x: got dtype float32"):
         linear_mma(x.astype(np.float32), w)
-    with pytest.raises(ValueError, match="w: got ndarray, need an Int8Weight or Int4Weight"):
-        linear_mma(x, np.zeros((8, 64), np.float16))
+    with pytest.raises(ValueError, match="w: got dtype float32"):  # a 16-bit weight is of x's dtype
+        linear_mma(x, np.zeros((8, 64), np.float32))
+    with pytest.raises(ValueError, match=r"w: got shape \(8, 32\), need \[\*, 64\]"):
+        linear_mma(x, np.zeros((8, 32), np.float16))
     with pytest.raises(ValueError, match=r"w: got shape \(8, 64\), need \[\*, 96\]"):
         linear_mma(np.zeros((20, 96), np.float16), w)
     with pytest.raises(ValueError, match="bias: got shape"):
@@ -89,7 +96,7 @@ def test_paths():
     rows = (1, 16, MMA_MIN_M, MMA_MAX_M, MMA_MAX_M + 1, WGMMA_MAX_M, WGMMA_MAX_M + 1)
     assert [path(4, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "cublas"]
     assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "cublas", "cublas", "cublas"]
-    assert path(16, 17) == "cublas" and path(16, 16) == "gemv"
+    assert [path(16, m) for m in (16, 17, WGMMA16_MAX_M, WGMMA16_MAX_M + 1)] == ["gemv", "mma", "mma", "cublas"]
 
 
 def test_tiles_fit_the_sm_and_the_instantiations():
@@ -116,6 +123,13 @@ def test_tiles_fit_the_sm_and_the_instantiations():
     for bits, gs in ((4, 32), (4, 64), (4, 128)):
         for t in WG_TILES:
             assert wgmma_smem_bytes(bits, gs, t) <= 227 * 1024
+    for k, n in SHAPES:  # 16-bit weights
+        for m in range(MMA_MIN_M, WGMMA16_MAX_M + 1):
+            t = wgmma_tile(16, m, n, k)
+            assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024 and t.nx == 32
+            assert wgmma_instantiation(np.float16, 16, 0, t) in INSTANTIATIONS, (m, n, k, t)
+    for t in WG16_TILES:
+        assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024
 
 
 # ------------------------------------------------------------------------ GPU
@@ -134,6 +148,10 @@ TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 
          MmaTile(8, 2, 2, 3, 4, 2)]
 WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
+WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgTile(128, 3, 3, 1), WgTile(64, 2, 3, 8)]
+WG16_ROWS = [17, 31, 32, 33, 64, 100]
+WG16_N = [1, 17, 111, 989, 2096]
+WG16_K = [128, 3 * 128, 4096 + 128]
 
 
 def gpu_instantiations():
@@ -153,6 +171,10 @@ def gpu_instantiations():
                     out.add(wgmma_instantiation(dt, bits, gs, wgmma_tile(bits, m, n, k, epi), epi))
             if dt == DTYPES[0]:
                 out |= {wgmma_instantiation(dt, bits, gs, t, e) for t in WG_TILES for e in ("store", "silu_and_mul")}
+    for dt, m, epi in itertools.product(DTYPES, WG16_ROWS, ("store", "silu_and_mul", "gelu_and_mul")):
+        for n, k in itertools.product(WG16_N, WG16_K):
+            out.add(wgmma_instantiation(dt, 16, 0, wgmma_tile(16, m, n, k, epi), epi))
+    out |= {wgmma_instantiation(dt, 16, 0, t, e) for dt in DTYPES for t in WG16_TILES for e in ("store", "silu_and_mul")}
     return sorted(out)
 
 
@@ -349,6 +371,95 @@ def test_wgmma_every_tile(tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_prologue(dtype):
+    """linear_mma's norm: on the wgmma path (int4, and 16-bit weights) the rows normalized in its x layout
+    pass, rows past the tile zeros; on the mma.sync path (int8) ops.rms_norm first; against
+    ops.rms_norm's reference followed by the GEMM's."""
+    import cupy as cp
+
+    need_sm90()
+    rng = np.random.default_rng(5)
+    for fmt, cases in (("int4", ((40, 4096, 256), (200, 2048, 96), (65, 128, 300))),
+                       ("float", ((20, 4096, 256), (32, 384, 1000))), ("int8", ((40, 512, 96),))):
+        for m, k, n in cases:
+            x = (rng.standard_normal((m, k)) * 3).astype(dtype)
+            g = rng.uniform(0.5, 1.5, k).astype(dtype)
+            w = make_weight(rng, n, k, fmt, 128)
+            w = w.astype(dtype) if fmt == "float" else w
+            w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
+            out = poison(cp, (m, n), dtype)
+            assert linear_mma(cp.asarray(x), w_dev, out=out, norm=(cp.asarray(g), 1e-5)) is out
+            xn = rms_norm_reference(x, g, 1e-5)
+            assert_close(out, reference_rounded(xn, w, None, fmt == "int4" and m >= WGMMA_MIN_M))
+            got = poison(cp, (m, n), dtype)  # linear's norm takes the same path
+            np.testing.assert_array_equal(cp.asnumpy(linear(cp.asarray(x), w_dev, out=got, norm=(cp.asarray(g), 1e-5))),
+                                          cp.asnumpy(out))
+
+
+def wg16_case(cp, rng, dtype, m, n, k, use_bias, epilogue="store", residual=False, tile=None):
+    """One launch of the wgmma kernel on a 16-bit weight against the float64 reference (y rounded once)."""
+    gated = epilogue != "store"
+    w = make_weight(rng, 2 * n if gated else n, k, "float").astype(dtype)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    bias = rng.standard_normal(2 * n if gated else n).astype(dtype) if use_bias else None
+    r = rng.standard_normal((m, n)).astype(dtype) if residual else None
+    x_dev, w_dev = cp.asarray(x), cp.asarray(w)
+    bias_dev, r_dev = (None if a is None else cp.asarray(a) for a in (bias, r))
+    out, plain = poison(cp, (m, n), dtype), poison(cp, (m, n), dtype)
+    if tile is None:
+        assert linear_mma(x_dev, w_dev, bias_dev, out=out, activation=epilogue if gated else None,
+                          residual=r_dev) is out
+        linear_mma(x_dev, w_dev, bias_dev, out=plain, activation=epilogue if gated else None)
+    else:
+        _launch(x_dev, w_dev, bias_dev, r_dev, out, tile, epilogue)
+        _launch(x_dev, w_dev, bias_dev, None, plain, tile, epilogue)
+    y = reference_rounded(x, w, bias, False)
+    if gated:
+        e = accumulation_error(x, w.astype(np.float32))
+        slack = np.abs(REFERENCES[GATED[epilogue]](y[:, :n])) * e[:, n:] + 1.13 * np.abs(y[:, n:]) * e[:, :n]
+        assert_close(out, act_and_mul_reference(y, GATED[epilogue]), slack=slack)
+        return
+    assert_close(plain, y)
+    want = plain if r is None else (cp.asnumpy(plain).astype(np.float32) + r.astype(np.float32)).astype(dtype)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want) if r is None else want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_wgmma16_matches_reference(dtype):
+    """fp16 / bf16 weights through the wgmma kernel (their tensor map, A from shared memory), its
+    tile or another, every epilogue; rows of x and weight rows past the tile, K of one stage."""
+    import cupy as cp
+
+    need_sm90()
+
+    @settings(max_examples=16, deadline=None)
+    @given(m=st.sampled_from(WG16_ROWS), n=st.sampled_from(WG16_N), k=st.sampled_from(WG16_K),
+           use_bias=st.booleans(), epilogue=st.sampled_from(["store", "store", "silu_and_mul", "gelu_and_mul"]),
+           residual=st.booleans(), tile=st.sampled_from([None, None] + WG16_TILES), seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, use_bias, epilogue, residual, tile, seed):
+        wg16_case(cp, np.random.default_rng(seed), dtype, m, n, k, use_bias, epilogue,
+                  residual=residual and epilogue == "store", tile=tile)
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [t for t in WG16_TILES if t.split == 1], ids=str)
+def test_wgmma16_persistent_tiles(tile):
+    """16-bit weights on the persistent grid: more tiles than SMs, each block's rings running on."""
+    import cupy as cp
+
+    need_sm90()
+    sms = runtime.device_info()["sm_count"]
+    rng = np.random.default_rng(tile.nx)
+    for epi, n in (("store", 128 * (sms + 9) - 40), ("silu_and_mul", 64 * (sms + 9) + 5)):
+        for m, k in ((tile.nx + 2, 3 * 128), (20, 5 * 128)):
+            wg16_case(cp, rng, np.dtype(np.float16), m, n, k, True, epi, residual=epi == "store", tile=tile)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4-mse"])
 def test_linear_dispatches_rows_17_to_256(fmt):
     """linear() and linear_argmax() of Int8Weight / Int4Weight at M = 17..256 equal the reference: the
@@ -374,9 +485,9 @@ def test_linear_dispatches_rows_17_to_256(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [40, 200])
 def test_replays_in_a_cuda_graph(m):
-    """The GEMM (a split-K cluster tile and a plain one; mma.sync at 40 rows, wgmma at 200 on sm_90)
-    with its epilogues, captured once and replayed on new inputs, gives the eager results: nothing
-    allocated, no host sync inside."""
+    """The GEMM (a split-K cluster tile and a plain one; mma.sync at 40 rows, wgmma at 200 on sm_90;
+    an fp16 weight: wgmma at 40, cuBLAS at 200) with its epilogues, captured once and replayed on new
+    inputs, gives the eager results: nothing allocated, no host sync inside."""
     import cupy as cp
 
     rng = np.random.default_rng(12)
@@ -386,6 +497,8 @@ def test_replays_in_a_cuda_graph(m):
     x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
     y, act, y8 = cp.empty((m, 2 * n), cp.float16), cp.empty((m, n), cp.float16), cp.empty((m, n), cp.float16)
     y_res = cp.empty_like(y)
+    w16 = cp.asarray((rng.standard_normal((2 * n, k)) / 64).astype(np.float16))
+    y16, act16 = cp.empty((m, 2 * n), cp.float16), cp.empty((m, n), cp.float16)
     stream = cp.cuda.Stream(non_blocking=True)
 
     def step():
@@ -393,6 +506,8 @@ def test_replays_in_a_cuda_graph(m):
         linear(x, w, out=act, activation="silu_and_mul")
         linear(x, w8, out=y8)
         linear(x, w, out=y_res, residual=y)
+        linear(x, w16, out=y16)
+        linear(x, w16, out=act16, activation="silu_and_mul")
 
     with stream:
         step()
@@ -402,9 +517,9 @@ def test_replays_in_a_cuda_graph(m):
         for _ in range(2):
             x[...] = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
             graph.launch(stream)
-            got = [a.copy() for a in (y, act, y8, y_res)]
+            got = [a.copy() for a in (y, act, y8, y_res, y16, act16)]
             step()
-            for a, b in zip(got, (y, act, y8, y_res)):
+            for a, b in zip(got, (y, act, y8, y_res, y16, act16)):
                 np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
 
 
@@ -421,6 +536,11 @@ def test_device_argument_checks():
             with pytest.raises(ValueError, match="wgmma kernel does not take"):
                 _launch(cp.zeros((70, k), cp.float16), w4, None, None, out, WgTile(128, 3, 3, 1), epi)
 
+    if runtime.device_info()["arch"] == "sm_90":  # a 16-bit weight of K % 128 != 0: linear_mma refuses it,
+        w16 = cp.ones((8, 192), cp.float16)       # linear takes cuBLAS
+        with pytest.raises(ValueError, match="need sm_90, K a multiple of 128"):
+            linear_mma(cp.ones((20, 192), cp.float16), w16)
+        np.testing.assert_array_equal(cp.asnumpy(linear(cp.ones((20, 192), cp.float16), w16)), 192)
     w = quant.quantize(np.zeros((8, 72), np.float32), "int8").to_device()
     with pytest.raises(ValueError, match="need a multiple of 16"):
         linear_mma(cp.zeros((20, 72), cp.float16), w)
