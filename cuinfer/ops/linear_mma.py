@@ -43,9 +43,9 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
-# fp16 decode: b=32 4,630 -> 4,724 tok/s; at 64 rows a layer's four calls 181.3 us against cuBLAS's
-# 182.4 but the decode step 0.05 ms slower)
-WGMMA16_MAX_M = 32
+# fp16 decode with the norm in the x pass: b=32 4,628 -> 4,855 tok/s, b=48 6,649 -> 6,742, b=64 8,436
+# -> 8,771 against cuBLAS; at 128 rows the five bench-linear shapes tie, 0.5195 against 0.5200 ms)
+WGMMA16_MAX_M = 64
 WGMMA_K = 128  # k per stage of the wgmma kernel
 WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
@@ -184,11 +184,11 @@ INSTANTIATIONS = sorted(
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_instantiation(dt, 16, 0, wgmma_tile(16, m, n, k, epi), epi) for dt in KERNEL_DTYPES
-       for m in (17,) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for m in (17, 33) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
        for epi in EPILOGUES
-       if epi != "gelu_and_mul" or (m, n, k) == (17, 4096, 4096)}
-    | {wgmma_x_instantiation(dt, nx, nx > 32, norm) for dt in KERNEL_DTYPES for nx in (32, 64, 128)
-       for norm in (False, True)})
+       if epi != "gelu_and_mul" or (m, n, k) == (33, 4096, 4096)}
+    | {wgmma_x_instantiation(dt, nx, pairs, norm) for dt in KERNEL_DTYPES for nx, pairs in
+       ((32, False), (64, False), (64, True), (128, True)) for norm in (False, True)})
 
 
 def linear_mma_reference(x, w, bias=None, activation=None, residual=None):

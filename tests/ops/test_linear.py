@@ -24,9 +24,11 @@ from tests.conftest import accumulation_error, assert_close, poison
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 
 
-def cublas_path(fmt, m):
-    """Whether linear() takes the dequantize + cuBLAS path (whose reference rounds W to T) at M = m."""
-    return path(16 if fmt == "float" else 8 if fmt == "int8" else 4, m) == "cublas"
+def cublas_path(fmt, m, w_dev, k, activation=None):
+    """Whether linear() takes the (dequantize +) cuBLAS path (unfused epilogues; a quantized W rounded to
+    T) at M = m: past the GEMMs' rows, or a 16-bit weight the wgmma kernel does not take."""
+    p = path(16 if fmt == "float" else 8 if fmt == "int8" else 4, m)
+    return p == "cublas" or (fmt == "float" and p == "mma" and not wgmma_fits(w_dev, k, activation))
 
 
 def rounds_w(w_dev, m, k, via_linear=True, activation=None):
@@ -249,7 +251,7 @@ def k_strategy(fmt, gs):
     if fmt.startswith("int4"):  # multiples of the group, including K % 128 != 0
         return st.sampled_from([gs, 3 * gs, 5 * gs, 33 * gs]).filter(lambda k: k <= 4352)
     step = 8 if fmt == "float" else 16
-    return st.sampled_from([step, 17 * step, 111 * step, 4096 + step])
+    return st.sampled_from([step, 17 * step, 111 * step, 4096 + step] + ([512] if fmt == "float" else []))
 
 
 def run_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
@@ -358,7 +360,7 @@ def fused_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude):
     w_dev = cp.asarray(w) if fmt == "float" else w.to_device()
     bias = rng.standard_normal(2 * n).astype(dtype) if use_bias else None
     bias_dev = None if bias is None else cp.asarray(bias)
-    prefill = cublas_path(fmt, m)
+    prefill = cublas_path(fmt, m, w_dev, k, "silu_and_mul")
     if prefill:
         # unfused there: the product, rounded to T by linear (checked against the reference by the
         # prefill tests), then ops.silu_and_mul rounding once. A reference product rounded to T
