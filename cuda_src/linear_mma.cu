@@ -25,7 +25,8 @@
 // than SMs split K over a thread-block cluster (sm_90) reduced through distributed shared memory.
 //
 // linear_wgmma_kernel (below, "wgmma"): the same fragments fed to wgmma from registers, for int4 with
-// integer zeros on sm_90, with a producer warpgroup that stores x in the fragments' k order.
+// integer zeros on sm_90, with a producer warpgroup that stores x in the fragments' k order; and
+// fp16 / bf16 weights copied by TMA in wgmma's own layout, both operands from shared memory.
 #include "mma.cuh"
 #include "quant.cuh"
 
@@ -407,8 +408,8 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 }
 
 // ------------------------------------------------------------------ wgmma (sm_90a)
-// linear_wgmma_kernel, for the larger M (int4 with integer zeros): three warpgroups, 128 weight rows
-// a block times NX x rows, K in stages of 128 through two rings of shared memory filled by bulk copies
+// linear_wgmma_kernel, for the larger M (int4 with integer zeros; 16-bit weights: below): three
+// warpgroups, 128 weight rows a block times NX x rows, K in stages of 128 through two rings of shared memory filled by bulk copies
 // (cp.async.bulk) that complete on a slot's full mbarrier and are refilled once the 256 consumer
 // threads released the slot on its empty one (each its own reads). Warp 0 fills the WS weight slots,
 // kChunk = 4 stages each: the block's eight 16-row weight tiles as they are in memory (tiles16: a
@@ -430,6 +431,11 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // 32 j + 8 c + 4 s + e of the half, slot 8 + 2 c + e is k 32 j + 8 c + 4 s + 2 + e. So B's 16-byte chunk
 // 4 j + 2 s + u (slots 8 u .. 8 u + 7 of step 2 j + s) of a half holds pair 2 s + u of each of the four
 // 16-byte chunks of x's k 32 j .. 32 j + 32: a 4 x 4 transpose of 4-byte pairs (wgmma_x_kernel).
+//
+// 16-bit weights (WBITS 16): nothing to dequantize, so the kernel streams. A weight slot is one stage,
+// the block's 128 rows as two 64-k halves of [128 rows][128 bytes], filled by one TMA copy through the
+// weight's tensor map, whose 128-byte swizzle is wgmma's K-major layout: each warpgroup multiplies its
+// 64 rows of the slot (A by descriptor) by the x slot (x in k order), eight wgmma a stage.
 
 // desc128's high word for a K-major 128-byte-swizzled operand (sbo 1024, the swizzle mode)
 constexpr unsigned long long kDescHi = (1024ull >> 4 << 32) | (1ull << 62);
@@ -620,8 +626,10 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
 // ceil(N / E) * ceil(M / NX), E = 128 (64 gated), the x tiles of one row block adjacent; clusters of
 // (1, SPLIT, 1) · block: 384 threads · smem: dynamic WGeo::kSmem bytes · sm_90a
 // only (elsewhere it traps: ops/linear_mma.py launches it on sm_90). x: wgmma_x_kernel's image of x;
-// K % 128 == 0; gated: N % 16 == 0; scales 16-byte aligned; int4 with integer zeros only. The other
-// arguments and the results as linear_mma_kernel's.
+// K % 128 == 0. WBITS 4: int4 with integer zeros, gated N % 16 == 0, scales 16-byte aligned. WBITS
+// 16: w is the CUtensorMap in device memory of the weight's [K / 64, G, N, 64] view (G = 2 gated:
+// [gate; up], else 1) with boxes of (2, G, 128 / G, 64), scales unused (ops/linear_mma.py weight_map).
+// The other arguments and the results as linear_mma_kernel's.
 template <typename T, int WBITS, int GS, int NX, int WS, int XS, int SPLIT, int EPI>
 __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel(MMA_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -23,11 +23,12 @@ linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
 cupy arrays (path(bits, m) names the one taken): the decode GEMV of cuda_src/linear.cu (tensor
 cores, weights dequantized in registers, every weight byte read once, epilogue fused) for M <= 16;
-for quantized weights at 17 <= M <= MMA_MAX_M (int4 that its wgmma kernel takes: <= WGMMA_MAX_M)
-the GEMM of ops.linear_mma (dequantization in registers, the x rows tiled in shared memory, bias /
-residual / gated epilogues fused, y rounded once). With norm, every GEMV block first normalizes the
-rows of x into shared memory (no launch of its own) when a 16-row chunk of them fits in NORM_SMEM
-bytes; otherwise, and on the GEMM and prefill paths, ops.rms_norm runs first. Without norm the rows
+for quantized weights at 17 <= M <= MMA_MAX_M (int4 that its wgmma kernel takes: <= WGMMA_MAX_M),
+and fp16 / bf16 ones the wgmma kernel takes at 17 <= M <= WGMMA16_MAX_M (sm_90), the GEMMs of
+ops.linear_mma (dequantization in registers or none, bias / residual / gated epilogues fused, y
+rounded once). With norm, every GEMV block first normalizes the rows of x into shared memory (no
+launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes, and the wgmma GEMM in its
+x pass; otherwise, and on the mma.sync GEMM and prefill paths, ops.rms_norm runs first. Without norm the rows
 are copied there all the same when they fit, so the main loop's x reads never miss L1. Beyond those
 (fp16 / bf16 weights above 16 rows, quantized ones above those: prefill) the weight is dequantized
 to a scratch [N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in

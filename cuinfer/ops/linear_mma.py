@@ -1,12 +1,16 @@
-"""Quantized linear layers at 17 or more rows of x: the tensor-core GEMMs of cuda_src/linear_mma.cu.
+"""Linear layers at 17 or more rows of x: the tensor-core GEMMs of cuda_src/linear_mma.cu.
 
-linear_mma(x, w, bias=None, out=None, activation=None, residual=None) -> [M, N] in x's dtype
-    x: [M, K] fp16 / bf16; w: cuinfer.ops.quant.Int8Weight or Int4Weight [N, K]; bias: [N].
+linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=None) -> [M, N] in x's dtype
+    x: [M, K] fp16 / bf16; w: cuinfer.ops.quant.Int8Weight or Int4Weight [N, K], or on sm_90 an fp16 /
+    bf16 array of x's dtype the wgmma kernel takes (wgmma_fits); bias: [N].
     activation="silu_and_mul" / "gelu_and_mul": w is the stacked [gate; up] weight [2I, K] (bias [2I])
     and the result is act(x @ gate.T) * (x @ up.T), [M, I], both sums in fp32, rounded once.
     residual: [M, N] (store only, not aliasing out): round(round(y) + residual).
-ops.linear dispatches here for quantized weights at MMA_MIN_M <= M <= MMA_MAX_M, and int4 ones the
-wgmma kernel takes (wgmma_fits) up to WGMMA_MAX_M (docs/linear.md).
+    norm: (weight [K], eps): x is RMS-normalized first, with ops.rms_norm's roundings (the wgmma path
+    in its x pass, the mma.sync one by ops.rms_norm).
+ops.linear dispatches here for quantized weights at MMA_MIN_M <= M <= MMA_MAX_M, int4 ones the
+wgmma kernel takes (wgmma_fits) up to WGMMA_MAX_M and fp16 / bf16 ones up to WGMMA16_MAX_M
+(docs/linear.md).
 
 Two kernels. linear_mma_kernel (mma.sync): the weight dequantized in registers to exact values of T,
 int4 group scales and int8 row scales applied in fp32, so y is x @ dequantize(W).T in fp32 rounded
@@ -16,7 +20,8 @@ rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a s
 current memory pool); one producer warp fills a ring with bulk copies of the packed weight tiles
 (four stages a copy), another a ring with that x; two consumer warpgroups dequantize their words
 straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
-cuBLAS path's scratch holds it. Small grids split K over a thread-block cluster (sm_90), reduced in a
+cuBLAS path's scratch holds it. 16-bit weights: one TMA copy a stage through the weight's tensor map
+in device memory (weight_map), both wgmma operands from shared memory. Small grids split K over a thread-block cluster (sm_90), reduced in a
 fixed order through distributed shared memory. With `out` given, the mma.sync kernel allocates
 nothing and the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture
 allocates from its own pool).

@@ -406,7 +406,7 @@ def tensor_map(a, box) -> bytes:
     return _encoded_map(a.data.ptr, tuple(a.shape), tuple(a.strides), tuple(box))
 
 
-_DEVICE_MAPS: dict = {}  # (pointer, shape, strides, box) -> the map in device memory, kept for good
+_DEVICE_MAPS: dict = {}  # (device, (pointer, shape, strides, box)) -> the map in device memory, kept for good
 
 
 def tensor_map_device(a, shape, strides, box):
@@ -420,15 +420,15 @@ def tensor_map_device(a, shape, strides, box):
             or len(box) != len(shape)):
         raise ValueError(f"tensor_map_device: need a 16-bit view with unit innermost stride, 16-byte outer "
                          f"strides and a box ending in 64 (got {a.dtype}, shape {shape}, strides {strides}, box {box})")
+    cp = require_cupy()
     key = (a.data.ptr, tuple(shape), tuple(strides), tuple(box))
-    if key not in _DEVICE_MAPS:
+    if (cp.cuda.Device().id, key) not in _DEVICE_MAPS:
         if capturing():
             raise CuinferError("tensor_map_device: a new tensor map cannot be copied to the device during CUDA "
                                "graph capture: run the call once before capturing it")
-        cp = require_cupy()
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # not a graph's pool
-            _DEVICE_MAPS[key] = cp.asarray(np.frombuffer(_encoded_map(*key), np.uint8))
-    return _DEVICE_MAPS[key]
+            _DEVICE_MAPS[cp.cuda.Device().id, key] = cp.asarray(np.frombuffer(_encoded_map(*key), np.uint8))
+    return _DEVICE_MAPS[cp.cuda.Device().id, key]
 
 
 @functools.lru_cache(maxsize=1024)
