@@ -28,11 +28,12 @@ and fp16 / bf16 ones the wgmma kernel takes at 17 <= M <= WGMMA16_MAX_M (sm_90),
 ops.linear_mma (dequantization in registers or none, bias / residual / gated epilogues fused, y
 rounded once). With norm, every GEMV block first normalizes the rows of x into shared memory (no
 launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes, and the wgmma GEMM in its
-x pass; otherwise, and on the mma.sync GEMM and prefill paths, ops.rms_norm runs first. Without norm the rows
-are copied there all the same when they fit, so the main loop's x reads never miss L1. Beyond those
-(fp16 / bf16 weights above 16 rows, quantized ones above those: prefill) the weight is dequantized
-to a scratch [N, K] array and multiplied by cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in
-an fp32 scratch, beta = 1) with fp32 split-K reductions, so y is rounded once as in the GEMV; a gated
+x pass; otherwise, and on the mma.sync GEMM and prefill paths, ops.rms_norm runs first. Without norm
+the rows are copied there all the same when they fit, so the main loop's x reads never miss L1.
+Beyond those (fp16 / bf16 weights above 16 rows that the wgmma GEMM does not take, quantized ones
+above the GEMMs' rows: prefill) the weight is dequantized to a scratch [N, K] array and multiplied by
+cuBLAS gemmEx in fp32 (ops.cublas, a bias pre-filled in an fp32 scratch, beta = 1) with fp32 split-K
+reductions, so y is rounded once as in the GEMV; a gated
 epilogue then runs unfused (ops.silu_and_mul / gelu_and_mul on an [M, 2I] intermediate) and the
 residual is added after. Every path can be captured in a CUDA graph: the GEMV, the GEMM, the
 reduction and the norm allocate nothing when `out` (and for argmax `workspace`) is given; the
@@ -47,7 +48,15 @@ import numpy as np
 from . import runtime
 from .activation import act_and_mul_reference, gelu_and_mul, silu_and_mul
 from .cublas import gemm
-from .linear_mma import MMA_MAX_M, WGMMA16_MAX_M, WGMMA_MAX_M, check_epilogue, check_quant_weight, linear_mma, wgmma_fits
+from .linear_mma import (
+    MMA_MAX_M,
+    WGMMA16_MAX_M,
+    WGMMA_MAX_M,
+    check_epilogue,
+    check_quant_weight,
+    linear_mma,
+    wgmma_fits,
+)
 from .quant import GROUP_SIZES, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 

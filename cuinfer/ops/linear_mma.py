@@ -21,8 +21,8 @@ current memory pool); one producer warp fills a ring with bulk copies of the pac
 (four stages a copy), another a ring with that x; two consumer warpgroups dequantize their words
 straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
 cuBLAS path's scratch holds it. 16-bit weights: one TMA copy a stage through the weight's tensor map
-in device memory (weight_map), both wgmma operands from shared memory. Small grids split K over a thread-block cluster (sm_90), reduced in a
-fixed order through distributed shared memory. With `out` given, the mma.sync kernel allocates
+in device memory (weight_map), both wgmma operands from shared memory. Small grids split K over a
+thread-block cluster (sm_90), reduced in a fixed order through distributed shared memory. With `out` given, the mma.sync kernel allocates
 nothing and the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture
 allocates from its own pool).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.

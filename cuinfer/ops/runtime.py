@@ -422,13 +422,14 @@ def tensor_map_device(a, shape, strides, box):
                          f"strides and a box ending in 64 (got {a.dtype}, shape {shape}, strides {strides}, box {box})")
     cp = require_cupy()
     key = (a.data.ptr, tuple(shape), tuple(strides), tuple(box))
-    if (cp.cuda.Device().id, key) not in _DEVICE_MAPS:
+    at = (cp.cuda.Device().id, key)
+    if at not in _DEVICE_MAPS:
         if capturing():
             raise CuinferError("tensor_map_device: a new tensor map cannot be copied to the device during CUDA "
                                "graph capture: run the call once before capturing it")
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # not a graph's pool
-            _DEVICE_MAPS[cp.cuda.Device().id, key] = cp.asarray(np.frombuffer(_encoded_map(*key), np.uint8))
-    return _DEVICE_MAPS[cp.cuda.Device().id, key]
+            _DEVICE_MAPS[at] = cp.asarray(np.frombuffer(_encoded_map(*key), np.uint8))
+    return _DEVICE_MAPS[at]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from cuinfer.ops import quant, runtime
 from cuinfer.ops.activation import REFERENCES, act_and_mul_reference
 from cuinfer.ops.linear import linear, linear_argmax, linear_reference, path
-from cuinfer.ops.rms_norm import rms_norm_reference
 from cuinfer.ops.linear_mma import (
     GATED,
     INSTANTIATIONS,
@@ -31,6 +30,7 @@ from cuinfer.ops.linear_mma import (
     wgmma_smem_bytes,
     wgmma_tile,
 )
+from cuinfer.ops.rms_norm import rms_norm_reference
 from tests.conftest import accumulation_error, assert_close, poison
 from tests.ops.test_linear import make_weight, reference_rounded, rounds_w
 
