@@ -49,7 +49,7 @@ MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
 # fp16 decode with the norm in the x pass: b=32 4,628 -> 4,855 tok/s, b=48 6,649 -> 6,742, b=64 8,436
-# -> 8,771 against cuBLAS; at 128 rows the five bench-linear shapes tie, 0.5195 against 0.5200 ms)
+# -> 8,771 against cuBLAS; not measured above 64 rows)
 WGMMA16_MAX_M = 64
 WGMMA_K = 128  # k per stage of the wgmma kernel
 WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
