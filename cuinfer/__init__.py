@@ -11,10 +11,14 @@ __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name):
-    if name in ("Engine", "RequestOutput"):
-        from .serving import engine
+    if name == "Engine":
+        from .serving.engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name == "RequestOutput":
+        from .serving.request import RequestOutput
+
+        return RequestOutput
     if name == "SamplingParams":
         from .serving.sampling import SamplingParams
 

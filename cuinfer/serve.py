@@ -65,7 +65,6 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import generate_latest
 
-    from .serving.engine import encode_prompt
     from .serving.metrics import Metrics
     from .serving.openai_protocol import (
         ChatCompletionRequest,
@@ -73,6 +72,7 @@ def build_app(aengine, model_name: str, api_key: str | None = None, max_waiting:
         chat_logprobs,
         completion_logprobs,
     )
+    from .serving.request import encode_prompt
 
     metrics = Metrics(aengine)
     app = FastAPI(title="cuinfer", on_shutdown=[aengine.shutdown])

@@ -10,7 +10,7 @@ from helpers import make_tiny_checkpoint
 from cuinfer import Engine, SamplingParams
 from cuinfer.serving.async_engine import AsyncEngine, with_text
 from cuinfer.serving.detokenizer import RequestText
-from cuinfer.serving.engine import RequestOutput
+from cuinfer.serving.request import RequestOutput
 
 PROMPTS = ["hello there", "numbers like 0123", "the quick brown fox"]
 

@@ -16,8 +16,6 @@ launches rotating over the buffer so that no pass reads what the previous left i
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .. import bench
 from ..cli import int_in
 from ..ops import probe, runtime

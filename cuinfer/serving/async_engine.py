@@ -26,7 +26,7 @@ import threading
 
 from ..errors import CuinferError
 from .detokenizer import RequestText
-from .engine import RequestOutput
+from .request import RequestOutput
 
 
 class EngineStopped(CuinferError):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from ..ops.paged_attention import precompile as precompile_attention
 from .block_manager import BlockManager, blocks_for
 from .detokenizer import RequestText
 from .piecewise import PiecewiseForward
+from .request import PromptTooLongError, RequestOutput, Stats, encode_prompt
 from .runner import DecodeGraph, batch_bucket
 from .sampling import SamplingParams, draw_uniforms, graph_sampleable, sample, sampling_columns, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
@@ -47,10 +48,6 @@ PIECEWISE_MAX_TOKENS = 2048
 DEFAULT_PARAMS = SamplingParams()
 
 
-class PromptTooLongError(CuinferError):
-    pass
-
-
 def warm_up_rows(budget: int) -> list:
     """The token counts Engine.warm_up runs a forward of: 1-16 (the GEMV's row counts), the GEMM's
     buckets to 128, then steps of 1.5x to the budget (cuBLAS picks its kernel by shape)."""
@@ -59,66 +56,6 @@ def warm_up_rows(budget: int) -> list:
         rows.append(n)
         n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
     return [r for r in rows if r < budget] + [budget]
-
-
-def encode_prompt(tokenizer, prompt) -> list:
-    """A prompt as token ids: a list of ints is taken as is, a string goes through the tokenizer."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise CuinferError("this engine has no tokenizer: pass prompts as token id lists")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # undecodable bytes from a command line arrive as surrogates
-            raise CuinferError(f"prompt: not valid UTF-8 (character {e.start})") from None
-        return list(tokenizer.encode(prompt))
-    return [int(t) for t in prompt]
-
-
-@dataclass
-class RequestOutput:
-    """A request after a step: the new text and tokens of this step, and everything so far."""
-    request_id: str
-    prompt_ids: list
-    token_ids: list  # generated so far (the end token included when it stopped on one)
-    text: str  # the text so far, less a tail that might still become a stop string
-    new_text: str = ""
-    new_token_ids: list = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (end token or stop string), "length", "abort"
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-    ttft_s: float = 0.0  # submission to the first token
-    # with SamplingParams.logprobs: per new token (its logprob, [(token, logprob)] of the top ones)
-    new_logprobs: list = field(default_factory=list)
-    # with SamplingParams.prompt_logprobs, in the first output: per prompt token as new_logprobs
-    # (None for the first, which nothing predicts)
-    prompt_logprobs: list | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache
-    generated_tokens: int = 0
-    ttft_s: float = 0.0  # first request: submission to its first token
-    prefill_s: float = 0.0  # steps that carried prompt tokens
-    prefill_tokens: int = 0
-    decode_s: float = 0.0  # steps of decodes only (mixed steps count as prefill)
-    decode_tokens: int = 0  # tokens sampled in those steps
-    preemptions: int = 0
-    pipelined_steps: int = 0  # decode steps launched before the previous step's tokens were read
-    peak_kv_blocks: int = 0
-    draft_tokens: int = 0  # speculative decoding: draft tokens proposed and verified
-    accepted_tokens: int = 0  # of those, accepted
-    verify_rows: int = 0  # sequences' verify steps that carried drafts
-    kv: dict = field(default_factory=dict)  # kv_memory() of the finished sequences
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a sequence gained per verify step with drafts (its accepted drafts plus one)."""
-        return (self.accepted_tokens + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
 
 
 @dataclass(eq=False)
