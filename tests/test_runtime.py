@@ -32,3 +32,22 @@ def test_tensor_map_refuses_a_strided_view():
 def test_tensor_map_device_refuses_what_tma_cannot_copy(dtype, shape, strides, box):
     with pytest.raises(ValueError, match="tensor_map_device"):
         runtime.tensor_map_device(np.zeros(64, dtype), shape, strides, box)
+
+
+def test_precompile_fills_the_cache_kernel_reads(tmp_path, monkeypatch):
+    """precompile compiles what the disk cache lacks, in spawned NVRTC processes, under the keys
+    kernel() looks up (cached_cubin), and nothing the second time."""
+    pytest.importorskip("cupy")
+    from cuinfer import ops
+
+    monkeypatch.setenv("CUINFER_CACHE", str(tmp_path))
+    exprs = list(ops.family_module("rope").INSTANTIATIONS)[:3]
+    pairs = [("rope", e) for e in exprs] + [("rope", exprs[0])]  # a repeat is compiled once
+    assert runtime.precompile(pairs, "sm_90", True, workers=2) == 3
+    assert len(list((tmp_path / "kernels").glob("rope-*.cubin"))) == 3
+    assert runtime.precompile(pairs, "sm_90", True, workers=2) == 0
+    assert runtime.precompile(pairs[:1], "sm_80", False) == 1  # another build, other keys
+    for e in exprs:
+        path, lowered = runtime.cached_cubin("rope", e, "sm_90", True)
+        assert path.parent == tmp_path / "kernels" and path.stat().st_size > 0
+        assert lowered == runtime.compile_family("rope", [e], "sm_90", True).lowered[e]

@@ -75,10 +75,6 @@ def sweep_tiles(bits, k, n, epilogue, m=1):
     return sorted(tiles | {tile_config(bits, 1, n, k, epilogue)})
 
 
-def _compile(expr):
-    runtime.kernel("linear", expr)
-
-
 def _random_weight(cp, fmt, n, k):
     if fmt == "fp16":
         return (cp.random.standard_normal((n, k), dtype=cp.float32) / np.sqrt(k)).astype(cp.float16)
@@ -138,17 +134,13 @@ def _sweep(cp, preset, formats, ms=(1,)):
     """Each decode GEMV of the preset with its fused epilogue, per tile: one CUDA graph of one call per
     weight copy (>= ROTATE_BYTES of copies: HBM, not L2), its kernels launched as a decode replay
     launches them (programmatic dependent launch on sm_90); ms per call."""
-    import concurrent.futures
-    import multiprocessing
-
     from ..convert import load_preset
     from ..serving.runner import capture
 
     gemvs = decode_gemvs(load_preset(preset))
     exprs = {instantiation(np.float16, *SWEEP_BITS[f], t, e, stages_x(m, k, np.float16, norm), True) for f in formats
              for _, k, n, e, norm, _ in gemvs for m in ms for t in sweep_tiles(SWEEP_BITS[f][0], k, n, e, m)}
-    with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
-        list(ex.map(_compile, sorted(exprs)))  # NVRTC on every core; the runs below load the cubins
+    runtime.precompile([("linear", e) for e in exprs])  # NVRTC on every core; the runs below load the cubins
     rows = []
     for fmt in formats:
         bits = SWEEP_BITS[fmt][0]
@@ -189,21 +181,13 @@ def mma_sweep_tiles(bits, m, n, k):
     return sorted(t for t in tiles if t.minb * (smem_bytes(bits, 128, t) + 1024) <= 228 * 1024)
 
 
-def _compile_mma(expr):
-    runtime.kernel("linear_mma", expr)
-
-
 def _mma_sweep(cp, rows_m, formats):
     """ms per GEMM launch (ops.linear_mma._launch, queued as run() times linear) for each tile."""
-    import concurrent.futures
-    import multiprocessing
-
     formats = [f for f in formats if f != "fp16"]
     cases = [(k, n, m, f) for k, n in SHAPES for m in rows_m for f in formats]
     exprs = {mma_instantiation(np.float16, *SWEEP_BITS[f], True, t) for k, n, m, f in cases
              for t in mma_sweep_tiles(SWEEP_BITS[f][0], m, n, k)}
-    with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as ex:
-        list(ex.map(_compile_mma, sorted(exprs)))
+    runtime.precompile([("linear_mma", e) for e in exprs])
     busy = (cp.zeros(1 << 28, cp.float32), cp.empty(1 << 28, cp.float32))
     rows = []
     for k, n, m, fmt in cases:

@@ -154,7 +154,8 @@ def precompile(dtype, head_dim: int, n_heads: int, n_kv_heads: int, cache_dtype=
     cache = fp8.cache_ctype(dtype if cache_dtype is None else cache_dtype, dtype)
     prefix = f"paged_attention_kernel<{runtime.ctype(dtype)}, {cache}, {head_dim}, {g},"
     exprs = [e for e in INSTANTIATIONS if e.startswith(prefix)]
-    for e in exprs:
+    runtime.precompile([("paged_attention", e) for e in exprs])  # NVRTC on every core
+    for e in exprs:  # then each module loaded
         runtime.kernel("paged_attention", e)
     return len(exprs)
 

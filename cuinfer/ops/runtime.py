@@ -9,7 +9,9 @@ builds every template instantiation in `exprs` (strings such as
 no GPU, only NVRTC and the CUDA headers. `kernel(family, expr)` compiles one
 instantiation for the current device (memory cache, then disk cache keyed by the
 source hash, the instantiation, the arch and the NVRTC version) and returns a
-`cupy.RawKernel` loaded through `cupy.RawModule`.
+`cupy.RawKernel` loaded through `cupy.RawModule`. `precompile(pairs)` fills that disk cache with
+many instantiations at once, one NVRTC process per core (warm-ups, benchmark sweeps, a GPU test run
+on a fresh machine).
 
 Launchers use `check(...)` to validate arrays before a launch: a bad launch must
 never reach the GPU.
@@ -263,24 +265,61 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
+def cached_cubin(family: str, expr: str, arch: str, pdl: bool) -> tuple:
+    """(cubin path, lowered name) of `expr` in the disk cache for (arch, pdl), compiled and stored
+    first if missing. The key: the source hash, the instantiation, the arch, the NVRTC version and
+    the options. No GPU needed."""
+    cubin_path, meta_path = _cache_paths(family, expr, arch, pdl)
+    if not (cubin_path.exists() and meta_path.exists()):
+        compiled = compile_family(family, [expr], arch, pdl)
+        cubin_path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(cubin_path, compiled.cubin)
+        _atomic_write(meta_path, json.dumps(compiled.lowered).encode())
+    return cubin_path, json.loads(meta_path.read_text())[expr]
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(family: str, expr: str):
     """The compiled `expr` of cuda_src/<family>.cu for the current device, as a cupy.RawKernel."""
     cp = require_cupy()
-    arch = device_arch()
-    pdl = _pdl_driver() is not None
+    cubin_path, lowered = cached_cubin(family, expr, device_arch(), _pdl_driver() is not None)
+    return cp.RawModule(path=str(cubin_path)).get_function(lowered)
+
+
+def _cache_one(job):
+    cached_cubin(*job)
+
+
+def precompile(pairs, arch: str | None = None, pdl: bool | None = None, workers: int | None = None) -> int:
+    """Compile into the disk cache every (family, expr) of `pairs` it lacks, one NVRTC process per
+    core (NVRTC compiles a program on one thread, ~1 s an instantiation), so that the kernel() calls
+    after it only load cubins; the count compiled. arch, pdl: None, what kernel() takes on this
+    device."""
+    if arch is None:
+        arch = device_arch()
+    if pdl is None:
+        pdl = _pdl_driver() is not None
+    jobs = sorted({(f, e, arch, pdl) for f, e in pairs})
+    missing = [j for j in jobs if not all(p.exists() for p in _cache_paths(*j))]
+    workers = min(workers or os.cpu_count() or 1, len(missing))
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawned, not forked: the children run NVRTC only and must not inherit a CUDA context
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_cache_one, missing))
+    else:
+        for job in missing:
+            _cache_one(job)
+    return len(missing)
+
+
+def _cache_paths(family: str, expr: str, arch: str, pdl: bool) -> tuple:
     key = hashlib.sha256(
         f"{source_hash(family)}|{expr}|{arch}|{nvrtc_version()}|{compile_options(arch, pdl)}".encode()
     ).hexdigest()[:24]
-    d = cache_dir()
-    cubin_path, meta_path = d / f"{family}-{key}.cubin", d / f"{family}-{key}.json"
-    if not (cubin_path.exists() and meta_path.exists()):
-        compiled = compile_family(family, [expr], arch, pdl)
-        d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(cubin_path, compiled.cubin)
-        _atomic_write(meta_path, json.dumps(compiled.lowered).encode())
-    lowered = json.loads(meta_path.read_text())[expr]
-    return cp.RawModule(path=str(cubin_path)).get_function(lowered)
+    return cache_dir() / f"{family}-{key}.cubin", cache_dir() / f"{family}-{key}.json"
 
 
 def _atomic_write(path: Path, data: bytes):
