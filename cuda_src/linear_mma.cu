@@ -25,8 +25,8 @@
 // than SMs split K over a thread-block cluster (sm_90) reduced through distributed shared memory.
 //
 // linear_wgmma_kernel (below, "wgmma"): the same fragments fed to wgmma from registers, for int4 with
-// integer zeros on sm_90, with a producer warpgroup that stores x in the fragments' k order; and
-// fp16 / bf16 weights copied by TMA in wgmma's own layout, both operands from shared memory.
+// integer zeros and for int8 on sm_90, with a producer warpgroup that stores x in the fragments' k
+// order; and fp16 / bf16 weights copied by TMA in wgmma's own layout, both operands from shared memory.
 #include "mma.cuh"
 #include "quant.cuh"
 
@@ -436,17 +436,29 @@ __device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], floa
 // the block's 128 rows as two 64-k halves of [128 rows][128 bytes], filled by one TMA copy through the
 // weight's tensor map, whose 128-byte swizzle is wgmma's K-major layout: each warpgroup multiplies its
 // 64 rows of the slot (A by descriptor) by the x slot (x in k order), eight wgmma a stage.
+//
+// int8 weights (WBITS 8): the weight [N', K] as it is, a slot one stage of the block's 128 rows x 128
+// bytes, filled by one TMA copy (the bytes viewed as 16-bit pairs, 128-byte swizzle). Lane c of a quad
+// takes bytes 32 c .. 32 c + 32 of its rows r and r + 8 (16-byte chunks 2 c and 2 c + 1, the second
+// for the second half): word s of a chunk feeds k16 step s of its half, bytes 0-1 to slots 2 c, 2 c + 1
+// and bytes 2-3 to slots 8 + 2 c, 9 + 2 c (int8_pair: exact values of T). So slot 2 c + e of step s
+// (0..7 over the stage) is k 32 c + 4 s + e and slot 8 + 2 c + e is k 32 c + 4 s + 2 + e: B's 16-byte
+// chunk q (0..15 over the stage's two halves) holds 4-byte pair q of each of the stage's four 32-k
+// blocks (wgmma_x_kernel, ORDER 8). The row scales multiply the finished sums in store_rows, as in
+// the mma.sync kernel.
 
 // desc128's high word for a K-major 128-byte-swizzled operand (sbo 1024, the swizzle mode)
 constexpr unsigned long long kDescHi = (1024ull >> 4 << 32) | (1ull << 62);
 
 template <int WBITS, int GS, int NX, int WS, int XS> struct WGeo {
-  static constexpr int kChunk = WBITS == 16 ? 1 : 4;            // stages of a weight slot
+  static constexpr bool kTma = WBITS != 4;                      // weights by TMA through a tensor map
+  static constexpr int kChunk = kTma ? 1 : 4;                   // stages of a weight slot
   static constexpr int kX = NX * 256;                           // an x slot: NX rows x 128 k, two 64-k halves
   static constexpr int kTile = kChunk * 1024;                   // int4: a weight tile's kChunk stages
-  // int4: the eight tiles, [tile][stage][1 KB]; 16-bit: the stage's 128 rows, [64-k half][row][128 bytes]
-  static constexpr int kW = WBITS == 16 ? 2 * 128 * 128 : 8 * kTile;
-  static constexpr int kGroups = WBITS == 16 ? 0 : 128 / GS;    // scale groups of a stage
+  // int4: the eight tiles, [tile][stage][1 KB]; 16-bit: the stage's 128 rows, [64-k half][row][128 bytes];
+  // int8: the stage's 128 rows, [row][128 bytes]
+  static constexpr int kW = WBITS == 16 ? 2 * 128 * 128 : WBITS == 8 ? 128 * 128 : 8 * kTile;
+  static constexpr int kGroups = WBITS == 4 ? 128 / GS : 0;     // scale groups of a stage
   static constexpr int kTileS = kChunk * kGroups * 64;          // a tile's pairs, [stage][group][16 rows]
   static constexpr int kWSlot = (kW + 8 * kTileS + 1023) / 1024 * 1024;
   static constexpr int kRing = WS * kWSlot + XS * kX;          // weight slots, then x slots
@@ -491,6 +503,18 @@ __device__ __forceinline__ void dequant_half(const unsigned char* sz0, const uin
       a[2 * j + st][0] = q[0][j][2 * st], a[2 * j + st][1] = q[1][j][2 * st];
       a[2 * j + st][2] = q[0][j][2 * st + 1], a[2 * j + st][3] = q[1][j][2 * st + 1];
     }
+}
+
+// The A fragments of half H's four k16 steps for the lane's rows r and r + 8 from its 16-byte chunks
+// v[row][H] of an int8 slot (the k order above): a[step][4], exact values of T.
+template <typename T, int H>
+__device__ __forceinline__ void int8_half(const uint4 (&v)[2][2], u32 (&a)[4][4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const u32 w0 = reinterpret_cast<const u32*>(&v[0][H])[s], w1 = reinterpret_cast<const u32*>(&v[1][H])[s];
+    a[s][0] = int8_pair<T>(w0, 0), a[s][1] = int8_pair<T>(w1, 0);
+    a[s][2] = int8_pair<T>(w0, 1), a[s][3] = int8_pair<T>(w1, 1);
+  }
 }
 
 }  // namespace
@@ -564,11 +588,11 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
 }
 
 // x [M, K] T -> xs: per tile of NX x rows and 64-k half t, the NX x 128-byte image of x a slot of
-// linear_wgmma_kernel holds (128-byte swizzle; PAIRS: pairs in the int4 fragments' order, above, else
-// k in order, for 16-bit weights), halves of a tile consecutive; rows past M are zeros. NORM: each row
-// RMS-normalized first with norm_w (ops.rms_norm's rounding, rms_normed). grid: ceil(M / NX) NX blocks
-// (one row each) · block: 128 threads · K % 128 == 0.
-template <typename T, int NX, bool PAIRS, bool NORM>
+// linear_wgmma_kernel holds (128-byte swizzle; ORDER: the k order of the weight fragments, above: 4
+// int4's pairs, 8 int8's, 0 k in order, for 16-bit weights), halves of a tile consecutive; rows past M
+// are zeros. NORM: each row RMS-normalized first with norm_w (ops.rms_norm's rounding, rms_normed).
+// grid: ceil(M / NX) NX blocks (one row each) · block: 128 threads · K % 128 == 0.
+template <typename T, int NX, int ORDER, bool NORM>
 __global__ void __launch_bounds__(128) wgmma_x_kernel(const T* __restrict__ x, unsigned char* __restrict__ xs,
                                                       const T* __restrict__ norm_w, float eps, int M, int K) {
   const int row = blockIdx.x, r = row % NX;
@@ -590,26 +614,49 @@ __global__ void __launch_bounds__(128) wgmma_x_kernel(const T* __restrict__ x, u
     }
     inv_rms = rms_inv(block_reduce(sum_sq, scratch), K, eps);
   }
-  for (int q = threadIdx.x; q < K / 32; q += 128) {  // k 32 q .. + 32: half q / 2, its chunks 4 (q % 2) ..
-    uint4 v[4];
+  if constexpr (ORDER == 8) {
+    const u32* x2 = reinterpret_cast<const u32*>(xr);
+    const u32* w2 = reinterpret_cast<const u32*>(norm_w);
+    for (int i = threadIdx.x; i < K / 8; i += 128) {  // chunk q of stage t: pair q of its four 32-k blocks
+      const int t = i >> 4, q = i & 15;
+      u32 v[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      v[c] = row < M ? *reinterpret_cast<const uint4*>(xr + 32 * q + 8 * c) : make_uint4(0, 0, 0, 0);
-      if constexpr (NORM) {
-        const uint4 wv = *reinterpret_cast<const uint4*>(norm_w + 32 * q + 8 * c);
+      for (int c = 0; c < 4; ++c) {
+        const int p = 64 * t + 16 * c + q;  // the pair's index in the row
+        v[c] = row < M ? x2[p] : 0u;
+        if constexpr (NORM) {
+          const u32 wp = w2[p];
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          reinterpret_cast<T*>(&v[c])[e] =
-              rms_normed(reinterpret_cast<const T*>(&v[c])[e], reinterpret_cast<const T*>(&wv)[e], inv_rms);
+          for (int e = 0; e < 2; ++e)
+            reinterpret_cast<T*>(&v[c])[e] =
+                rms_normed(reinterpret_cast<const T*>(&v[c])[e], reinterpret_cast<const T*>(&wp)[e], inv_rms);
+        }
       }
+      *reinterpret_cast<uint4*>(tile + (size_t)(2 * t + (q >> 3)) * NX * 128 + wgmma::swizzle128(r, q & 7)) =
+          make_uint4(v[0], v[1], v[2], v[3]);
     }
-    unsigned char* half = tile + (size_t)(q >> 1) * NX * 128;
+  } else {
+    for (int q = threadIdx.x; q < K / 32; q += 128) {  // k 32 q .. + 32: half q / 2, its chunks 4 (q % 2) ..
+      uint4 v[4];
 #pragma unroll
-    for (int ph = 0; ph < 4; ++ph)
-      *reinterpret_cast<uint4*>(half + wgmma::swizzle128(r, 4 * (q & 1) + ph)) =
-          PAIRS ? make_uint4(reinterpret_cast<const u32*>(&v[0])[ph], reinterpret_cast<const u32*>(&v[1])[ph],
-                             reinterpret_cast<const u32*>(&v[2])[ph], reinterpret_cast<const u32*>(&v[3])[ph])
-                : v[ph];
+      for (int c = 0; c < 4; ++c) {
+        v[c] = row < M ? *reinterpret_cast<const uint4*>(xr + 32 * q + 8 * c) : make_uint4(0, 0, 0, 0);
+        if constexpr (NORM) {
+          const uint4 wv = *reinterpret_cast<const uint4*>(norm_w + 32 * q + 8 * c);
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            reinterpret_cast<T*>(&v[c])[e] =
+                rms_normed(reinterpret_cast<const T*>(&v[c])[e], reinterpret_cast<const T*>(&wv)[e], inv_rms);
+        }
+      }
+      unsigned char* half = tile + (size_t)(q >> 1) * NX * 128;
+#pragma unroll
+      for (int ph = 0; ph < 4; ++ph)
+        *reinterpret_cast<uint4*>(half + wgmma::swizzle128(r, 4 * (q & 1) + ph)) =
+            ORDER == 4 ? make_uint4(reinterpret_cast<const u32*>(&v[0])[ph], reinterpret_cast<const u32*>(&v[1])[ph],
+                                    reinterpret_cast<const u32*>(&v[2])[ph], reinterpret_cast<const u32*>(&v[3])[ph])
+                       : v[ph];
+    }
   }
 }
 
@@ -629,13 +676,15 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
 // K % 128 == 0. WBITS 4: int4 with integer zeros, gated N % 16 == 0, scales 16-byte aligned. WBITS
 // 16: w is the CUtensorMap in device memory of the weight's [K / 64, G, N, 64] view (G = 2 gated:
 // [gate; up], else 1) with boxes of (2, G, 128 / G, 64), scales unused (ops/linear_mma.py weight_map).
+// WBITS 8: w the map of the int8 bytes as 16-bit pairs, the [K / 128, G, N, 64] view in boxes of (1, G,
+// 128 / G, 64); scales the fp16 row scales [N'].
 // The other arguments and the results as linear_mma_kernel's.
 template <typename T, int WBITS, int GS, int NX, int WS, int XS, int SPLIT, int EPI>
 __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel(MMA_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using G = WGeo<WBITS, GS, NX, WS, XS>;
-  static_assert(WBITS == 16 || (WBITS == 4 && (GS == 32 || GS == 64 || GS == 128)),
-                "16-bit weights, or int4 groups of 32, 64 or 128");
+  static_assert(WBITS == 16 || WBITS == 8 || (WBITS == 4 && (GS == 32 || GS == 64 || GS == 128)),
+                "16-bit or int8 weights, or int4 groups of 32, 64 or 128");
   static_assert(WS >= 2 && XS >= 2 && (NX == 64 || NX == 128 || (WBITS == 16 && NX == 32)), "tile");
   extern __shared__ __align__(128) unsigned char smem[];
   // wfull[WS], wempty[WS], xfull[XS], xempty[XS], redfree
@@ -672,7 +721,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   // results go over the x slots, so the weights of the next tile stream in during its epilogue and x's
   // wait for redfree.
   float acc[NX / 2];
-  if (WBITS == 16 && warp == 0) {  // weights: lane 0 copies each stage's 128 rows through the tensor map
+  if (G::kTma && warp == 0) {  // 16-bit and int8 weights: lane 0 copies each stage's 128 rows through the map
     if (lane == 0) {
       const TensorMap* map = static_cast<const TensorMap*>(w);
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
@@ -683,7 +732,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
           const unsigned full = wfull0 + 8 * (gc % WS);
           if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
           mbar_expect_tx(full, G::kW);  // rows past N are zero-filled, and count
-          tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, 2 * (t_begin + i), full);
+          tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, (WBITS == 16 ? 2 : 1) * (t_begin + i), full);
         }
       }
     }
@@ -755,17 +804,28 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
           wgmma::commit();
           wgmma::wait<0>();
           wgmma::fence_regs(acc);
-        } else {
+        } else {  // A from registers, half by half: int4 dequantized, int8 converted
           const unsigned char* wt = wt0 + wslot * G::kWSlot + j * 1024;
           const unsigned char* sz = sz0 + wslot * G::kWSlot + j * G::kGroups * 64;
-          const uint4 v[2] = {*reinterpret_cast<const uint4*>(wt), *reinterpret_cast<const uint4*>(wt + 8 * 64)};
+          uint4 v[2], v8[2][2];  // int4: the lane's 16 bytes of rows r, r + 8; int8: [row][half] its chunks
+          if constexpr (WBITS == 4) {
+            v[0] = *reinterpret_cast<const uint4*>(wt), v[1] = *reinterpret_cast<const uint4*>(wt + 8 * 64);
+          } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh)
+                v8[h][hh] = *reinterpret_cast<const uint4*>(sm + wslot * G::kWSlot + wgmma::swizzle128(r + 8 * h, 2 * c + hh));
+          }
           u32 a0[4][4], a1[4][4];
-          dequant_half<T, GS, 0>(sz, v, r, a0);
+          if constexpr (WBITS == 4) dequant_half<T, GS, 0>(sz, v, r, a0);
+          else int8_half<T, 0>(v8, a0);
           wgmma::fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], kDescHi | (xd + 2 * s));
           wgmma::commit();
-          dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
+          if constexpr (WBITS == 4) dequant_half<T, GS, 1>(sz, v, r, a1);  // while the first half multiplies
+          else int8_half<T, 1>(v8, a1);
           wgmma::fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a1[s], kDescHi | (xd + NX * 8 + 2 * s));

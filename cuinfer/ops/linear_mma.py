@@ -21,10 +21,12 @@ current memory pool); one producer warp fills a ring with bulk copies of the pac
 (four stages a copy), another a ring with that x; two consumer warpgroups dequantize their words
 straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
 cuBLAS path's scratch holds it. 16-bit weights: one TMA copy a stage through the weight's tensor map
-in device memory (weight_map), both wgmma operands from shared memory. Small grids split K over a
-thread-block cluster (sm_90), reduced in a fixed order through distributed shared memory. With `out` given, the mma.sync kernel allocates
-nothing and the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture
-allocates from its own pool).
+in device memory (weight_map), both wgmma operands from shared memory. int8 weights (wgmma_takes; not
+dispatched yet): the bytes by TMA as they are, converted to exact values of T in registers, the row
+scales in the epilogue. Small grids split K over a thread-block cluster (sm_90), reduced in a fixed
+order through distributed shared memory. With `out` given, the mma.sync kernel allocates nothing and
+the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture allocates from its
+own pool).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
 """
 from __future__ import annotations
@@ -51,6 +53,10 @@ WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # fp16 decode with the norm in the x pass: b=32 4,628 -> 4,855 tok/s, b=48 6,649 -> 6,742, b=64 8,436
 # -> 8,771 against cuBLAS; not measured above 64 rows)
 WGMMA16_MAX_M = 64
+# int8 weights: the wgmma kernel takes them (wgmma_takes: a tensor map over the int8 bytes, converted
+# exactly in registers) from WGMMA_MIN_M to WGMMA8_MAX_M rows; 0 until it has run on a GPU (its GPU
+# tests launch it directly; an A/B raises this, up to MMA_MAX_M, the rows ops.linear sends here).
+WGMMA8_MAX_M = 0
 WGMMA_K = 128  # k per stage of the wgmma kernel
 WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
@@ -109,18 +115,21 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
     time, as was a second wave). 16-bit weights, whose copies are 32 KB stages (no dequantization: the
-    kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128)."""
+    kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB
+    stages, not yet measured): 4 and 4 at NX = 128, 6 and 6 at 64."""
     nx = (32 if m <= 32 and bits == 16 else 64) if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
     if bits == 16:
         return WgTile(nx, 3, 3, split) if nx == 128 else WgTile(nx, 4, 4, split)
+    if bits == 8:
+        return WgTile(nx, 4, 4, split) if nx == 128 else WgTile(nx, 6, 6, split)
     return WgTile(nx, 2, 4, split) if nx == 128 else WgTile(nx, 2, 6, split)
 
 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
-    wslot = (2 * 128 * 128 if bits == 16 else
+    wslot = (2 * 128 * 128 if bits == 16 else 128 * 128 if bits == 8 else
              -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024)
     red = tile.nx * (128 + 4) * 4  # store_rows' results over the x slots (red_stride(128) floats a row)
     return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.wstages * wslot + red) + 1024
@@ -139,15 +148,25 @@ def wgmma_fits(w, k: int, activation=None) -> bool:
             and runtime.device_info()["arch"] == "sm_90" and w.scales_zeros.data.ptr % 16 == 0)
 
 
+def wgmma_takes(w, k: int, activation=None) -> bool:
+    """Whether the wgmma kernel can take this weight: wgmma_fits's, or on sm_90 an Int8Weight of K a
+    multiple of 128 whose bytes are 16-byte aligned (its tensor map)."""
+    if isinstance(w, Int8Weight):
+        return (k % WGMMA_K == 0 and w.qweight.flags.c_contiguous and w.qweight.data.ptr % 16 == 0
+                and runtime.device_info()["arch"] == "sm_90")
+    return wgmma_fits(w, k, activation)
+
+
 def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
     gs = group_size if bits == 4 else 0
     return (f"linear_wgmma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {tile.nx}, {tile.wstages}, {tile.xstages}, "
             f"{tile.split}, {EPILOGUES[epilogue]}>")
 
 
-def wgmma_x_instantiation(dtype, nx: int, pairs=True, norm=False) -> str:
-    b = {True: "true", False: "false"}
-    return f"wgmma_x_kernel<{runtime.ctype(dtype)}, {nx}, {b[pairs]}, {b[norm]}>"
+def wgmma_x_instantiation(dtype, nx: int, bits: int, norm=False) -> str:
+    """The x pass for the weight's bits: the k order of its fragments (ORDER 4 or 8; 16-bit weights 0,
+    k in order)."""
+    return f"wgmma_x_kernel<{runtime.ctype(dtype)}, {nx}, {bits % 16}, {'true' if norm else 'false'}>"
 
 
 def is_plain(w) -> bool:
@@ -192,8 +211,12 @@ INSTANTIATIONS = sorted(
        for m in (17, 33) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (33, 4096, 4096)}
-    | {wgmma_x_instantiation(dt, nx, pairs, norm) for dt in KERNEL_DTYPES for nx, pairs in
-       ((32, False), (64, False), (64, True), (128, True)) for norm in (False, True)})
+    | {wgmma_instantiation(dt, 8, 0, wgmma_tile(8, m, n, k, epi), epi) for dt in KERNEL_DTYPES
+       for m in (33, 65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for epi in EPILOGUES
+       if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
+    | {wgmma_x_instantiation(dt, nx, bits, norm) for dt in KERNEL_DTYPES for nx, bits in
+       ((32, 16), (64, 16), (64, 4), (128, 4), (64, 8), (128, 8)) for norm in (False, True)})
 
 
 def linear_mma_reference(x, w, bias=None, activation=None, residual=None):
@@ -297,7 +320,8 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=N
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
-    if (bits == 16 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation):
+    if ((bits == 16 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation)
+            or bits == 8 and WGMMA_MIN_M <= m <= WGMMA8_MAX_M and wgmma_takes(w, k, activation)):
         return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
                        activation or "store", norm)
     if norm is not None:
@@ -311,7 +335,13 @@ def weight_map(w, gated: bool):
     """The device-memory tensor map through which the wgmma kernel copies a 16-bit weight [N', K]: the
     [K / 64, 1, N', 64] view in boxes of (2, 1, 128, 64), or gated the [K / 64, 2, N, 64] view ([gate;
     up], N = N' / 2) in boxes of (2, 2, 64, 64): a stage's 128 k of the block's 128 rows (gated: 64 gate
-    and their 64 up rows) as two 64-k halves of 128 rows x 128 bytes."""
+    and their 64 up rows) as two 64-k halves of 128 rows x 128 bytes. An Int8Weight: its bytes as 16-bit
+    pairs, the [K / 128, G, N, 64] view in boxes of (1, G, 128 / G, 64), a stage 128 rows x 128 bytes."""
+    if isinstance(w, Int8Weight):
+        (n_w, k), q = w.shape, w.qweight.view(runtime.require_cupy().uint16)
+        g = 2 if gated else 1
+        return runtime.tensor_map_device(q, (k // 128, g, n_w // g, 64), (128, n_w // g * k, k, 2),
+                                         (1, g, 128 // g, 64))
     (n_w, k), e = w.shape, w.itemsize
     g = 2 if gated else 1
     shape, strides = (k // 64, g, n_w // g, 64), (64 * e, n_w // g * k * e, k * e, e)
@@ -325,16 +355,17 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None):
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
     null = np.uint64(0)
-    weight = weight_map(w, epilogue in GATED) if bits == 16 else w.qweight
+    wg = isinstance(tile, WgTile)
+    weight = weight_map(w, epilogue in GATED) if bits == 16 or (wg and bits == 8) else w.qweight
     scales = null if bits == 16 else w.scales_zeros if bits == 4 else w.scales
     args = (x, weight, scales, null if bias is None else bias, null if residual is None else residual, out,
             np.int32(m), np.int32(n), np.int32(k))
-    if isinstance(tile, WgTile):
-        if not wgmma_fits(w, k, epilogue):
+    if wg:
+        if not wgmma_takes(w, k, epilogue):
             raise ValueError("the wgmma kernel does not take this weight (wgmma_fits)")
         rows = -(-m // tile.nx) * tile.nx
         xs = runtime.require_cupy().empty((rows, k), x.dtype)  # x in the kernel's order, from the current pool
-        runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx, bits == 4, norm is not None)),
+        runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx, bits, norm is not None)),
                        (rows,), (128,), (x, xs, null if norm is None else norm[0],
                                          np.float32(0.0 if norm is None else norm[1]), np.int32(m), np.int32(k)))
         kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue))

@@ -1,7 +1,5 @@
 """linear_mma: the quantized GEMM (M = 17..256) against the float64 reference, its epilogues, tiles,
 argument checks, linear()'s dispatch to it and its replay in a CUDA graph."""
-import itertools
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -130,6 +128,13 @@ def test_tiles_fit_the_sm_and_the_instantiations():
             assert wgmma_instantiation(np.float16, 16, 0, t) in INSTANTIATIONS, (m, n, k, t)
     for t in WG16_TILES:
         assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024
+    for k, n in SHAPES:  # int8 weights
+        for m in (WGMMA_MIN_M, 128, WGMMA_MAX_M):
+            t = wgmma_tile(8, m, n, k)
+            assert wgmma_smem_bytes(8, 0, t) <= 227 * 1024
+            assert wgmma_instantiation(np.float16, 8, 0, t) in INSTANTIATIONS, (m, n, k, t)
+    for t in WG8_TILES:
+        assert wgmma_smem_bytes(8, 0, t) <= 227 * 1024
 
 
 # ------------------------------------------------------------------------ GPU
@@ -152,30 +157,7 @@ WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgT
 WG16_ROWS = [17, 31, 32, 33, 64, 100]
 WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
-
-
-def gpu_instantiations():
-    """Every instantiation the GPU tests below may launch (for a parallel compile before them)."""
-    out = set()
-    for (fmt, gs), dt in itertools.product(FORMATS, DTYPES):
-        bits, iz = (8, False) if fmt == "int8" else (4, not fmt.endswith("mse"))
-        for m, epi in itertools.product(ROWS, ("store", "silu_and_mul", "gelu_and_mul")):
-            for n, k in itertools.product(n_choices(fmt, epi != "store"), k_choices(fmt, gs)):
-                t = mma_tile(bits, m, n, k, epi, integer_zeros=iz)
-                out.add(instantiation(dt, bits, gs, iz, t, epi))
-        if dt == DTYPES[0]:
-            out |= {instantiation(dt, bits, gs, iz, t, e) for t in TILES for e in ("store", "silu_and_mul")}
-        if iz and bits == 4:
-            for m, epi in itertools.product(WG_ROWS, ("store", "silu_and_mul", "gelu_and_mul")):
-                for n, k in itertools.product(n_choices(fmt, epi != "store"), wg_k_choices(gs)):
-                    out.add(wgmma_instantiation(dt, bits, gs, wgmma_tile(bits, m, n, k, epi), epi))
-            if dt == DTYPES[0]:
-                out |= {wgmma_instantiation(dt, bits, gs, t, e) for t in WG_TILES for e in ("store", "silu_and_mul")}
-    for dt, m, epi in itertools.product(DTYPES, WG16_ROWS, ("store", "silu_and_mul", "gelu_and_mul")):
-        for n, k in itertools.product(WG16_N, WG16_K):
-            out.add(wgmma_instantiation(dt, 16, 0, wgmma_tile(16, m, n, k, epi), epi))
-    out |= {wgmma_instantiation(dt, 16, 0, t, e) for dt in DTYPES for t in WG16_TILES for e in ("store", "silu_and_mul")}
-    return sorted(out)
+WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2)]
 
 
 def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
@@ -457,6 +439,52 @@ def test_wgmma16_persistent_tiles(tile):
     for epi, n in (("store", 128 * (sms + 9) - 40), ("silu_and_mul", 64 * (sms + 9) + 5)):
         for m, k in ((tile.nx + 2, 3 * 128), (20, 5 * 128)):
             wg16_case(cp, rng, np.dtype(np.float16), m, n, k, True, epi, residual=epi == "store", tile=tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_wgmma8_matches_reference(dtype):
+    """int8 weights through the wgmma kernel (the bytes by TMA, converted exactly in registers, the row
+    scales in the epilogue), its tile or another, every epilogue, against the exact dequantized weight.
+    linear_mma sends none there yet (WGMMA8_MAX_M = 0): launched directly."""
+    import cupy as cp
+
+    need_sm90()
+
+    @settings(max_examples=16, deadline=None)
+    @given(m=st.sampled_from(WG_ROWS), n=st.sampled_from(n_choices("int8")), k=st.sampled_from(wg_k_choices(128)),
+           use_bias=st.booleans(), magnitude=st.sampled_from([1.0, 30.0]),
+           epilogue=st.sampled_from(["store", "store", "silu_and_mul", "gelu_and_mul"]), residual=st.booleans(),
+           tile=st.sampled_from([None, None] + WG8_TILES), seed=st.integers(0, 2**32 - 1))
+    def check(m, n, k, use_bias, magnitude, epilogue, residual, tile, seed):
+        mma_case(cp, np.random.default_rng(seed), dtype, m, n, k, "int8", 0, use_bias, magnitude, epilogue,
+                 residual=residual and epilogue == "store", tile=tile or wgmma_tile(8, m, n, k, epilogue))
+
+    check()
+
+
+@pytest.mark.gpu
+def test_wgmma8_persistent_tiles_and_norm():
+    """int8 on the persistent grid (more tiles than SMs, K of 3 and 5 stages), and with the norm in the x
+    pass (its int8 order, ORDER 8), rows past the tile zeros."""
+    import cupy as cp
+
+    need_sm90()
+    sms = runtime.device_info()["sm_count"]
+    rng = np.random.default_rng(8)
+    for tile in (t for t in WG8_TILES if t.split == 1):
+        for epi, n in (("store", 128 * (sms + 9) - 40), ("silu_and_mul", 64 * (sms + 9) + 5)):
+            for m, k in ((tile.nx + 2, 3 * 128), (40, 5 * 128)):
+                mma_case(cp, rng, np.dtype(np.float16), m, n, k, "int8", 0, True, 1.0, epi, residual=epi == "store",
+                         tile=tile)
+    for dtype in DTYPES:
+        for m, k, n in ((40, 4096, 256), (200, 2048, 96), (65, 128, 300)):
+            x = (rng.standard_normal((m, k)) * 3).astype(dtype)
+            g = rng.uniform(0.5, 1.5, k).astype(dtype)
+            w = make_weight(rng, n, k, "int8")
+            out = poison(cp, (m, n), dtype)
+            _launch(cp.asarray(x), w.to_device(), None, None, out, wgmma_tile(8, m, n, k), norm=(cp.asarray(g), 1e-5))
+            assert_close(out, reference_rounded(rms_norm_reference(x, g, 1e-5), w, None, False))
 
 
 @pytest.mark.gpu
