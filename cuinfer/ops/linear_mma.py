@@ -349,20 +349,20 @@ def weight_map(w, gated: bool):
 
 
 def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None):
-    """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
+    """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_takes) with `tile` on
     checked arguments (tile.split > 1: sm_90 only; norm: WgTile only)."""
     (m, k), bits = x.shape, 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
     null = np.uint64(0)
     wg = isinstance(tile, WgTile)
+    if wg and not wgmma_takes(w, k, epilogue):
+        raise ValueError("the wgmma kernel does not take this weight (wgmma_takes)")
     weight = weight_map(w, epilogue in GATED) if bits == 16 or (wg and bits == 8) else w.qweight
     scales = null if bits == 16 else w.scales_zeros if bits == 4 else w.scales
     args = (x, weight, scales, null if bias is None else bias, null if residual is None else residual, out,
             np.int32(m), np.int32(n), np.int32(k))
     if wg:
-        if not wgmma_takes(w, k, epilogue):
-            raise ValueError("the wgmma kernel does not take this weight (wgmma_fits)")
         rows = -(-m // tile.nx) * tile.nx
         xs = runtime.require_cupy().empty((rows, k), x.dtype)  # x in the kernel's order, from the current pool
         runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx, bits, norm is not None)),

@@ -563,6 +563,10 @@ def test_device_argument_checks():
             out = cp.zeros((70, n if epi == "store" else n // 2), cp.float16)
             with pytest.raises(ValueError, match="wgmma kernel does not take"):
                 _launch(cp.zeros((70, k), cp.float16), w4, None, None, out, WgTile(128, 3, 3, 1), epi)
+        w8 = make_weight(rng, 64, 192, "int8").to_device()  # K of a stage and a half
+        with pytest.raises(ValueError, match="wgmma kernel does not take"):
+            _launch(cp.zeros((70, 192), cp.float16), w8, None, None, cp.zeros((70, 64), cp.float16),
+                    WgTile(128, 4, 4, 1))
 
     if runtime.device_info()["arch"] == "sm_90":  # a 16-bit weight of K % 128 != 0: linear_mma refuses it,
         w16 = cp.ones((8, 192), cp.float16)       # linear takes cuBLAS
