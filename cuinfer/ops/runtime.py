@@ -292,7 +292,7 @@ def _cache_one(job):
 
 def precompile(pairs, arch: str | None = None, pdl: bool | None = None, workers: int | None = None) -> int:
     """Compile into the disk cache every (family, expr) of `pairs` it lacks, one NVRTC process per
-    core (NVRTC compiles a program on one thread, ~1 s an instantiation), so that the kernel() calls
+    core (NVRTC compiles a program on one thread, 0.5-1 s an instantiation), so that the kernel() calls
     after it only load cubins; the count compiled. arch, pdl: None, what kernel() takes on this
     device."""
     if arch is None:
