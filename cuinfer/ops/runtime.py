@@ -286,10 +286,6 @@ def kernel(family: str, expr: str):
     return cp.RawModule(path=str(cubin_path)).get_function(lowered)
 
 
-def _cache_one(job):
-    cached_cubin(*job)
-
-
 def precompile(pairs, arch: str | None = None, pdl: bool | None = None, workers: int | None = None) -> int:
     """Compile into the disk cache every (family, expr) of `pairs` it lacks, one NVRTC process per
     core (NVRTC compiles a program on one thread, 0.5-1 s an instantiation), so that the kernel() calls
@@ -308,10 +304,10 @@ def precompile(pairs, arch: str | None = None, pdl: bool | None = None, workers:
 
         # spawned, not forked: the children run NVRTC only and must not inherit a CUDA context
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_cache_one, missing))
+            list(pool.map(cached_cubin, *zip(*missing)))
     else:
         for job in missing:
-            _cache_one(job)
+            cached_cubin(*job)
     return len(missing)
 
 
