@@ -6,6 +6,7 @@ from cuinfer.io.config import ModelConfig
 from cuinfer.model.decoder import Batch, Model
 from cuinfer.model.kv_cache import CacheShape, KVCache
 from cuinfer.ops import runtime
+from cuinfer.ops.linear import path
 
 
 def tiny_config(**over):
@@ -283,20 +284,22 @@ def test_gpu_logits_match_numpy(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, runtime.bfloat16])
 def test_gpu_deferred_residual_add_is_the_unfused_add(monkeypatch, dtype):
-    """Above the GEMV's rows (cuBLAS, no fused epilogue) the o and down residual adds join the next
-    norm's launch (Deferred, weight None): logits bit for bit those of the add after each GEMM."""
+    """On the cuBLAS path (16-bit weights past WGMMA16_MAX_M rows: no fused epilogue) the o and down
+    residual adds join the next norm's launch (Deferred, weight None): logits bit for bit those of the
+    add after each GEMM. One step of 100 rows."""
     from cuinfer.model import decoder
 
     cfg, t = gpu_case("llama3-gqa")
     gpu = Model.from_tensors(cfg, t, "gpu", dtype)
-    seqs = list(zip([[3, 4, 5], [8, 2]], prompts(cfg, [40, 17])))
+    seqs = list(zip([[3, 4, 5, 6, 7], [8, 2]], prompts(cfg, [70, 30])))
     fused_adds = []
     norm = decoder.rms_norm
     monkeypatch.setattr(decoder, "rms_norm", lambda *a, **kw: fused_adds.append("residual" in kw) or norm(*a, **kw))
-    got = np.concatenate(run_chunks(gpu, make_cache(cfg, gpu), seqs, 64))
+    got = np.concatenate(run_chunks(gpu, make_cache(cfg, gpu), seqs, 128))
+    assert path(16, 100) == "cublas"
     assert sum(fused_adds) == 2 * cfg.num_hidden_layers - 1  # every add but the last layer's down
     monkeypatch.setattr(decoder, "path", lambda bits, m: "gemv")  # the add in linear (cuBLAS, then +=)
-    want = np.concatenate(run_chunks(gpu, make_cache(cfg, gpu), seqs, 64))
+    want = np.concatenate(run_chunks(gpu, make_cache(cfg, gpu), seqs, 128))
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, want)
 

@@ -23,7 +23,7 @@ linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
 cupy arrays (path(bits, m) names the one taken): the decode GEMV of cuda_src/linear.cu (tensor
 cores, weights dequantized in registers, every weight byte read once, epilogue fused) for M <= 16;
-for quantized weights at 17 <= M <= MMA_MAX_M (int4 that its wgmma kernel takes: <= WGMMA_MAX_M),
+for quantized weights at 17 <= M <= MMA_MAX_M (ones its wgmma kernel takes: <= WGMMA_MAX_M),
 and fp16 / bf16 ones the wgmma kernel takes at 17 <= M <= WGMMA16_MAX_M (sm_90), the GEMMs of
 ops.linear_mma (dequantization in registers or none, bias / residual / gated epilogues fused, y
 rounded once). With norm, every GEMV block first normalizes the rows of x into shared memory (no
@@ -85,11 +85,11 @@ def weight_bits(w) -> int:
 
 def path(bits: int, m: int) -> str:
     """The device path linear() takes for M rows of x and weights of `bits`: "gemv", "mma" (the
-    GEMMs of ops.linear_mma; int4 past MMA_MAX_M rows and fp16 / bf16 always only where its wgmma
-    kernel takes the weight, linear_mma.wgmma_fits, else cuBLAS) or "cublas"."""
+    GEMMs of ops.linear_mma; quantized weights past MMA_MAX_M rows and fp16 / bf16 always only where
+    its wgmma kernel takes the weight, linear_mma.wgmma_fits, else cuBLAS) or "cublas"."""
     if m <= GEMV_MAX_M[bits]:
         return "gemv"
-    return "mma" if m <= {16: WGMMA16_MAX_M, 8: MMA_MAX_M, 4: WGMMA_MAX_M}[bits] else "cublas"
+    return "mma" if m <= (WGMMA16_MAX_M if bits == 16 else WGMMA_MAX_M) else "cublas"
 
 
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:

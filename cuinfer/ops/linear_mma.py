@@ -8,23 +8,23 @@ linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=None)
     residual: [M, N] (store only, not aliasing out): round(round(y) + residual).
     norm: (weight [K], eps): x is RMS-normalized first, with ops.rms_norm's roundings (the wgmma path
     in its x pass, the mma.sync one by ops.rms_norm).
-ops.linear dispatches here for quantized weights at MMA_MIN_M <= M <= MMA_MAX_M, int4 ones the
-wgmma kernel takes (wgmma_fits) up to WGMMA_MAX_M and fp16 / bf16 ones up to WGMMA16_MAX_M
+ops.linear dispatches here for quantized weights at MMA_MIN_M <= M <= MMA_MAX_M, int8 and int4 ones
+the wgmma kernel takes (wgmma_fits) up to WGMMA_MAX_M and fp16 / bf16 ones up to WGMMA16_MAX_M
 (docs/linear.md).
 
 Two kernels. linear_mma_kernel (mma.sync): the weight dequantized in registers to exact values of T,
 int4 group scales and int8 row scales applied in fp32, so y is x @ dequantize(W).T in fp32 rounded
 once, as the decode GEMV computes it; each block stages 16 RT WARPS weight rows and 8 NT x rows per
-128 k through a cp.async ring. linear_wgmma_kernel (sm_90, int4 with integer zeros, from WGMMA_MIN_M
+128 k through a cp.async ring. linear_wgmma_kernel (sm_90, int8, int4 with integer zeros, from WGMMA_MIN_M
 rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a scratch array from the
 current memory pool); one producer warp fills a ring with bulk copies of the packed weight tiles
 (four stages a copy), another a ring with that x; two consumer warpgroups dequantize their words
 straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
 cuBLAS path's scratch holds it. 16-bit weights: one TMA copy a stage through the weight's tensor map
-in device memory (weight_map), both wgmma operands from shared memory. int8 weights (wgmma_takes; not
-dispatched yet): the bytes by TMA as they are, converted to exact values of T in registers, the row
-scales in the epilogue. Small grids split K over a thread-block cluster (sm_90), reduced in a fixed
-order through distributed shared memory. With `out` given, the mma.sync kernel allocates nothing and
+in device memory (weight_map), both wgmma operands from shared memory. int8 weights: the bytes by TMA
+as they are, converted to exact values of T in registers, the row scales in the epilogue. Small grids
+split K over a thread-block cluster (sm_90), reduced in a fixed order through distributed shared
+memory. With `out` given, the mma.sync kernel allocates nothing and
 the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture allocates from its
 own pool).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
@@ -43,20 +43,17 @@ from .rms_norm import rms_norm, rms_norm_reference
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The
 # mma.sync kernel takes MMA_MIN_M..MMA_MAX_M rows (past 128 cuBLAS on the copy was faster: llama3-8b
-# int4 decode at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, int4 with integer zeros:
-# wgmma_fits) WGMMA_MIN_M..WGMMA_MAX_M (H100, a llama3-8b layer's four calls: against mma.sync 132 /
-# 135 us at 48 / 64 rows where mma.sync took 156 / 151, 132 at 32 where it took 102; against cuBLAS on
-# the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846).
+# int4 decode at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, int8 and int4 with
+# integer zeros: wgmma_fits) WGMMA_MIN_M..WGMMA_MAX_M (int4, H100, a llama3-8b layer's four calls:
+# against mma.sync 132 / 135 us at 48 / 64 rows where mma.sync took 156 / 151, 132 at 32 where it took
+# 102; against cuBLAS on the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846. int8,
+# H200, llama3-8b decode against mma.sync: b=64 9,233 -> 13,960 tok/s, b=128 10,750 -> 19,190).
 MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
 # fp16 decode with the norm in the x pass: b=32 4,628 -> 4,855 tok/s, b=48 6,649 -> 6,742, b=64 8,436
 # -> 8,771 against cuBLAS; not measured above 64 rows)
 WGMMA16_MAX_M = 64
-# int8 weights: the wgmma kernel takes them (wgmma_takes: a tensor map over the int8 bytes, converted
-# exactly in registers) from WGMMA_MIN_M to WGMMA8_MAX_M rows; 0 until it has run on a GPU (its GPU
-# tests launch it directly; an A/B raises this, up to MMA_MAX_M, the rows ops.linear sends here).
-WGMMA8_MAX_M = 0
 WGMMA_K = 128  # k per stage of the wgmma kernel
 WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
@@ -137,24 +134,16 @@ def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
 
 def wgmma_fits(w, k: int, activation=None) -> bool:
     """Whether the wgmma kernel takes this weight on this device: sm_90, K a multiple of its 128-k
-    stage, and int4 with integer zeros, the scales 16-byte aligned (bulk copies) and, gated, each half
-    of the stacked weight whole 16-row tiles; or a C-contiguous fp16 / bf16 weight 16-byte aligned
-    (its tensor map)."""
-    if is_plain(w):
-        return (k % WGMMA_K == 0 and w.flags.c_contiguous and w.data.ptr % 16 == 0
-                and runtime.device_info()["arch"] == "sm_90")
-    return (k % WGMMA_K == 0 and isinstance(w, Int4Weight) and w.integer_zeros
-            and (activation not in GATED or w.shape[0] % 32 == 0)
-            and runtime.device_info()["arch"] == "sm_90" and w.scales_zeros.data.ptr % 16 == 0)
-
-
-def wgmma_takes(w, k: int, activation=None) -> bool:
-    """Whether the wgmma kernel can take this weight: wgmma_fits's, or on sm_90 an Int8Weight of K a
-    multiple of 128 whose bytes are 16-byte aligned (its tensor map)."""
-    if isinstance(w, Int8Weight):
-        return (k % WGMMA_K == 0 and w.qweight.flags.c_contiguous and w.qweight.data.ptr % 16 == 0
-                and runtime.device_info()["arch"] == "sm_90")
-    return wgmma_fits(w, k, activation)
+    stage, and a C-contiguous fp16 / bf16 weight or Int8Weight's bytes 16-byte aligned (its tensor
+    map), or int4 with integer zeros, the scales 16-byte aligned (bulk copies) and, gated, each half of
+    the stacked weight whole 16-row tiles."""
+    if runtime.device_info()["arch"] != "sm_90" or k % WGMMA_K:
+        return False
+    if is_plain(w) or isinstance(w, Int8Weight):
+        a = w if is_plain(w) else w.qweight
+        return a.flags.c_contiguous and a.data.ptr % 16 == 0
+    return (w.integer_zeros and (activation not in GATED or w.shape[0] % 32 == 0)
+            and w.scales_zeros.data.ptr % 16 == 0)
 
 
 def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
@@ -320,8 +309,7 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=N
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
-    if ((bits == 16 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation)
-            or bits == 8 and WGMMA_MIN_M <= m <= WGMMA8_MAX_M and wgmma_takes(w, k, activation)):
+    if (bits == 16 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation):
         return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
                        activation or "store", norm)
     if norm is not None:
@@ -349,15 +337,15 @@ def weight_map(w, gated: bool):
 
 
 def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None):
-    """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_takes) with `tile` on
+    """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
     checked arguments (tile.split > 1: sm_90 only; norm: WgTile only)."""
     (m, k), bits = x.shape, 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
     null = np.uint64(0)
     wg = isinstance(tile, WgTile)
-    if wg and not wgmma_takes(w, k, epilogue):
-        raise ValueError("the wgmma kernel does not take this weight (wgmma_takes)")
+    if wg and not wgmma_fits(w, k, epilogue):
+        raise ValueError("the wgmma kernel does not take this weight (wgmma_fits)")
     weight = weight_map(w, epilogue in GATED) if bits == 16 or (wg and bits == 8) else w.qweight
     scales = null if bits == 16 else w.scales_zeros if bits == 4 else w.scales
     args = (x, weight, scales, null if bias is None else bias, null if residual is None else residual, out,

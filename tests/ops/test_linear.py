@@ -33,13 +33,14 @@ def cublas_path(fmt, m, w_dev, k, activation=None):
 
 def rounds_w(w_dev, m, k, via_linear=True, activation=None):
     """Whether linear() (via_linear=False: linear_mma) at M rows multiplies by the weight rounded to T
-    (the cuBLAS path's scratch, the wgmma kernel's int4 fragments) rather than the exact dequantized one."""
+    (the cuBLAS path's scratch, the wgmma kernel's int4 fragments) rather than the exact dequantized one
+    (int8: the wgmma kernel converts its bytes exactly and scales the sums)."""
     if not isinstance(w_dev, (quant.Int8Weight, quant.Int4Weight)):
         return False  # a float weight is T already
     wg = wgmma_fits(w_dev, k, activation)
     if via_linear and m > (WGMMA_MAX_M if wg else MMA_MAX_M):
         return True  # the cuBLAS path
-    return wg and m >= WGMMA_MIN_M
+    return wg and m >= WGMMA_MIN_M and isinstance(w_dev, quant.Int4Weight)
 
 
 def make_weight(rng, n, k, fmt, group_size=128):

@@ -93,7 +93,7 @@ def test_argument_checks():
 def test_paths():
     rows = (1, 16, MMA_MIN_M, MMA_MAX_M, MMA_MAX_M + 1, WGMMA_MAX_M, WGMMA_MAX_M + 1)
     assert [path(4, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "cublas"]
-    assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "cublas", "cublas", "cublas"]
+    assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "cublas"]
     assert [path(16, m) for m in (16, 17, WGMMA16_MAX_M, WGMMA16_MAX_M + 1)] == ["gemv", "mma", "mma", "cublas"]
 
 
@@ -445,8 +445,8 @@ def test_wgmma16_persistent_tiles(tile):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_wgmma8_matches_reference(dtype):
     """int8 weights through the wgmma kernel (the bytes by TMA, converted exactly in registers, the row
-    scales in the epilogue), its tile or another, every epilogue, against the exact dequantized weight.
-    linear_mma sends none there yet (WGMMA8_MAX_M = 0): launched directly."""
+    scales in the epilogue), its tile or another, every epilogue, against the exact dequantized weight,
+    launched directly."""
     import cupy as cp
 
     need_sm90()
@@ -500,8 +500,7 @@ def test_linear_dispatches_rows_17_to_256(fmt):
     w = make_weight(rng, n, k, fmt, 64)
     w_dev = w.to_device()
     for m in ROWS:
-        assert path(8 if fmt == "int8" else 4, m) == ("mma" if m <= (MMA_MAX_M if fmt == "int8" else WGMMA_MAX_M)
-                                                       else "cublas")
+        assert path(8 if fmt == "int8" else 4, m) == ("mma" if m <= WGMMA_MAX_M else "cublas")
         x = rng.standard_normal((m, k)).astype(np.float16)
         out = poison(cp, (m, n), np.float16)
         assert linear(cp.asarray(x), w_dev, out=out) is out
