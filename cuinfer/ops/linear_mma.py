@@ -15,8 +15,8 @@ the wgmma kernel takes (wgmma_fits) up to WGMMA_MAX_M and fp16 / bf16 ones up to
 Two kernels. linear_mma_kernel (mma.sync): the weight dequantized in registers to exact values of T,
 int4 group scales and int8 row scales applied in fp32, so y is x @ dequantize(W).T in fp32 rounded
 once, as the decode GEMV computes it; each block stages 16 RT WARPS weight rows and 8 NT x rows per
-128 k through a cp.async ring. linear_wgmma_kernel (sm_90, int8, int4 with integer zeros, from WGMMA_MIN_M
-rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a scratch array from the
+128 k through a cp.async ring. linear_wgmma_kernel (sm_90; int8, and int4 with integer zeros from
+WGMMA_MIN_M rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a scratch array from the
 current memory pool); one producer warp fills a ring with bulk copies of the packed weight tiles
 (four stages a copy), another a ring with that x; two consumer warpgroups dequantize their words
 straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
@@ -44,15 +44,17 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The
 # mma.sync kernel takes MMA_MIN_M..MMA_MAX_M rows (past 128 cuBLAS on the copy was faster: llama3-8b
 # int4 decode at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, int8 and int4 with
-# integer zeros: wgmma_fits) WGMMA_MIN_M..WGMMA_MAX_M (int4, H100, a llama3-8b layer's four calls:
+# integer zeros: wgmma_fits) up to WGMMA_MAX_M, int4 from WGMMA_MIN_M (H100, a llama3-8b layer's four calls:
 # against mma.sync 132 / 135 us at 48 / 64 rows where mma.sync took 156 / 151, 132 at 32 where it took
 # 102; against cuBLAS on the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846. int8,
-# H200, llama3-8b decode against mma.sync: b=64 9,233 -> 13,960 tok/s, b=128 10,750 -> 19,190).
+# H200, llama3-8b decode against mma.sync: b=32 7,105 -> 7,825 tok/s, b=64 9,233 -> 13,960, b=128
+# 10,750 -> 19,190).
 MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
 # fp16 decode with the norm in the x pass: b=32 4,628 -> 4,855 tok/s, b=48 6,649 -> 6,742, b=64 8,436
-# -> 8,771 against cuBLAS; not measured above 64 rows)
+# -> 8,771 against cuBLAS; H200, past 64 rows, NX = 128: b=128 16,820 against cuBLAS's 17,030, b=256
+# 18,700 against 21,730)
 WGMMA16_MAX_M = 64
 WGMMA_K = 128  # k per stage of the wgmma kernel
 WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
@@ -309,7 +311,7 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=N
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
-    if (bits == 16 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation):
+    if (bits != 4 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation):  # int4 below: mma.sync
         return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
                        activation or "store", norm)
     if norm is not None:

@@ -129,7 +129,7 @@ def test_tiles_fit_the_sm_and_the_instantiations():
     for t in WG16_TILES:
         assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024
     for k, n in SHAPES:  # int8 weights
-        for m in (WGMMA_MIN_M, 128, WGMMA_MAX_M):
+        for m in (MMA_MIN_M, 32, WGMMA_MIN_M, 128, WGMMA_MAX_M):
             t = wgmma_tile(8, m, n, k)
             assert wgmma_smem_bytes(8, 0, t) <= 227 * 1024
             assert wgmma_instantiation(np.float16, 8, 0, t) in INSTANTIATIONS, (m, n, k, t)
@@ -491,8 +491,8 @@ def test_wgmma8_persistent_tiles_and_norm():
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int4-mse"])
 def test_linear_dispatches_rows_17_to_256(fmt):
     """linear() and linear_argmax() of Int8Weight / Int4Weight at M = 17..256 equal the reference: the
-    GEMM (mma.sync up to MMA_MAX_M rows, the wgmma kernel from WGMMA_MIN_M where it takes the weight),
-    else the dequantized copy through cuBLAS (rounds_w: whether the reference rounds W to T)."""
+    GEMM (the wgmma kernel where it takes the weight, int4 from WGMMA_MIN_M rows; else mma.sync up to
+    MMA_MAX_M rows), else the dequantized copy through cuBLAS (rounds_w: whether the reference rounds W to T)."""
     import cupy as cp
 
     rng = np.random.default_rng(21)
