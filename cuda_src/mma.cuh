@@ -243,14 +243,17 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, 
 #define CUINFER_MMA_RS(TB)                                                                                    \
   constexpr bool H = is_half<T>::value;                                                                      \
   const int scale_d = 1;                                                                                     \
-  if constexpr (N == 64) {                                                                                   \
+  if constexpr (N == 32) {                                                                                   \
+    if constexpr (H) CUINFER_WGMMA_RS(32, "f16", CUINFER_ACC16, CUINFER_F16(d, 0), "{%16, %17, %18, %19}", "20", "21", TB); \
+    else CUINFER_WGMMA_RS(32, "bf16", CUINFER_ACC16, CUINFER_F16(d, 0), "{%16, %17, %18, %19}", "20", "21", TB);       \
+  } else if constexpr (N == 64) {                                                                            \
     if constexpr (H) CUINFER_WGMMA_RS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB); \
     else CUINFER_WGMMA_RS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB);       \
   } else if constexpr (N == 128) {                                                                           \
     if constexpr (H) CUINFER_WGMMA_RS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB); \
     else CUINFER_WGMMA_RS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB);      \
   } else {                                                                                                   \
-    static_assert(N == 256, "mma_rs: N is 64, 128 or 256");                                                  \
+    static_assert(N == 256, "mma_rs: N is 32, 64, 128 or 256");                                                \
     if constexpr (H)                                                                                         \
       CUINFER_WGMMA_RS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \
     else CUINFER_WGMMA_RS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \

@@ -151,13 +151,15 @@ def n_choices(fmt, gated=False):
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2)]
-WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3)]
+WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3),
+            WgTile(32, 2, 6, 1)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
 WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgTile(128, 3, 3, 1), WgTile(64, 2, 3, 8)]
 WG16_ROWS = [17, 31, 32, 33, 64, 100]
 WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
-WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2)]
+WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
+             WgTile(32, 8, 6, 1), WgTile(32, 4, 4, 2)]
 
 
 def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
@@ -478,12 +480,14 @@ def test_wgmma8_persistent_tiles_and_norm():
                 mma_case(cp, rng, np.dtype(np.float16), m, n, k, "int8", 0, True, 1.0, epi, residual=epi == "store",
                          tile=tile)
     for dtype in DTYPES:
-        for m, k, n in ((40, 4096, 256), (200, 2048, 96), (65, 128, 300)):
+        for m, k, n, tile in ((40, 4096, 256, None), (200, 2048, 96, None), (65, 128, 300, None),
+                              (20, 1024, 160, WgTile(32, 8, 6, 1))):
             x = (rng.standard_normal((m, k)) * 3).astype(dtype)
             g = rng.uniform(0.5, 1.5, k).astype(dtype)
             w = make_weight(rng, n, k, "int8")
             out = poison(cp, (m, n), dtype)
-            _launch(cp.asarray(x), w.to_device(), None, None, out, wgmma_tile(8, m, n, k), norm=(cp.asarray(g), 1e-5))
+            _launch(cp.asarray(x), w.to_device(), None, None, out, tile or wgmma_tile(8, m, n, k),
+                    norm=(cp.asarray(g), 1e-5))
             assert_close(out, reference_rounded(rms_norm_reference(x, g, 1e-5), w, None, False))
 
 
