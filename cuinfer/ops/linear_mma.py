@@ -14,19 +14,18 @@ the wgmma kernel takes (wgmma_fits) up to WGMMA_MAX_M and fp16 / bf16 ones up to
 
 Two kernels. linear_mma_kernel (mma.sync): the weight dequantized in registers to exact values of T,
 int4 group scales and int8 row scales applied in fp32, so y is x @ dequantize(W).T in fp32 rounded
-once, as the decode GEMV computes it; each block stages 16 RT WARPS weight rows and 8 NT x rows per
-128 k through a cp.async ring. linear_wgmma_kernel (sm_90; int8, and int4 with integer zeros from
-WGMMA_MIN_M rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a scratch array from the
-current memory pool); one producer warp fills a ring with bulk copies of the packed weight tiles
-(four stages a copy), another a ring with that x; two consumer warpgroups dequantize their words
-straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
-cuBLAS path's scratch holds it. 16-bit weights: one TMA copy a stage through the weight's tensor map
-in device memory (weight_map), both wgmma operands from shared memory. int8 weights: the bytes by TMA
-as they are, converted to exact values of T in registers, the row scales in the epilogue. Small grids
+once, as the decode GEMV computes it; each block stages 16 RT WARPS weight rows and 8 NT x rows per 128
+k through a cp.async ring. linear_wgmma_kernel (sm_90; int8, and int4 with integer zeros from
+WGMMA_MIN_M rows): wgmma_x_kernel first lays x out in the order of the weight fragments (a scratch
+array from the current memory pool); one producer warp fills a ring with bulk copies of the packed
+weight tiles (four stages a copy), another a ring with that x; two consumer warpgroups dequantize their
+words straight into wgmma's A fragments as round((q - z) scale) in T, dequantize() rounded to T as the
+cuBLAS path's scratch holds it. 16-bit weights: one TMA copy a stage through the weight's tensor map in
+device memory (weight_map), both wgmma operands from shared memory. int8 weights: the bytes by TMA as
+they are, converted to exact values of T in registers, the row scales in the epilogue. Small grids
 split K over a thread-block cluster (sm_90), reduced in a fixed order through distributed shared
-memory. With `out` given, the mma.sync kernel allocates nothing and
-the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture allocates from its
-own pool).
+memory. With `out` given, the mma.sync kernel allocates nothing and the wgmma path only its x scratch
+from the current pool (CUDA-graph safe: a capture allocates from its own pool).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
 """
 from __future__ import annotations
@@ -41,14 +40,14 @@ from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
-# rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The
-# mma.sync kernel takes MMA_MIN_M..MMA_MAX_M rows (past 128 cuBLAS on the copy was faster: llama3-8b
-# int4 decode at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, int8 and int4 with
-# integer zeros: wgmma_fits) up to WGMMA_MAX_M, int4 from WGMMA_MIN_M (H100, a llama3-8b layer's four calls:
-# against mma.sync 132 / 135 us at 48 / 64 rows where mma.sync took 156 / 151, 132 at 32 where it took
-# 102; against cuBLAS on the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846. int8,
-# H200, llama3-8b decode against mma.sync: b=32 7,105 -> 7,825 tok/s, b=64 9,233 -> 13,960, b=128
-# 10,750 -> 19,190).
+# rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The mma.sync
+# kernel takes MMA_MIN_M..MMA_MAX_M rows (past 128 cuBLAS on the copy was faster: llama3-8b int4 decode
+# at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, int8 and int4 with integer zeros:
+# wgmma_fits) up to WGMMA_MAX_M, int4 from WGMMA_MIN_M (H100, a llama3-8b layer's four calls: against
+# mma.sync 132 / 135 us at 48 / 64 rows where mma.sync took 156 / 151, 132 at 32 where it took 102;
+# against cuBLAS on the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846. int8, H200,
+# llama3-8b decode against mma.sync: b=32 7,105 -> 7,825 tok/s, b=64 9,233 -> 13,960, b=128 10,750 ->
+# 19,190).
 MMA_MIN_M, MMA_MAX_M = 17, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
