@@ -116,7 +116,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     time, as was a second wave). 16-bit weights, whose copies are 32 KB stages (no dequantization: the
     kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB
     stages): 4 and 4 at NX = 128, 6 and 6 at 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 /
-    3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: the most tok/s, by 0.4-7 %)."""
+    3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %)."""
     nx = (32 if m <= 32 and bits == 16 else 64) if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
