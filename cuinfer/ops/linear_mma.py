@@ -142,11 +142,11 @@ def wgmma_fits(w, k: int, activation=None) -> bool:
     the stacked weight whole 16-row tiles."""
     if runtime.device_info()["arch"] != "sm_90" or k % WGMMA_K:
         return False
-    if is_plain(w) or isinstance(w, Int8Weight):
-        a = w if is_plain(w) else w.qweight
-        return a.flags.c_contiguous and a.data.ptr % 16 == 0
-    return (w.integer_zeros and (activation not in GATED or w.shape[0] % 32 == 0)
-            and w.scales_zeros.data.ptr % 16 == 0)
+    if isinstance(w, Int4Weight):
+        return (w.integer_zeros and (activation not in GATED or w.shape[0] % 32 == 0)
+                and w.scales_zeros.data.ptr % 16 == 0)
+    a = w.qweight if isinstance(w, Int8Weight) else w  # what its tensor map reads
+    return a.flags.c_contiguous and a.data.ptr % 16 == 0
 
 
 def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
