@@ -117,13 +117,13 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB
     stages): 4 and 4 at NX = 128, 6 and 6 at 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 /
     3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %)."""
-    nx = (32 if m <= 32 and bits == 16 else 64) if m <= 64 else 128
+    nx = (32 if m <= 32 and bits != 4 else 64) if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
     if bits == 16:
         return WgTile(nx, 3, 3, split) if nx == 128 else WgTile(nx, 4, 4, split)
     if bits == 8:
-        return WgTile(nx, 4, 4, split) if nx == 128 else WgTile(nx, 6, 6, split)
+        return WgTile(nx, 4, 4, split) if nx == 128 else WgTile(nx, 6, 6, split) if nx == 64 else WgTile(nx, 8, 6, split)
     return WgTile(nx, 2, 4, split) if nx == 128 else WgTile(nx, 2, 6, split)
 
 
@@ -204,11 +204,11 @@ INSTANTIATIONS = sorted(
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (33, 4096, 4096)}
     | {wgmma_instantiation(dt, 8, 0, wgmma_tile(8, m, n, k, epi), epi) for dt in KERNEL_DTYPES
-       for m in (33, 65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for m in (17, 33, 65, 128, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_x_instantiation(dt, nx, bits, norm) for dt in KERNEL_DTYPES for nx, bits in
-       ((32, 16), (64, 16), (64, 4), (128, 4), (64, 8), (128, 8)) for norm in (False, True)})
+       ((32, 16), (64, 16), (64, 4), (128, 4), (32, 8), (64, 8), (128, 8)) for norm in (False, True)})
 
 
 def linear_mma_reference(x, w, bias=None, activation=None, residual=None):
