@@ -677,9 +677,9 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
 // 16: w is the CUtensorMap in device memory of the weight's [K / 64, G, N, 64] view (G = 2 gated:
 // [gate; up], else 1) with boxes of (2, G, 128 / G, 64), scales unused (ops/linear_mma.py weight_map).
 // WBITS 8: w the map of the int8 bytes as 16-bit pairs, the [K / 128, G, N, 64] view in boxes of (1, G,
-// 128 / G, 64); scales the fp16 row scales [N']. TURNS: the consumer warpgroups issue in turns (below).
+// 128 / G, 64); scales the fp16 row scales [N'].
 // The other arguments and the results as linear_mma_kernel's.
-template <typename T, int WBITS, int GS, int NX, int WS, int XS, int SPLIT, int EPI, bool TURNS>
+template <typename T, int WBITS, int GS, int NX, int WS, int XS, int SPLIT, int EPI>
 __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel(MMA_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using G = WGeo<WBITS, GS, NX, WS, XS>;
@@ -785,12 +785,6 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     const unsigned xd0 = (xring >> 4) | (1u << 16);
     const unsigned wd0 = ((ring + (wg - 1) * 64 * 128) >> 4) | (1u << 16);  // 16-bit: the warpgroup's rows
     int j = 0, wslot = 0, wpar = 0, xslot = 0, xpar = 0;
-    // TURNS: the two warpgroups issue their stages' wgmma in turns (named barriers 2 and 3, "pingpong"),
-    // so that one's fragments are made while the tensor cores multiply the other's. Warpgroup 2 lets 1
-    // take the first turn, and 1 takes up 2's last leave after the loop.
-    auto turn_begin = [&]() { if constexpr (TURNS) named_sync(1 + wg, 256); };
-    auto turn_end = [&]() { if constexpr (TURNS) named_arrive(4 - wg, 256); };
-    if (TURNS && wg == 2) named_arrive(2, 256);
     for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
 #pragma unroll
       for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
@@ -800,7 +794,6 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
         const unsigned xd = xd0 + xslot * (G::kX >> 4);
         if constexpr (WBITS == 16) {  // A straight from the slot: [half][row][128 bytes], 128-byte swizzle
           const unsigned wd = wd0 + wslot * (G::kWSlot >> 4);
-          turn_begin();
           wgmma::fence();
 #pragma unroll
           for (int h = 0; h < 2; ++h)
@@ -809,7 +802,6 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
               wgmma::mma_ss<NX, T>(acc, kDescHi | (wd + h * (128 * 128 >> 4) + 2 * s),
                                    kDescHi | (xd + h * NX * 8 + 2 * s), 1);
           wgmma::commit();
-          turn_end();
           wgmma::wait<0>();
           wgmma::fence_regs(acc);
         } else {  // A from registers, half by half: int4 dequantized, int8 converted
@@ -828,7 +820,6 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
           u32 a0[4][4], a1[4][4];
           if constexpr (WBITS == 4) dequant_half<T, GS, 0>(sz, v, r, a0);
           else int8_half<T, 0>(v8, a0);
-          turn_begin();
           wgmma::fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a0[s], kDescHi | (xd + 2 * s));
@@ -839,7 +830,6 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
 #pragma unroll
           for (int s = 0; s < 4; ++s) wgmma::mma_rs_k<NX, T>(acc, a1[s], kDescHi | (xd + NX * 8 + 2 * s));
           wgmma::commit();
-          turn_end();
           wgmma::wait<0>();  // before the next stage's fragments are written (ptxas serializes wgmma otherwise)
           wgmma::fence_regs(acc);
 #pragma unroll
@@ -862,7 +852,6 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
         mbar_arrive(redfree);  // this thread's reads of the results are done
       }
     }
-    if (TURNS && wg == 1) named_sync(2, 256);  // warpgroup 2's last leave
   }
   if constexpr (SPLIT > 1) {  // one tile a block: every thread takes part in the cluster's reduction
     __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it

@@ -102,7 +102,6 @@ class WgTile(NamedTuple):
     wstages: int  # weight slots of WGMMA_CHUNK stages each (16-bit weights: one stage each)
     xstages: int  # x slots of a stage each
     split: int  # blocks of a cluster splitting K (sm_90)
-    turns: bool = False  # the two consumer warpgroups issue their wgmma in turns (named barriers)
 
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
@@ -152,7 +151,7 @@ def wgmma_fits(w, k: int, activation=None) -> bool:
 def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
     gs = group_size if bits == 4 else 0
     return (f"linear_wgmma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {tile.nx}, {tile.wstages}, {tile.xstages}, "
-            f"{tile.split}, {EPILOGUES[epilogue]}, {'true' if tile.turns else 'false'}>")
+            f"{tile.split}, {EPILOGUES[epilogue]}>")
 
 
 def wgmma_x_instantiation(dtype, nx: int, bits: int, norm=False) -> str:

@@ -152,15 +152,14 @@ def n_choices(fmt, gated=False):
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2)]
 WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3),
-            WgTile(32, 2, 6, 1), WgTile(128, 2, 4, 1, True), WgTile(64, 2, 6, 3, True)]
+            WgTile(32, 2, 6, 1)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
-WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgTile(128, 3, 3, 1), WgTile(64, 2, 3, 8),
-              WgTile(64, 4, 4, 1, True)]
+WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgTile(128, 3, 3, 1), WgTile(64, 2, 3, 8)]
 WG16_ROWS = [17, 31, 32, 33, 64, 100]
 WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
 WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
-             WgTile(32, 8, 6, 1), WgTile(32, 4, 4, 2), WgTile(128, 4, 4, 1, True), WgTile(64, 6, 6, 2, True)]
+             WgTile(32, 8, 6, 1), WgTile(32, 4, 4, 2)]
 
 
 def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
