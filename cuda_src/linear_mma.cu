@@ -452,12 +452,12 @@ constexpr unsigned long long kDescHi = (1024ull >> 4 << 32) | (1ull << 62);
 
 template <int WBITS, int GS, int NX, int WS, int XS> struct WGeo {
   static constexpr bool kTma = WBITS != 4;                      // weights by TMA through a tensor map
-  static constexpr int kChunk = WBITS == 16 ? 1 : WBITS == 8 ? 2 : 4;  // stages of a weight slot
+  static constexpr int kChunk = kTma ? 1 : 4;                   // stages of a weight slot
   static constexpr int kX = NX * 256;                           // an x slot: NX rows x 128 k, two 64-k halves
   static constexpr int kTile = kChunk * 1024;                   // int4: a weight tile's kChunk stages
   // int4: the eight tiles, [tile][stage][1 KB]; 16-bit: the stage's 128 rows, [64-k half][row][128 bytes];
-  // int8: the two stages' 128 rows, [stage][row][128 bytes] (one copy reads 256 bytes of each row)
-  static constexpr int kW = WBITS == 16 ? 2 * 128 * 128 : WBITS == 8 ? kChunk * 128 * 128 : 8 * kTile;
+  // int8: the stage's 128 rows, [row][128 bytes]
+  static constexpr int kW = WBITS == 16 ? 2 * 128 * 128 : WBITS == 8 ? 128 * 128 : 8 * kTile;
   static constexpr int kGroups = WBITS == 4 ? 128 / GS : 0;     // scale groups of a stage
   static constexpr int kTileS = kChunk * kGroups * 64;          // a tile's pairs, [stage][group][16 rows]
   static constexpr int kWSlot = (kW + 8 * kTileS + 1023) / 1024 * 1024;
@@ -676,8 +676,8 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
 // K % 128 == 0. WBITS 4: int4 with integer zeros, gated N % 16 == 0, scales 16-byte aligned. WBITS
 // 16: w is the CUtensorMap in device memory of the weight's [K / 64, G, N, 64] view (G = 2 gated:
 // [gate; up], else 1) with boxes of (2, G, 128 / G, 64), scales unused (ops/linear_mma.py weight_map).
-// WBITS 8: w the map of the int8 bytes as 16-bit pairs, the [K / 128, G, N, 64] view in boxes of (2, G,
-// 128 / G, 64) (two stages a slot); scales the fp16 row scales [N'].
+// WBITS 8: w the map of the int8 bytes as 16-bit pairs, the [K / 128, G, N, 64] view in boxes of (1, G,
+// 128 / G, 64); scales the fp16 row scales [N'].
 // The other arguments and the results as linear_mma_kernel's.
 template <typename T, int WBITS, int GS, int NX, int WS, int XS, int SPLIT, int EPI>
 __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel(MMA_ARGS) {
@@ -721,20 +721,18 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   // results go over the x slots, so the weights of the next tile stream in during its epilogue and x's
   // wait for redfree.
   float acc[NX / 2];
-  if (G::kTma && warp == 0) {  // 16-bit and int8 weights: lane 0 copies each slot's 128 rows through the map
+  if (G::kTma && warp == 0) {  // 16-bit and int8 weights: lane 0 copies each stage's 128 rows through the map
     if (lane == 0) {
       const TensorMap* map = static_cast<const TensorMap*>(w);
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
-      int gc = 0;  // chunks issued
+      int gc = 0;  // stages issued
       for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
         const int row0 = block_of(tile).row0;
-        // no kernel of a graph writes weights: no pdl_wait. int8: a chunk's second stage past the
-        // block's K range (the next split's, or zeros past K) is copied too, and never read
-        for (int t = 0; t < n_t; t += G::kChunk, ++gc) {
+        for (int i = 0; i < n_t; ++i, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
           const unsigned full = wfull0 + 8 * (gc % WS);
           if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
-          mbar_expect_tx(full, G::kW);  // rows and k past the tensor are zero-filled, and count
-          tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, (WBITS == 16 ? 2 : 1) * (t_begin + t), full);
+          mbar_expect_tx(full, G::kW);  // rows past N are zero-filled, and count
+          tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, (WBITS == 16 ? 2 : 1) * (t_begin + i), full);
         }
       }
     }
@@ -817,8 +815,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
             for (int h = 0; h < 2; ++h)
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh)
-                v8[h][hh] = *reinterpret_cast<const uint4*>(sm + wslot * G::kWSlot + j * 128 * 128 +
-                                                          wgmma::swizzle128(r + 8 * h, 2 * c + hh));
+                v8[h][hh] = *reinterpret_cast<const uint4*>(sm + wslot * G::kWSlot + wgmma::swizzle128(r + 8 * h, 2 * c + hh));
           }
           u32 a0[4][4], a1[4][4];
           if constexpr (WBITS == 4) dequant_half<T, GS, 0>(sz, v, r, a0);

@@ -99,7 +99,7 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
 
 class WgTile(NamedTuple):
     nx: int  # x rows per block (wgmma's N: 64 or 128; 16-bit weights also 32)
-    wstages: int  # weight slots: 32 KB (16-bit weights: one stage; int8: two), int4 WGMMA_CHUNK stages
+    wstages: int  # weight slots of WGMMA_CHUNK stages each (16-bit weights: one stage each)
     xstages: int  # x slots of a stage each
     split: int  # blocks of a cluster splitting K (sm_90)
 
@@ -112,20 +112,23 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
     >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
-    time, as was a second wave). 16-bit and int8 weights, whose tensor-map copies fill 32 KB slots (a
-    stage of 16-bit, two of int8: 256 bytes of each row a copy), NX = 32 up to 32 rows, 4 weight and 4
-    x slots (3 and 3 at NX = 128)."""
+    time, as was a second wave). 16-bit weights, whose copies are 32 KB stages (no dequantization: the
+    kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB
+    stages): 4 and 4 at NX = 128, 6 and 6 at 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 /
+    3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %)."""
     nx = (32 if m <= 32 and bits != 4 else 64) if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
-    if bits != 4:
+    if bits == 16:
         return WgTile(nx, 3, 3, split) if nx == 128 else WgTile(nx, 4, 4, split)
+    if bits == 8:
+        return WgTile(nx, 4, 4, split) if nx == 128 else WgTile(nx, 6, 6, split) if nx == 64 else WgTile(nx, 8, 6, split)
     return WgTile(nx, 2, 4, split) if nx == 128 else WgTile(nx, 2, 6, split)
 
 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
     """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
-    wslot = (2 * 128 * 128 if bits != 4 else
+    wslot = (2 * 128 * 128 if bits == 16 else 128 * 128 if bits == 8 else
              -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024)
     red = tile.nx * (128 + 4) * 4  # store_rows' results over the x slots (red_stride(128) floats a row)
     return max(tile.wstages * wslot + tile.xstages * tile.nx * 256, tile.wstages * wslot + red) + 1024
@@ -323,13 +326,12 @@ def weight_map(w, gated: bool):
     [K / 64, 1, N', 64] view in boxes of (2, 1, 128, 64), or gated the [K / 64, 2, N, 64] view ([gate;
     up], N = N' / 2) in boxes of (2, 2, 64, 64): a stage's 128 k of the block's 128 rows (gated: 64 gate
     and their 64 up rows) as two 64-k halves of 128 rows x 128 bytes. An Int8Weight: its bytes as 16-bit
-    pairs, the [K / 128, G, N, 64] view in boxes of (2, G, 128 / G, 64): a slot's two stages, each 128
-    rows x 128 bytes (one copy reads 256 bytes of each row)."""
+    pairs, the [K / 128, G, N, 64] view in boxes of (1, G, 128 / G, 64), a stage 128 rows x 128 bytes."""
     if isinstance(w, Int8Weight):
         (n_w, k), q = w.shape, w.qweight.view(runtime.require_cupy().uint16)
         g = 2 if gated else 1
         return runtime.tensor_map_device(q, (k // 128, g, n_w // g, 64), (128, n_w // g * k, k, 2),
-                                         (2, g, 128 // g, 64))
+                                         (1, g, 128 // g, 64))
     (n_w, k), e = w.shape, w.itemsize
     g = 2 if gated else 1
     shape, strides = (k // 64, g, n_w // g, 64), (64 * e, n_w // g * k * e, k * e, e)

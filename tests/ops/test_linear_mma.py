@@ -158,8 +158,8 @@ WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgT
 WG16_ROWS = [17, 31, 32, 33, 64, 100]
 WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
-WG8_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
-             WgTile(32, 4, 6, 1), WgTile(32, 2, 2, 2)]
+WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
+             WgTile(32, 8, 6, 1), WgTile(32, 4, 4, 2)]
 
 
 def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
@@ -481,7 +481,7 @@ def test_wgmma8_persistent_tiles_and_norm():
                          tile=tile)
     for dtype in DTYPES:
         for m, k, n, tile in ((40, 4096, 256, None), (200, 2048, 96, None), (65, 128, 300, None),
-                              (20, 1024, 160, WgTile(32, 4, 6, 1))):
+                              (20, 1024, 160, WgTile(32, 8, 6, 1))):
             x = (rng.standard_normal((m, k)) * 3).astype(dtype)
             g = rng.uniform(0.5, 1.5, k).astype(dtype)
             w = make_weight(rng, n, k, "int8")
