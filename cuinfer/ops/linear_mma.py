@@ -106,23 +106,26 @@ class WgTile(NamedTuple):
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to
-    64 rows, else 128; 2 weight slots (8 stages) and 4 x slots at NX = 128, 2 and 6 at 64 (<= 209 KB
-    at g32; H100, a llama3-8b layer's four calls at 64 / 128 / 256 rows: 3 and 3 at NX = 128, 4 and 4
-    at 64 took 2.4 / 4.8 / 4.0 % longer, 4 and 2 no less: x, from L2, wants the deeper ring). K
+    64 rows (16-bit and int8: 32 up to 32), else 128; int4: 2 weight slots (8 stages) and 4 x slots
+    at NX = 128, 2 and 6 at 64 (<= 209 KB at g32; H100, a llama3-8b layer's four calls at 64 / 128 /
+    256 rows: 3 and 3 at NX = 128, 4 and 4 at 64 took 2.4 / 4.8 / 4.0 % longer, 4 and 2 no less: x,
+    from L2, wants the deeper ring). K
     splits over a cluster of 3, else 2, where the grid then still fits one wave and each block keeps
     >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4
     43.2 / 25.6 / 21.5 / 36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every
     time, as was a second wave). 16-bit weights, whose copies are 32 KB stages (no dequantization: the
     kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB
     stages): 4 and 4 at NX = 128, 6 and 6 at 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 /
-    3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %)."""
+    3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %), 8 and 6 at 32 (b=32 8,275
+    tok/s against 7,825 at NX = 64)."""
     nx = (32 if m <= 32 and bits != 4 else 64) if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
     if bits == 16:
         return WgTile(nx, 3, 3, split) if nx == 128 else WgTile(nx, 4, 4, split)
     if bits == 8:
-        return WgTile(nx, 4, 4, split) if nx == 128 else WgTile(nx, 6, 6, split) if nx == 64 else WgTile(nx, 8, 6, split)
+        return WgTile(nx, 4, 4, split) if nx == 128 else WgTile(nx, 6, 6, split) if nx == 64 else \
+            WgTile(nx, 8, 6, split)
     return WgTile(nx, 2, 4, split) if nx == 128 else WgTile(nx, 2, 6, split)
 
 
