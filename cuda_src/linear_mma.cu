@@ -669,6 +669,29 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
   for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * RS + lr + 8 * ((i >> 1) & 1)] = acc[i];
 }
 
+// CUINFER_TIMELINE (a measurement build: `bench linear --timeline`, linear_mma._launch's timeline):
+// per block b = blockIdx.x +
+// gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there, clock64 once the consumers'
+// first stage is ready, at the end of their main loop, at the block's exit, %globaltimer there, after
+// the consumers' pdl_wait, the SM's id]
+#ifdef CUINFER_TIMELINE
+__device__ unsigned long long linear_wgmma_timeline[1024][8];
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#define WG_STAMP(cond, i, v) \
+  if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
+#else
+#define WG_STAMP(cond, i, v)
+#endif
+
 // grid: (tiles, SPLIT) with SPLIT > 1, (min(tiles, SMs), 1) with SPLIT 1 (a persistent grid), tiles =
 // ceil(N / E) * ceil(M / NX), E = 128 (64 gated), the x tiles of one row block adjacent; clusters of
 // (1, SPLIT, 1) · block: 384 threads · smem: dynamic WGeo::kSmem bytes · sm_90a
@@ -715,6 +738,9 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  WG_STAMP(threadIdx.x == 0, 0, global_ns());
+  WG_STAMP(threadIdx.x == 0, 1, clock64());
+  WG_STAMP(threadIdx.x == 0, 7, sm_id());
 
   // SPLIT 1: the block takes tiles blockIdx.x, + gridDim.x, ... (a persistent grid of at most one
   // block an SM); the rings run on across tiles, each tile starting a fresh weight chunk, and a tile's
@@ -776,6 +802,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     pdl_wait();
   } else {  // consumers: warpgroup wg - 1 owns local rows 64 (wg - 1) .. + 64, warp w its 16 rows from 16 w
     pdl_wait();
+    WG_STAMP(threadIdx.x == 128, 6, clock64());
     const int r = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), c = lane & 3;
     // The lane's weights and pairs in weight slot 0, and x slot 0's descriptor's low word (desc128 with
     // lbo 16: the shared address / 16, below 2^14, so 32 bytes further adds 2); the slots and parities
@@ -791,6 +818,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       for (int i = 0; i < n_t; ++i) {
         if (j == 0) mbar_wait(wfull0 + 8 * wslot, wpar);
         mbar_wait(xfull0 + 8 * xslot, xpar);
+        WG_STAMP(threadIdx.x == 128 && i == 0 && k == 0, 2, clock64());
         const unsigned xd = xd0 + xslot * (G::kX >> 4);
         if constexpr (WBITS == 16) {  // A straight from the slot: [half][row][128 bytes], 128-byte swizzle
           const unsigned wd = wd0 + wslot * (G::kWSlot >> 4);
@@ -853,6 +881,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
       }
     }
   }
+  WG_STAMP(threadIdx.x == 128, 3, clock64());
   if constexpr (SPLIT > 1) {  // one tile a block: every thread takes part in the cluster's reduction
     __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it
     float* red = reinterpret_cast<float*>(sm);
@@ -860,6 +889,8 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     store_rows<T, WBITS, 128, NX, 384, SPLIT, EPI>(red, scales, bias, residual, out, block_of(blockIdx.x), M, N,
                                                    threadIdx.x);
   }
+  WG_STAMP(threadIdx.x == 128, 4, clock64());
+  WG_STAMP(threadIdx.x == 128, 5, global_ns());
 #else
   __trap();
 #endif

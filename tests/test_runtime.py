@@ -10,6 +10,25 @@ def test_sm90_builds_for_the_arch_specific_target():
     assert "-arch=sm_80" in runtime.compile_options("sm_80")
 
 
+def test_a_measurement_build_is_its_own_cache_entry_and_program():
+    """defines set macros to 1 and key the disk cache apart; linear_mma's CUINFER_TIMELINE build has its
+    stamps array, the plain build has none."""
+    import importlib
+
+    pytest.importorskip("cupy")  # NVRTC
+
+    lm = importlib.import_module("cuinfer.ops.linear_mma")
+    assert runtime.compile_options("sm_90", True, ("CUINFER_TIMELINE",))[-1] == "-DCUINFER_TIMELINE=1"
+    assert runtime.compile_options("sm_90", True, ()) == runtime.compile_options("sm_90", True)
+    expr = lm.wgmma_instantiation(np.float16, 8, 0, lm.WgTile(32, 8, 6, 2))
+    plain = runtime._cache_paths("linear_mma", expr, "sm_90", True)
+    assert runtime._cache_paths("linear_mma", expr, "sm_90", True, ()) == plain
+    assert runtime._cache_paths("linear_mma", expr, "sm_90", True, ("CUINFER_TIMELINE",))[0] != plain[0]
+    for defines, has in (((), False), (("CUINFER_TIMELINE",), True)):
+        cubin = runtime.compile_family("linear_mma", [expr], "sm_90", True, defines).cubin
+        assert (b"linear_wgmma_timeline" in cubin) == has
+
+
 @pytest.mark.parametrize("shape,dtype,box", [((8, 2, 64), np.float32, (8, 1, 64)),   # 32-bit elements
                                              ((8, 2, 128), np.float16, (8, 1, 128)),  # box row != 128 bytes
                                              ((8, 2, 64), np.float16, (8, 64))])      # box rank != array rank

@@ -17,6 +17,10 @@ its neighbours (split, warps, stages, NT) on the five shapes.
 `--layer PRESET` instead times one decoder layer's four linear calls at each --m as the engine makes
 them (ops.linear: qkv and gate_up with their RMSNorm, gate_up's SiLU, o and down with the residual),
 per --formats, against the fp16 layer (cuBLAS above 16 rows) in the same run.
+`--timeline PRESET` instead runs each of those calls that the wgmma kernel takes at each --m once in
+its CUINFER_TIMELINE build (after warm-up, on a weight copy not in L2) and summarizes its blocks'
+stamps: when the first stage was ready, how long the main loop and the epilogue took (medians over
+blocks, us), and when the blocks started and ended after the first one's start.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ def add_arguments(parser):
                         help="--sweep's rows of x, 1..16: every tile at 1, tile_config's at the others")
     parser.add_argument("--mma-sweep", action="store_true",
                         help="instead: time the quantized GEMM's tiles around mma_tile's pick at each --m")
+    parser.add_argument("--timeline", metavar="PRESET",
+                        help="instead: the wgmma kernel's per-block timeline of a preset's layer calls at each --m")
     parser.add_argument("--layer", metavar="PRESET",
                         help="instead: time a decoder layer's four linear calls of a models/*.json preset at each --m")
 
@@ -244,11 +250,60 @@ def _layer(cp, preset, rows_m, formats):
     return rows
 
 
+def _timeline(cp, preset, rows_m, formats):
+    """One row per wgmma call of the preset's layer at each M and format (see the module docstring);
+    ms: the call's span, first block start to last block end."""
+    from ..convert import load_preset
+    from ..ops.linear_mma import (
+        MMA_MIN_M,
+        WGMMA16_MAX_M,
+        WGMMA_MAX_M,
+        WGMMA_MIN_M,
+        _launch,
+        wgmma_fits,
+        wgmma_instantiation,
+        wgmma_tile,
+    )
+
+    rows, sms = [], runtime.device_info()["sm_count"]
+    for m, fmt, (name, k, n, epi, _, _) in itertools.product(rows_m, formats, decode_gemvs(load_preset(preset))):
+        bits, gs = SWEEP_BITS[fmt]
+        copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(3)]
+        if not (MMA_MIN_M <= m <= (WGMMA16_MAX_M if bits == 16 else WGMMA_MAX_M) and (bits != 4 or m >= WGMMA_MIN_M)
+                and wgmma_fits(copies[0], k, epi)):
+            continue
+        x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+        out, tile = cp.empty((m, n), cp.float16), wgmma_tile(bits, m, n, k, epi, sms)
+        stamps = runtime.module_global("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epi),
+                                       "linear_wgmma_timeline", cp.uint64, (1024, 8), ("CUINFER_TIMELINE",))
+        for w in copies[1:] * 2:
+            _launch(x, w, None, None, out, tile, epi, timeline=True)
+        cp.cuda.Device().synchronize()
+        stamps[...] = 0
+        _launch(x, copies[0], None, None, out, tile, epi, timeline=True)
+        cp.cuda.Device().synchronize()
+        a = cp.asnumpy(stamps).astype(np.int64)
+        a = a[a[:, 0] > 0]  # start ns, start clock, first stage, loop end, exit clock, exit ns, -, SM
+        clocks_ns = np.median((a[:, 4] - a[:, 1]) / np.maximum(a[:, 5] - a[:, 0], 1))
+        first, loop, epi_us = (np.median(a[:, j + 1] - a[:, j]) / clocks_ns / 1e3 for j in (1, 2, 3))
+        start, end = (a[:, 0] - a[:, 0].min()) / 1e3, (a[:, 5] - a[:, 0].min()) / 1e3
+        rows.append(dict(
+            name=f"{preset} {name} {fmt} M={m}", dtype="float16", ms=end.max() / 1e3, bytes=copies[0].nbytes,
+            shape=f"{len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}: first stage {first:.2f}, main "
+                  f"loop {loop:.2f}, epilogue {epi_us:.2f} us; starts within {start.max():.2f}, ends "
+                  f"{end.min():.2f}-{end.max():.2f} us"))
+        del copies
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def run(args):
     cp = runtime.require_cupy()
     formats = [f.strip() for f in args.formats.split(",")]
     if any(f not in SWEEP_BITS for f in formats):
         raise runtime.CuinferError(f"--formats: got {args.formats!r}, need fp16, int8, int4")
+    if args.timeline:
+        return _timeline(cp, args.timeline, args.m, formats)
     if args.layer:
         return _layer(cp, args.layer, args.m, formats)
     if args.mma_sweep:

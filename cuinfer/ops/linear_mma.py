@@ -341,9 +341,11 @@ def weight_map(w, gated: bool):
     return runtime.tensor_map_device(w, shape, strides, (2, g, 128 // g, 64))
 
 
-def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None):
+def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeline=False):
     """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
-    checked arguments (tile.split > 1: sm_90 only; norm: WgTile only)."""
+    checked arguments (tile.split > 1: sm_90 only; norm, timeline: WgTile only). timeline: the
+    CUINFER_TIMELINE build, which stamps its blocks into linear_wgmma_timeline (bench linear
+    --timeline)."""
     (m, k), bits = x.shape, 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
@@ -361,7 +363,8 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None):
         runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx, bits, norm is not None)),
                        (rows,), (128,), (x, xs, null if norm is None else norm[0],
                                          np.float32(0.0 if norm is None else norm[1]), np.int32(m), np.int32(k)))
-        kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue))
+        kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue),
+                              ("CUINFER_TIMELINE",) if timeline else ())
         tiles = -(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx)
         grid = (tiles if tile.split > 1 else min(tiles, runtime.device_info()["sm_count"]), tile.split)
         runtime.launch(kern, grid, (384,), (xs,) + args[1:], wgmma_smem_bytes(bits, gs, tile))

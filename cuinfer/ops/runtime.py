@@ -208,14 +208,15 @@ def nvrtc_version() -> tuple:
     return tuple(_nvrtc().getVersion())
 
 
-def compile_options(arch: str, pdl: bool = False) -> list:
+def compile_options(arch: str, pdl: bool = False, defines: tuple = ()) -> list:
     """NVRTC options; pdl compiles the programmatic-dependent-launch waits and triggers in
-    (CUINFER_PDL in common.cuh), for kernels that `launch` starts with the PDL attribute.
+    (CUINFER_PDL in common.cuh), for kernels that `launch` starts with the PDL attribute; defines:
+    macros set to 1 (a family's measurement builds, e.g. CUINFER_TIMELINE of linear_mma.cu).
     sm_90 builds for sm_90a, Hopper's arch-specific target (wgmma; a cubin that runs on every
     compute capability 9.0 device)."""
     target = "sm_90a" if arch == "sm_90" else arch
     return ["-std=c++17", f"-arch={target}", "-lineinfo", f"-I{source_dir()}",
-            f"-I{cuda_include_dir()}"] + (["-DCUINFER_PDL=1"] if pdl else [])
+            f"-I{cuda_include_dir()}"] + (["-DCUINFER_PDL=1"] if pdl else []) + [f"-D{d}=1" for d in defines]
 
 
 def source_hash(family: str) -> str:
@@ -225,7 +226,7 @@ def source_hash(family: str) -> str:
     return h.hexdigest()[:16]
 
 
-def compile_family(family: str, exprs, arch: str, pdl: bool = False) -> Compiled:
+def compile_family(family: str, exprs, arch: str, pdl: bool = False, defines: tuple = ()) -> Compiled:
     """Compile the instantiations `exprs` of cuda_src/<family>.cu for `arch` (e.g. "sm_90")."""
     nvrtc = _nvrtc()
     path = source_dir() / f"{family}.cu"
@@ -236,7 +237,7 @@ def compile_family(family: str, exprs, arch: str, pdl: bool = False) -> Compiled
         for e in exprs:
             nvrtc.addNameExpression(prog, e)
         try:
-            nvrtc.compileProgram(prog, compile_options(arch, pdl))
+            nvrtc.compileProgram(prog, compile_options(arch, pdl, defines))
         except nvrtc.NVRTCError as err:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed on {family} for {arch} ({err}):\n{log}") from None
@@ -265,13 +266,13 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
-def cached_cubin(family: str, expr: str, arch: str, pdl: bool) -> tuple:
-    """(cubin path, lowered name) of `expr` in the disk cache for (arch, pdl), compiled and stored
-    first if missing. The key: the source hash, the instantiation, the arch, the NVRTC version and
-    the options. No GPU needed."""
-    cubin_path, meta_path = _cache_paths(family, expr, arch, pdl)
+def cached_cubin(family: str, expr: str, arch: str, pdl: bool, defines: tuple = ()) -> tuple:
+    """(cubin path, lowered name) of `expr` in the disk cache for (arch, pdl, defines), compiled and
+    stored first if missing. The key: the source hash, the instantiation, the arch, the NVRTC version
+    and the options. No GPU needed."""
+    cubin_path, meta_path = _cache_paths(family, expr, arch, pdl, defines)
     if not (cubin_path.exists() and meta_path.exists()):
-        compiled = compile_family(family, [expr], arch, pdl)
+        compiled = compile_family(family, [expr], arch, pdl, defines)
         cubin_path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(cubin_path, compiled.cubin)
         _atomic_write(meta_path, json.dumps(compiled.lowered).encode())
@@ -279,11 +280,24 @@ def cached_cubin(family: str, expr: str, arch: str, pdl: bool) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(family: str, expr: str):
+def kernel(family: str, expr: str, defines: tuple = ()):
     """The compiled `expr` of cuda_src/<family>.cu for the current device, as a cupy.RawKernel."""
+    module, lowered = _module(family, expr, defines)
+    return module.get_function(lowered)
+
+
+def module_global(family: str, expr: str, name: str, dtype, shape, defines: tuple = ()):
+    """The __device__ array `name` of the module kernel(family, expr, defines) launches, as a CuPy
+    array over it (a measurement build's stamps)."""
     cp = require_cupy()
-    cubin_path, lowered = cached_cubin(family, expr, device_arch(), _pdl_driver() is not None)
-    return cp.RawModule(path=str(cubin_path)).get_function(lowered)
+    return cp.ndarray(shape, dtype, memptr=_module(family, expr, defines)[0].get_global(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _module(family: str, expr: str, defines: tuple):
+    cp = require_cupy()
+    cubin_path, lowered = cached_cubin(family, expr, device_arch(), _pdl_driver() is not None, defines)
+    return cp.RawModule(path=str(cubin_path)), lowered
 
 
 def precompile(pairs, arch: str | None = None, pdl: bool | None = None, workers: int | None = None) -> int:
@@ -311,9 +325,9 @@ def precompile(pairs, arch: str | None = None, pdl: bool | None = None, workers:
     return len(missing)
 
 
-def _cache_paths(family: str, expr: str, arch: str, pdl: bool) -> tuple:
+def _cache_paths(family: str, expr: str, arch: str, pdl: bool, defines: tuple = ()) -> tuple:
     key = hashlib.sha256(
-        f"{source_hash(family)}|{expr}|{arch}|{nvrtc_version()}|{compile_options(arch, pdl)}".encode()
+        f"{source_hash(family)}|{expr}|{arch}|{nvrtc_version()}|{compile_options(arch, pdl, defines)}".encode()
     ).hexdigest()[:24]
     return cache_dir() / f"{family}-{key}.cubin", cache_dir() / f"{family}-{key}.json"
 

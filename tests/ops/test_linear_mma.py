@@ -584,3 +584,36 @@ def test_device_argument_checks():
     w64 = quant.quantize(np.zeros((8, 64), np.float32), "int8").to_device()
     with pytest.raises(ValueError, match="x: data pointer must be 16-byte aligned"):
         linear_mma(cp.zeros(20 * 64 + 1, cp.float16)[1:].reshape(20, 64), w64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,split_m", [("int8", 32), ("int4", 64), ("float", 32)])
+def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
+    """The CUINFER_TIMELINE build (bench linear --timeline) writes the plain build's bytes and stamps
+    each block: started, first stage ready, main loop done and exit in that order, on distinct SMs for
+    a one-wave grid, for a split and a persistent grid."""
+    import cupy as cp
+
+    need_sm90()
+    rng = np.random.default_rng(9)
+    sms = runtime.device_info()["sm_count"]
+    for m, k, n, epi in ((split_m, 4096, 1024, "store"), (split_m, 1024, 64 * (sms + 9), "silu_and_mul")):
+        w = make_weight(rng, 2 * n if epi != "store" else n, k, fmt, 128)
+        w = cp.asarray(w.astype(np.float16)) if fmt == "float" else w.to_device()
+        bits = 16 if fmt == "float" else 8 if fmt == "int8" else 4
+        tile = wgmma_tile(bits, m, n, k, epi, sms)
+        x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+        stamps = runtime.module_global("linear_mma", wgmma_instantiation(np.float16, bits, 128 if bits == 4 else 0,
+                                                                         tile, epi),
+                                       "linear_wgmma_timeline", cp.uint64, (1024, 8), ("CUINFER_TIMELINE",))
+        stamps[...] = 0
+        got = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi, timeline=True)
+        want = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi)
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
+        a = cp.asnumpy(stamps).astype(np.int64)
+        tiles = -(-n // (64 if epi != "store" else 128)) * -(-m // tile.nx)
+        blocks = min(tiles, sms) if tile.split == 1 else tiles * tile.split
+        assert (a[:blocks, 0] > 0).all() and not a[blocks:].any()
+        a = a[:blocks]
+        assert (np.diff(a[:, [1, 2, 3, 4]], axis=1) >= 0).all() and (a[:, 5] >= a[:, 0]).all()
+        assert len(set(a[:, 7])) == blocks
