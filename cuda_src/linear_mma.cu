@@ -670,10 +670,9 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
 }
 
 // CUINFER_TIMELINE (a measurement build: `bench linear --timeline`, linear_mma._launch's timeline):
-// per block b = blockIdx.x +
-// gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there, clock64 once the consumers'
-// first stage is ready, at the end of their main loop, at the block's exit, %globaltimer there, after
-// the consumers' pdl_wait, the SM's id]
+// per block b = blockIdx.x + gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there,
+// clock64 once the consumers' first stage is ready, at the end of their main loop, at the block's
+// exit, %globaltimer there, after the consumers' pdl_wait, the SM's id]
 #ifdef CUINFER_TIMELINE
 __device__ unsigned long long linear_wgmma_timeline[1024][8];
 __device__ __forceinline__ unsigned long long global_ns() {

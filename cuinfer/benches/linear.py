@@ -31,7 +31,7 @@ import numpy as np
 from .. import bench
 from ..cli import int_in
 from ..ops import runtime
-from ..ops.linear import GEMV_ROWS, QUAD_K, Tile, _gemv, instantiation, linear, stages_x, tile_config
+from ..ops.linear import GEMV_ROWS, QUAD_K, Tile, _gemv, instantiation, linear, path, stages_x, tile_config
 from ..ops.linear_mma import _launch as mma_launch
 from ..ops.linear_mma import instantiation as mma_instantiation
 from ..ops.linear_mma import mma_tile, smem_bytes
@@ -254,24 +254,15 @@ def _timeline(cp, preset, rows_m, formats):
     """One row per wgmma call of the preset's layer at each M and format (see the module docstring);
     ms: the call's span, first block start to last block end."""
     from ..convert import load_preset
-    from ..ops.linear_mma import (
-        MMA_MIN_M,
-        WGMMA16_MAX_M,
-        WGMMA_MAX_M,
-        WGMMA_MIN_M,
-        _launch,
-        wgmma_fits,
-        wgmma_instantiation,
-        wgmma_tile,
-    )
+    from ..ops.linear_mma import WGMMA_MIN_M, _launch, wgmma_fits, wgmma_instantiation, wgmma_tile
 
     rows, sms = [], runtime.device_info()["sm_count"]
     for m, fmt, (name, k, n, epi, _, _) in itertools.product(rows_m, formats, decode_gemvs(load_preset(preset))):
         bits, gs = SWEEP_BITS[fmt]
-        copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(3)]
-        if not (MMA_MIN_M <= m <= (WGMMA16_MAX_M if bits == 16 else WGMMA_MAX_M) and (bits != 4 or m >= WGMMA_MIN_M)
-                and wgmma_fits(copies[0], k, epi)):
-            continue
+        copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k)]
+        if not (path(bits, m) == "mma" and (bits != 4 or m >= WGMMA_MIN_M) and wgmma_fits(copies[0], k, epi)):
+            continue  # the call is not the wgmma kernel's
+        copies += [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(2)]
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
         out, tile = cp.empty((m, n), cp.float16), wgmma_tile(bits, m, n, k, epi, sms)
         stamps = runtime.module_global("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epi),
