@@ -1,7 +1,7 @@
 """rms_norm: the reference against a float64 formula, launcher checks, the kernel against the reference."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cuinfer.ops import runtime
@@ -97,6 +97,7 @@ def _device(cp, a, offset):
 @given(rows=st.sampled_from([1, 2, 17, 111]), hidden=st.sampled_from([1, 17, 111, 576, 989, 4096, 8192, 16392, 20000]),
        dtype=st.sampled_from(DTYPES), fused=st.sampled_from([False, True, "add_to"]), in_place=st.booleans(),
        offset=st.sampled_from([0, 0, 1]), scale=st.sampled_from([1.0, 1e3, 3e4]), seed=st.integers(0, 2**31))
+@example(rows=17, hidden=20000, dtype=np.float16, fused="add_to", in_place=False, offset=0, scale=1.0, seed=0)
 def test_rms_norm_kernel(cp, rows, hidden, dtype, fused, in_place, offset, scale, seed):
     rng = np.random.default_rng(seed)
     if dtype == np.float32 and scale > 1:
@@ -105,12 +106,20 @@ def test_rms_norm_kernel(cp, rows, hidden, dtype, fused, in_place, offset, scale
     res = rng.uniform(-scale, scale, (rows, hidden)).astype(dtype)
     w = rng.uniform(-2, 2, hidden).astype(dtype)
     dx, dres, dw = _device(cp, x, offset), _device(cp, res, offset), cp.asarray(w)
-    if fused == "add_to":  # res + norm(x): the norm rounded once (as the reference), then the sum
-        want = rms_norm(x, w, 1e-6, add_to=res)
+    if fused == "add_to":  # res + norm(x): the norm rounded once, then the sum, bit for bit over the
+        # device's own norm (the plain form's, checked against the reference): a norm one ulp off the
+        # reference's (its sum of squares in another order) moves a sum on a tie by two ulps (H200:
+        # 2.75390625 against 2.75 at rows 17, hidden 20000, fp16, seed 0)
+        normed = rms_norm(dx, dw, 1e-6)
+        assert_close(normed, rms_norm(x, w, 1e-6))
+        want = (res.astype(np.float32) + cp.asnumpy(normed).astype(np.float32)).astype(dtype)
         out = dres if in_place else poison(cp, x.shape, dtype)
         got = rms_norm(dx, dw, 1e-6, add_to=dres, out=out)
         assert got is out
-        assert_close(got, want)
+        if dtype == np.float32:  # nothing rounds between the norm's product and the sum: an fma
+            assert_close(got, want)
+        else:
+            np.testing.assert_array_equal(cp.asnumpy(got), want)
         return
     if not fused:
         want = rms_norm(x, w, 1e-6)
