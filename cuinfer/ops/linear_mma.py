@@ -1,4 +1,4 @@
-"""Linear layers at 17 or more rows of x: the tensor-core GEMMs of cuda_src/linear_mma.cu.
+"""Linear layers at 17 or more rows of x: the tensor-core GEMMs of cuda_src/linear_mma.cu (and linear_wgmma.cuh).
 
 linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=None) -> [M, N] in x's dtype
     x: [M, K] fp16 / bf16; w: cuinfer.ops.quant.Int8Weight or Int4Weight [N, K], or on sm_90 an fp16 /
@@ -130,7 +130,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
 
 
 def wgmma_smem_bytes(bits: int, group_size: int, tile: WgTile) -> int:
-    """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_mma.cu)."""
+    """Dynamic shared memory of the wgmma kernel (WGeo::kSmem of linear_wgmma.cuh)."""
     wslot = (2 * 128 * 128 if bits == 16 else 128 * 128 if bits == 8 else
              -(-(WGMMA_CHUNK * (8 * 1024 + 8 * (128 // group_size) * 64)) // 1024) * 1024)
     red = tile.nx * (128 + 4) * 4  # store_rows' results over the x slots (red_stride(128) floats a row)
