@@ -301,6 +301,29 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
   }
 }
 
+// CUINFER_TIMELINE (a measurement build: `bench linear --timeline`, linear_mma._launch's timeline):
+// per block b = blockIdx.x + gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there,
+// clock64 once the consumers' first stage is ready, at the end of their main loop, at the block's
+// exit, %globaltimer there, clock64 once its cluster's blocks all hold their results in shared memory
+// (split > 1: after store_rows' first cluster_sync), the SM's id]
+#ifdef CUINFER_TIMELINE
+__device__ unsigned long long linear_wgmma_timeline[1024][8];
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#define WG_STAMP(cond, i, v) \
+  if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
+#else
+#define WG_STAMP(cond, i, v)
+#endif
+
 // The block's results in red ([8 NT x rows][red_stride(ROWS)] fp32: an x row's ROWS weight rows in
 // order, gated the first half the gate rows and the second their up rows) summed over the cluster's
 // blocks in rank order and stored through the epilogue by THREADS threads, 8 consecutive outputs of an
@@ -320,6 +343,7 @@ __device__ __forceinline__ void store_rows(const float* red, const __half* __res
 #if __CUDA_ARCH__ >= 900
     cluster_sync();  // every block's results are in its shared memory
     rank = cluster_rank();
+    WG_STAMP(tid == 128, 6, clock64());
 #else
     __trap();  // unreachable: SPLIT > 1 is launched on sm_90 and newer only (ops/linear_mma.py)
 #endif

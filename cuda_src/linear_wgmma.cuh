@@ -1,5 +1,5 @@
 // The wgmma half of linear_mma.cu, included at its end (it uses that file's Block, store_rows,
-// MMA_ARGS and MMA_CLUSTER): linear_wgmma_kernel and wgmma_x_kernel, the x pass before it.
+// MMA_ARGS, MMA_CLUSTER and WG_STAMP): linear_wgmma_kernel and wgmma_x_kernel, the x pass before it.
 #pragma once
 
 namespace {
@@ -198,28 +198,6 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
   for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * RS + lr + 8 * ((i >> 1) & 1)] = acc[i];
 }
 
-// CUINFER_TIMELINE (a measurement build: `bench linear --timeline`, linear_mma._launch's timeline):
-// per block b = blockIdx.x + gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there,
-// clock64 once the consumers' first stage is ready, at the end of their main loop, at the block's
-// exit, %globaltimer there, after the consumers' pdl_wait, the SM's id]
-#ifdef CUINFER_TIMELINE
-__device__ unsigned long long linear_wgmma_timeline[1024][8];
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned sm_id() {
-  unsigned id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
-#define WG_STAMP(cond, i, v) \
-  if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
-#else
-#define WG_STAMP(cond, i, v)
-#endif
-
 // grid: (tiles, SPLIT) with SPLIT > 1, (min(tiles, SMs), 1) with SPLIT 1 (a persistent grid), tiles =
 // ceil(N / E) * ceil(M / NX), E = 128 (64 gated), the x tiles of one row block adjacent; clusters of
 // (1, SPLIT, 1) · block: 384 threads · smem: dynamic WGeo::kSmem bytes · sm_90a
@@ -330,7 +308,6 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     pdl_wait();
   } else {  // consumers: warpgroup wg - 1 owns local rows 64 (wg - 1) .. + 64, warp w its 16 rows from 16 w
     pdl_wait();
-    WG_STAMP(threadIdx.x == 128, 6, clock64());
     const int r = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), c = lane & 3;
     // The lane's weights and pairs in weight slot 0, and x slot 0's descriptor's low word (desc128 with
     // lbo 16: the shared address / 16, below 2^14, so 32 bytes further adds 2); the slots and parities

@@ -20,7 +20,8 @@ per --formats, against the fp16 layer (cuBLAS above 16 rows) in the same run.
 `--timeline PRESET` instead runs each of those calls that the wgmma kernel takes at each --m once in
 its CUINFER_TIMELINE build (after warm-up, on a weight copy not in L2) and summarizes its blocks'
 stamps: when the first stage was ready, how long the main loop and the epilogue took (medians over
-blocks, us), and when the blocks started and ended after the first one's start.
+blocks, us; with a split, the epilogue's wait until every block of the cluster holds its results),
+and when the blocks started and ended after the first one's start.
 """
 from __future__ import annotations
 
@@ -274,14 +275,16 @@ def _timeline(cp, preset, rows_m, formats):
         _launch(x, copies[0], None, None, out, tile, epi, timeline=True)
         cp.cuda.Device().synchronize()
         a = cp.asnumpy(stamps).astype(np.int64)
-        a = a[a[:, 0] > 0]  # start ns, start clock, first stage, loop end, exit clock, exit ns, -, SM
+        a = a[a[:, 0] > 0]  # start ns, start clock, first stage, loop end, exit clock, exit ns, cluster's results, SM
         clocks_ns = np.median((a[:, 4] - a[:, 1]) / np.maximum(a[:, 5] - a[:, 0], 1))
         first, loop, epi_us = (np.median(a[:, j + 1] - a[:, j]) / clocks_ns / 1e3 for j in (1, 2, 3))
+        wait = f" ({np.median(a[:, 6] - a[:, 3]) / clocks_ns / 1e3:.2f} until the cluster's results)" \
+            if tile.split > 1 else ""
         start, end = (a[:, 0] - a[:, 0].min()) / 1e3, (a[:, 5] - a[:, 0].min()) / 1e3
         rows.append(dict(
             name=f"{preset} {name} {fmt} M={m}", dtype="float16", ms=end.max() / 1e3, bytes=copies[0].nbytes,
             shape=f"{len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}: first stage {first:.2f}, main "
-                  f"loop {loop:.2f}, epilogue {epi_us:.2f} us; starts within {start.max():.2f}, ends "
+                  f"loop {loop:.2f}, epilogue {epi_us:.2f}{wait} us; starts within {start.max():.2f}, ends "
                   f"{end.min():.2f}-{end.max():.2f} us"))
         del copies
         cp.get_default_memory_pool().free_all_blocks()

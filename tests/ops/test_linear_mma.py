@@ -612,8 +612,9 @@ def test_device_argument_checks():
 @pytest.mark.parametrize("fmt,split_m", [("int8", 32), ("int4", 64), ("float", 32)])
 def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
     """The CUINFER_TIMELINE build (bench linear --timeline) writes the plain build's bytes and stamps
-    each block: started, first stage ready, main loop done and exit in that order, on distinct SMs for
-    a one-wave grid, for a split and a persistent grid."""
+    each block: started, first stage ready, main loop done and exit in that order (a split's cluster
+    results in between the last two, else unstamped), on distinct SMs for a one-wave grid, for a split
+    and a persistent grid."""
     import cupy as cp
 
     need_sm90()
@@ -638,4 +639,8 @@ def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
         assert (a[:blocks, 0] > 0).all() and not a[blocks:].any()
         a = a[:blocks]
         assert (np.diff(a[:, [1, 2, 3, 4]], axis=1) >= 0).all() and (a[:, 5] >= a[:, 0]).all()
+        if tile.split > 1:
+            assert ((a[:, 3] <= a[:, 6]) & (a[:, 6] <= a[:, 4])).all()
+        else:
+            assert not a[:, 6].any()
         assert len(set(a[:, 7])) == blocks
