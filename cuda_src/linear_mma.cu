@@ -308,16 +308,6 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
 // (split > 1: after store_rows' first cluster_sync), the SM's id]
 #ifdef CUINFER_TIMELINE
 __device__ unsigned long long linear_wgmma_timeline[1024][8];
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned sm_id() {
-  unsigned id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
 #define WG_STAMP(cond, i, v) \
   if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
 #else
