@@ -255,13 +255,13 @@ def _timeline(cp, preset, rows_m, formats):
     """One row per wgmma call of the preset's layer at each M and format (see the module docstring);
     ms: the call's span, first block start to last block end."""
     from ..convert import load_preset
-    from ..ops.linear_mma import WGMMA_MIN_M, _launch, wgmma_fits, wgmma_instantiation, wgmma_tile
+    from ..ops.linear_mma import _launch, on_wgmma, wgmma_instantiation, wgmma_tile
 
     rows, sms = [], runtime.device_info()["sm_count"]
     for m, fmt, (name, k, n, epi, _, _) in itertools.product(rows_m, formats, decode_gemvs(load_preset(preset))):
         bits, gs = SWEEP_BITS[fmt]
         copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k)]
-        if not (path(bits, m) == "mma" and (bits != 4 or m >= WGMMA_MIN_M) and wgmma_fits(copies[0], k, epi)):
+        if not (path(bits, m) == "mma" and on_wgmma(copies[0], m, k, epi)):
             continue  # the call is not the wgmma kernel's
         copies += [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(2)]
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)

@@ -151,6 +151,12 @@ def wgmma_fits(w, k: int, activation=None) -> bool:
     return a.flags.c_contiguous and a.data.ptr % 16 == 0
 
 
+def on_wgmma(w, m: int, k: int, activation=None) -> bool:
+    """Whether linear_mma runs M rows of x by this weight on the wgmma kernel (wgmma_fits; int4 from
+    WGMMA_MIN_M rows, below on mma.sync)."""
+    return (not isinstance(w, Int4Weight) or m >= WGMMA_MIN_M) and wgmma_fits(w, k, activation)
+
+
 def wgmma_instantiation(dtype, bits: int, group_size: int, tile: WgTile, epilogue="store") -> str:
     gs = group_size if bits == 4 else 0
     return (f"linear_wgmma_kernel<{runtime.ctype(dtype)}, {bits}, {gs}, {tile.nx}, {tile.wstages}, {tile.xstages}, "
@@ -314,7 +320,7 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=N
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
     info = runtime.device_info()
-    if (bits != 4 or WGMMA_MIN_M <= m) and wgmma_fits(w, k, activation):  # int4 below: mma.sync
+    if on_wgmma(w, m, k, activation):
         return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
                        activation or "store", norm)
     if norm is not None:

@@ -30,7 +30,7 @@ from cuinfer.ops.linear_mma import (
 )
 from cuinfer.ops.rms_norm import rms_norm_reference
 from tests.conftest import assert_close, poison, tensor_core_error
-from tests.ops.test_linear import make_weight, reference_rounded, rounds_w
+from tests.ops.test_linear import fmt_bits, make_weight, reference_rounded, rounds_w
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int4-mse", 32), ("int4-mse", 128)]
@@ -623,7 +623,7 @@ def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
     for m, k, n, epi in ((split_m, 4096, 1024, "store"), (split_m, 1024, 64 * (sms + 9), "silu_and_mul")):
         w = make_weight(rng, 2 * n if epi != "store" else n, k, fmt, 128)
         w = cp.asarray(w.astype(np.float16)) if fmt == "float" else w.to_device()
-        bits = 16 if fmt == "float" else 8 if fmt == "int8" else 4
+        bits = fmt_bits(fmt)
         tile = wgmma_tile(bits, m, n, k, epi, sms)
         x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
         stamps = runtime.module_global("linear_mma", wgmma_instantiation(np.float16, bits, 128 if bits == 4 else 0,
