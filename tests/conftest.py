@@ -55,10 +55,9 @@ def tensor_core_error(x, w, step=16):
     accumulation_error's random walk does. Each step loses under one ulp of the running sum, and
     each product under one ulp of its own: 2^-23 (sum_j |P_j| + sum_k |x_k w_k|) over the exact
     partial sums P_j after each step (one chain over all of K; a split kernel's shorter chains lose
-    less). On the H200, the int4 wgmma kernel at
-    K = 4224, x of magnitude 30: three outputs whose up cancelled to 0.016, 0.064 and 0.032 were
-    1.8e-4, 2.7e-4 and 2.0e-4 off the exact sum, 1.6-2.2x accumulation_error and 0.8x what an
-    emulation truncating once per k16 step gives."""
+    less). On the H200, the int4 wgmma kernel at K = 4224, x of magnitude 30: three outputs whose up
+    cancelled to 0.016, 0.064 and 0.032 were 1.8e-4, 2.7e-4 and 2.0e-4 off the exact sum, 1.6-2.2x
+    accumulation_error and 0.8x what an emulation truncating once per k16 step gives."""
     x, w = np.asarray(x, dtype=np.float64), np.asarray(w, dtype=np.float64)
     running, total = np.zeros((x.shape[0], w.shape[0])), np.abs(x) @ np.abs(w).T
     for k0 in range(0, x.shape[-1], step):
