@@ -45,6 +45,20 @@ using namespace cuinfer;
 #define MMA_CLUSTER(n)
 #endif
 
+// CUINFER_TIMELINE (a measurement build: `bench linear --timeline`, linear_mma._launch's timeline):
+// per block b = blockIdx.x + gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there,
+// clock64 once the consumers' first stage is ready, at the end of their main loop, at the block's
+// exit, %globaltimer there, clock64 once its cluster's blocks all hold their results in shared memory
+// (split > 1: after store_rows' first cluster_sync), the SM's id]. At file scope: inside the anonymous
+// namespace the array's symbol gets an internal name that the host cannot look up.
+#ifdef CUINFER_TIMELINE
+__device__ unsigned long long linear_wgmma_timeline[1024][8];
+#define WG_STAMP(cond, i, v) \
+  if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
+#else
+#define WG_STAMP(cond, i, v)
+#endif
+
 namespace {
 
 __host__ __device__ constexpr bool mma_gated(int epi) {
@@ -300,19 +314,6 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
     }
   }
 }
-
-// CUINFER_TIMELINE (a measurement build: `bench linear --timeline`, linear_mma._launch's timeline):
-// per block b = blockIdx.x + gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there,
-// clock64 once the consumers' first stage is ready, at the end of their main loop, at the block's
-// exit, %globaltimer there, clock64 once its cluster's blocks all hold their results in shared memory
-// (split > 1: after store_rows' first cluster_sync), the SM's id]
-#ifdef CUINFER_TIMELINE
-__device__ unsigned long long linear_wgmma_timeline[1024][8];
-#define WG_STAMP(cond, i, v) \
-  if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
-#else
-#define WG_STAMP(cond, i, v)
-#endif
 
 // The block's results in red ([8 NT x rows][red_stride(ROWS)] fp32: an x row's ROWS weight rows in
 // order, gated the first half the gate rows and the second their up rows) summed over the cluster's
