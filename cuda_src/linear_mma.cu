@@ -22,7 +22,8 @@
 //
 // Rows of x past M read row M - 1 and weight rows past N read the last tile / row: their outputs are
 // never stored (a row of A or a column of B reaches only its own outputs). Grids of fewer blocks
-// than SMs split K over a thread-block cluster (sm_90) reduced through distributed shared memory.
+// than SMs split K over a thread-block cluster (sm_90) reduced through distributed shared memory
+// (store_rows, linear_store.cuh: the epilogue of both kernels).
 //
 // linear_wgmma_kernel (linear_wgmma.cuh, "wgmma"): the same fragments fed to wgmma from registers, for int4 with
 // integer zeros and for int8 on sm_90, with a producer warpgroup that stores x in the fragments' k
@@ -315,114 +316,9 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
   }
 }
 
-// The block's results in red ([8 NT x rows][red_stride(ROWS)] fp32: an x row's ROWS weight rows in
-// order, gated the first half the gate rows and the second their up rows) summed over the cluster's
-// blocks in rank order and stored through the epilogue by THREADS threads, 8 consecutive outputs of an
-// x row a thread at a time (16-byte loads and stores where N % 8 == 0 and out and residual are 16-byte
-// aligned): with SPLIT > 1 each block of the cluster finishes 1 / SPLIT of them, reading the others'
-// results through distributed shared memory. tid: the thread's index among the THREADS; NAMED: they
-// are not the whole block, and meet at named barrier 1 instead of __syncthreads.
-template <typename T, int WBITS, int ROWS, int XR, int THREADS, int SPLIT, int EPI, bool NAMED = false>
-__device__ __forceinline__ void store_rows(const float* red, const __half* __restrict__ scales,
-                                           const T* __restrict__ bias, const T* __restrict__ residual,
-                                           T* __restrict__ out, const Block& b, int M, int N,
-                                           int tid) {
-  constexpr int RS = red_stride(ROWS), OUTS = mma_gated(EPI) ? ROWS / 2 : ROWS, UNITS = XR * OUTS / 8;
-  static_assert(ROWS % 32 == 0, "red_stride(ROWS) = 4 mod 32");
-  unsigned rank = 0;
-  if constexpr (SPLIT > 1) {
-#if __CUDA_ARCH__ >= 900
-    cluster_sync();  // every block's results are in its shared memory
-    rank = cluster_rank();
-    WG_STAMP(tid == 128, 6, clock64());
-#else
-    __trap();  // unreachable: SPLIT > 1 is launched on sm_90 and newer only (ops/linear_mma.py)
-#endif
-  } else if constexpr (NAMED) {
-    asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
-  } else {
-    __syncthreads();
-  }
-  const bool vec = N % 8 == 0 && ((reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(residual)) & 15) == 0;
-  for (int u = rank * THREADS + tid; u < UNITS; u += SPLIT * THREADS) {
-    const int mi = u / (OUTS / 8), r0 = u % (OUTS / 8) * 8, m = b.m0 + mi, row = b.row0 + r0;
-    if (m >= M || row >= N) continue;
-    float y[8], g[8];
-#pragma unroll
-    for (int s = 0; s < SPLIT; ++s)
-#pragma unroll
-      for (int q = 0; q < (mma_gated(EPI) ? 4 : 2); ++q) {  // 16-byte pieces: y, then gated the up rows
-        const float* p = red + mi * RS + r0 + (q & 1) * 4 + (q >> 1) * OUTS;
-        float4 v;
-        if constexpr (SPLIT > 1) {
-#if __CUDA_ARCH__ >= 900
-          v = load_cluster4(p, s);
-#endif
-        } else {
-          v = *reinterpret_cast<const float4*>(p);
-        }
-        float* d = (q >> 1 ? g : y) + (q & 1) * 4;
-        if (s == 0) d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
-        else d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
-      }
-    T res[8];
-    if (EPI == MMA_EPI_STORE && residual != nullptr) {
-      if (vec) *reinterpret_cast<uint4*>(res) = *reinterpret_cast<const uint4*>(residual + (size_t)m * N + row);
-      else
-#pragma unroll
-        for (int k = 0; k < 8; ++k) res[k] = row + k < N ? residual[(size_t)m * N + row + k] : T();
-    }
-    T o[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int rk = min(row + k, N - 1);  // past N: computed, not stored
-      float v = y[k];
-      if constexpr (WBITS == 8) v *= __half2float(scales[rk]);
-      if (bias != nullptr) v += to_float(bias[rk]);
-      if constexpr (mma_gated(EPI)) {
-        float up = g[k];
-        if constexpr (WBITS == 8) up *= __half2float(scales[rk + N]);
-        if (bias != nullptr) up += to_float(bias[rk + N]);
-        v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * up;
-      }
-      if (EPI == MMA_EPI_STORE && residual != nullptr)
-        v = to_float(from_float<T>(v)) + to_float(res[k]);  // round(round(y) + residual)
-      o[k] = from_float<T>(v);
-    }
-    if (vec) *reinterpret_cast<uint4*>(out + (size_t)m * N + row) = *reinterpret_cast<const uint4*>(o);
-    else
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        if (row + k < N) out[(size_t)m * N + row + k] = o[k];
-  }
-  if constexpr (SPLIT > 1) {
-#if __CUDA_ARCH__ >= 900
-    cluster_sync();  // the others have read this block's shared memory: it may exit
-#endif
-  }
-}
-
-// The warps' fragments to shared memory as store_rows reads them, then store_rows. acc[r][n][j] is the
-// mma.sync C fragment: weight row (warp RT + r) 16 + lane / 4 (+ 8 for j >= 2), x row 8 n + 2 (lane % 4)
-// (+ 1 for odd j).
-template <typename T, int WBITS, int NT, int RT, int WARPS, int SPLIT, int EPI>
-__device__ __forceinline__ void mma_epilogue(const float (&acc)[RT][NT][4], float* red,
-                                             const __half* __restrict__ scales,
-                                             const T* __restrict__ bias, const T* __restrict__ residual,
-                                             T* __restrict__ out, const Block& b, int M, int N) {
-  constexpr int ROWS = 16 * RT * WARPS, RS = red_stride(ROWS);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        red[(8 * n + 2 * (lane & 3) + (j & 1)) * RS + (warp * RT + r) * 16 + (lane >> 2) + 8 * (j >> 1)] = acc[r][n][j];
-  store_rows<T, WBITS, ROWS, 8 * NT, 32 * WARPS, SPLIT, EPI>(red, scales, bias, residual, out, b, M, N, threadIdx.x);
-}
-
 }  // namespace
+
+#include "linear_store.cuh"
 
 #define MMA_ARGS                                                                                             \
   const T *__restrict__ x, const void *__restrict__ w, const __half *__restrict__ scales,                    \

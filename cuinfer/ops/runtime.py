@@ -211,7 +211,7 @@ def nvrtc_version() -> tuple:
 def compile_options(arch: str, pdl: bool = False, defines: tuple = ()) -> list:
     """NVRTC options; pdl compiles the programmatic-dependent-launch waits and triggers in
     (CUINFER_PDL in common.cuh), for kernels that `launch` starts with the PDL attribute; defines:
-    macros set to 1 (a family's measurement builds, e.g. CUINFER_TIMELINE of linear_wgmma.cuh).
+    macros set to 1 (a family's measurement builds, e.g. linear_mma.cu's CUINFER_TIMELINE).
     sm_90 builds for sm_90a, Hopper's arch-specific target (wgmma; a cubin that runs on every
     compute capability 9.0 device)."""
     target = "sm_90a" if arch == "sm_90" else arch
