@@ -177,7 +177,7 @@ WG16_ROWS = [17, 31, 32, 33, 64, 100]
 WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
 WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
-             WgTile(32, 8, 6, 1), WgTile(32, 4, 4, 2)]
+             WgTile(32, 6, 6, 1), WgTile(32, 4, 4, 2)]
 
 
 def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
