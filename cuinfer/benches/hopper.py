@@ -6,7 +6,11 @@ Rows (cuda_src/probe.cu, sm_90 only):
 - bulk copies from L2: the same, every block reading one 1 MB region over and over;
 - the wgmma GEMM's streams of gate_up (llama3-8b, 4096 x 28672 int4 g128) without its multiplies:
   224 blocks of 32 stages, each 8 KB of weights from HBM and the x tile from L2 (32 KB at 128 rows,
-  16 KB at 64), ring depths as the kernel's; GB/s counts the weights' bytes;
+  16 KB at 64), ring depths as the kernel's; GB/s counts the weights' bytes; the same for int8 at 32
+  rows (16 KB of weights and 8 KB of x a stage, 6 slots), there as contiguous runs where the kernel
+  copies a box of 128 rows x 128 bytes;
+- one SM's ceiling: the HBM row and the int8 streams on 16 blocks, too few to load HBM, so that
+  their GB/s / 16 is what a block streams by itself;
 - wgmma m64nNk16 with one block an SM: FLOP an SM-cycle (the H100's dense fp16 peak is 4,096) and
   TFLOP/s, by N, warpgroups, A from registers (RS) or shared memory (SS), and the wait after each
   group of 8 (all, or all but the last).
@@ -53,7 +57,10 @@ def run(args):
     rows = [stream_row(cp, w, x, "bulk copy HBM -> shared", sms, 240, (4, 32768, 0), 1 << 20),
             stream_row(cp, w, x, "bulk copy L2 -> shared", sms, 512, (4, 0, 32768), 1 << 20),
             stream_row(cp, w, x, "gate_up's streams, 128 rows", 224, 32, (4, 8192, 32768), 1 << 20),
-            stream_row(cp, w, x, "gate_up's streams, 64 rows", 224, 32, (6, 8192, 16384), 1 << 19)]
+            stream_row(cp, w, x, "gate_up's streams, 64 rows", 224, 32, (6, 8192, 16384), 1 << 19),
+            stream_row(cp, w, x, "int8 gate_up's streams, 32 rows", 224, 32, (6, 16384, 8192), 1 << 20),
+            stream_row(cp, w, x, "bulk copy HBM -> shared, 16 blocks", 16, 240, (4, 32768, 0), 1 << 20),
+            stream_row(cp, w, x, "int8 streams, 32 rows, 16 blocks", 16, 240, (6, 16384, 8192), 1 << 20)]
     for nx, wgs, regs, wait in probe.WGMMA_SHAPES:
         probe.wgmma_probe(nx, wgs, regs, wait, 10, sms)
         a, b = cp.cuda.Event(), cp.cuda.Event()
