@@ -145,8 +145,11 @@ def test_bench_serve_drives_a_workload(cpu_model):
     assert [len(r.times) for r in reqs] == [6] * 5 and totals["out_tok"] == 30
     assert all(r.times[0] >= r.arrival for r in reqs)
     assert totals["hit_rate"] > 0 and totals["peak_kv"] > 0 and eng.kv_cache_usage() == 0.0
+    assert 0 < totals["prefill_step_s"] and 0 < totals["decode_step_s"]
+    assert totals["prefill_step_s"] + totals["decode_step_s"] <= totals["wall_s"]
     out = row("x", reqs, totals)
     assert out["ttft_p50_ms"] <= out["ttft_p99_ms"] and out["out_tok_s"] > 0
+    assert out["prefill_step_s"] == totals["prefill_step_s"]
 
 
 def test_logprobs_match_the_models_log_softmax_and_penalties_apply(cpu_model):

@@ -14,7 +14,9 @@ each request when its time comes and steps the engine, stamping every token as i
 - rate: --num-requests mixed-shape requests with Poisson arrivals at --rate per second.
 --http URL sends the same workloads to an OpenAI-compatible server (benches/serve_http.py).
 Rows: output and total tok/s, TTFT and TPOT (a request's time per token after its first) p50/p99,
-peak KV usage, prefix-cache hit rate, preemptions; the dtype column names the weights' format and,
+peak KV usage, prefix-cache hit rate, preemptions, and the seconds spent in the engine's steps that
+carried prompt tokens (prefill and mixed) and in its decode-only steps (the rest of the wall is the
+loop's own: adding requests, stamping tokens); the dtype column names the weights' format and,
 with --kv-cache-dtype fp8, the KV cache's (the same memory then holds twice the tokens). Each engine
 runs Engine.warm_up before its clock starts, as the server does before it listens. --peer runs the
 same prompts through transformers' continuous batching (generate_batch; one max_new_tokens for all:
@@ -93,6 +95,7 @@ def drive(engine, requests) -> dict:
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     ids, peak, t0 = {}, 0.0, time.perf_counter()
     hits0, pre0 = engine.blocks.hit_tokens, engine.scheduler.num_preemptions
+    prefill0, decode0 = engine.stats.prefill_s, engine.stats.decode_s
     while order or engine.has_unfinished_requests():
         now = time.perf_counter() - t0
         while order and requests[order[0]].arrival <= now:
@@ -110,7 +113,8 @@ def drive(engine, requests) -> dict:
     prompt_tokens = sum(len(r.prompt) for r in requests)
     return {"wall_s": wall, "out_tok": sum(len(r.times) for r in requests), "prompt_tok": prompt_tokens,
             "peak_kv": peak, "hit_rate": (engine.blocks.hit_tokens - hits0) / prompt_tokens,
-            "preemptions": engine.scheduler.num_preemptions - pre0}
+            "preemptions": engine.scheduler.num_preemptions - pre0,
+            "prefill_step_s": engine.stats.prefill_s - prefill0, "decode_step_s": engine.stats.decode_s - decode0}
 
 
 def pct(values, q):
@@ -126,7 +130,8 @@ def row(name, requests, totals) -> dict:
             "out_tok_s": totals["out_tok"] / wall, "total_tok_s": (totals["out_tok"] + totals["prompt_tok"]) / wall,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99), "peak_kv": totals["peak_kv"],
-            "hit_rate": totals["hit_rate"], "preemptions": totals["preemptions"]}
+            "hit_rate": totals["hit_rate"], "preemptions": totals["preemptions"],
+            **{k: totals[k] for k in ("prefill_step_s", "decode_step_s") if k in totals}}
 
 
 def gaps_ms(requests, start, end) -> list:
