@@ -7,8 +7,8 @@ Rows (cuda_src/probe.cu, sm_90 only):
 - the wgmma GEMM's streams of gate_up (llama3-8b, 4096 x 28672 int4 g128) without its multiplies:
   224 blocks of 32 stages, each 8 KB of weights from HBM and the x tile from L2 (32 KB at 128 rows,
   16 KB at 64), ring depths as the kernel's; GB/s counts the weights' bytes; the same for int8 at 32
-  rows (16 KB of weights and 8 KB of x a stage, 6 slots), there as contiguous runs where the kernel
-  copies a box of 128 rows x 128 bytes;
+  rows (16 KB of weights and 8 KB of x a stage, 6 slots), as contiguous runs and as the kernel
+  copies them (a tensor-map box of a block's 128 rows x 128 bytes of an [N, K] int8 weight);
 - one SM's ceiling: the HBM row and the int8 streams on 16 blocks, too few to load HBM, so that
   their GB/s / 16 is what a block streams by itself;
 - wgmma m64nNk16 with one block an SM: FLOP an SM-cycle (the H100's dense fp16 peak is 4,096) and
@@ -32,7 +32,7 @@ def add_arguments(parser):
                         help="groups of 8 wgmma a warpgroup issues (its accumulators stay exact up to 131,072)")
 
 
-def stream_row(cp, w, x, name, grid, stages, shape, x_wrap):
+def stream_row(cp, w, x, name, grid, stages, shape, x_wrap, box=False):
     slots, wb, xb = shape
     per_launch = grid * stages * wb
     launches = max(1, min(20, GIB // max(per_launch, 1)))
@@ -40,7 +40,7 @@ def stream_row(cp, w, x, name, grid, stages, shape, x_wrap):
 
     def passes():
         for j in range(launches):
-            probe.stream_probe(w[j * per_launch:], x, grid, stages, shape, x_wrap, out=out, checksum=False)
+            probe.stream_probe(w[j * per_launch:], x, grid, stages, shape, x_wrap, out=out, checksum=False, box=box)
 
     ms = bench.time_ms(passes, warmup=1, iters=3) / launches
     landed = grid * stages * (wb + xb)
@@ -59,8 +59,10 @@ def run(args):
             stream_row(cp, w, x, "gate_up's streams, 128 rows", 224, 32, (4, 8192, 32768), 1 << 20),
             stream_row(cp, w, x, "gate_up's streams, 64 rows", 224, 32, (6, 8192, 16384), 1 << 19),
             stream_row(cp, w, x, "int8 gate_up's streams, 32 rows", 224, 32, (6, 16384, 8192), 1 << 20),
+            stream_row(cp, w, x, "the same in the int8 GEMM's boxes", 224, 32, (6, 16384, 8192), 1 << 20, True),
             stream_row(cp, w, x, "bulk copy HBM -> shared, 16 blocks", 16, 240, (4, 32768, 0), 1 << 20),
-            stream_row(cp, w, x, "int8 streams, 32 rows, 16 blocks", 16, 240, (6, 16384, 8192), 1 << 20)]
+            stream_row(cp, w, x, "int8 streams, 32 rows, 16 blocks", 16, 240, (6, 16384, 8192), 1 << 20),
+            stream_row(cp, w, x, "the same in the int8 GEMM's boxes", 16, 240, (6, 16384, 8192), 1 << 20, True)]
     for nx, wgs, regs, wait in probe.WGMMA_SHAPES:
         probe.wgmma_probe(nx, wgs, regs, wait, 10, sms)
         a, b = cp.cuda.Event(), cp.cuda.Event()

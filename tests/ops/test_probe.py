@@ -25,8 +25,22 @@ def test_stream_reference_sums_words():
         first.view(np.uint32).sum(dtype=np.uint64))
 
 
+def test_stream_box_reference_reads_each_blocks_rows():
+    """box=True: the same bytes land (the same checksum), and each slot starts with the first of its
+    block's 128 rows at the stage's 128 bytes."""
+    rng = np.random.default_rng(2)
+    shape, grid, stages, wrap = probe.BOX_SHAPES[0], 3, 5, 16384
+    w, x = stream_case(rng, grid, stages, shape, wrap)
+    assert probe.stream_probe(w, x, grid, stages, shape, wrap, box=True) == probe.stream_probe(
+        w, x, grid, stages, shape, wrap)
+    rows = w[:grid * stages * 16384].reshape(128 * grid, 128 * stages)
+    first = sum(int(rows[128 * b, 128 * i:128 * i + 16].view(np.uint32).sum(dtype=np.uint64))
+                for b in range(grid) for i in range(stages))
+    assert int(probe.stream_probe(w, x, grid, stages, shape, wrap, checksum=False, box=True)[0]) == first
+
+
 @pytest.mark.parametrize("bad", [dict(shape=(3, 8192, 0)), dict(grid=0), dict(x_wrap=40000),
-                                 dict(w=np.zeros(10, np.uint8))])
+                                 dict(w=np.zeros(10, np.uint8)), dict(box=True)])
 def test_stream_rejects(bad):
     rng = np.random.default_rng(1)
     args = dict(grid=2, stages=2, shape=(4, 8192, 32768), x_wrap=65536)
@@ -58,6 +72,21 @@ def test_stream_lands_every_word(shape, checksum):
     w, x = stream_case(rng, grid, stages, shape, wrap)
     want = probe.stream_probe_reference(w, x, grid, stages, shape, wrap, checksum)
     got = probe.stream_probe(cp.asarray(w), cp.asarray(x), grid, stages, shape, wrap, checksum=checksum)
+    np.testing.assert_array_equal(cp.asnumpy(got), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("shape", probe.BOX_SHAPES, ids=str)
+def test_stream_box_lands_every_word(shape, checksum):
+    import cupy as cp
+
+    sm90()
+    rng = np.random.default_rng(3)
+    grid, stages, wrap = 7, 11, 2 * shape[2]
+    w, x = stream_case(rng, grid, stages, shape, wrap)
+    want = probe.stream_probe_reference(w, x, grid, stages, shape, wrap, checksum, box=True)
+    got = probe.stream_probe(cp.asarray(w), cp.asarray(x), grid, stages, shape, wrap, checksum=checksum, box=True)
     np.testing.assert_array_equal(cp.asnumpy(got), want)
 
 
