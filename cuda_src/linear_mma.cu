@@ -50,10 +50,12 @@ using namespace cuinfer;
 // per block b = blockIdx.x + gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there,
 // clock64 once the consumers' first stage is ready, at the end of their main loop, at the block's
 // exit, %globaltimer there, clock64 once its cluster's blocks all hold their results in shared memory
-// (split > 1: after store_rows' first cluster_sync), the SM's id]. At file scope: inside the anonymous
-// namespace the array's symbol gets an internal name that the host cannot look up.
+// (split > 1: after store_rows' first cluster_sync), the SM's id, and with a split clock64 once the
+// block has read its units' sums from the cluster and once it has stored them (before the closing
+// barrier)]. At file scope: inside the anonymous namespace the array's symbol gets an internal name
+// that the host cannot look up.
 #ifdef CUINFER_TIMELINE
-__device__ unsigned long long linear_wgmma_timeline[1024][8];
+__device__ unsigned long long linear_wgmma_timeline[1024][10];
 #define WG_STAMP(cond, i, v) \
   if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
 #else

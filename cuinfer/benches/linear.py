@@ -20,8 +20,9 @@ per --formats, against the fp16 layer (cuBLAS above 16 rows) in the same run.
 `--timeline PRESET` instead runs each of those calls that the wgmma kernel takes at each --m once in
 its CUINFER_TIMELINE build (after warm-up, on a weight copy not in L2) and summarizes its blocks'
 stamps: when the first stage was ready, how long the main loop and the epilogue took (medians over
-blocks, us; with a split, the epilogue's wait until every block of the cluster holds its results),
-and when the blocks started and ended after the first one's start.
+blocks, us; with a split, the epilogue's parts: the wait until every block of the cluster holds its
+results, reading the block's sums from them, storing them, and the closing barrier), and when the
+blocks started and ended after the first one's start.
 """
 from __future__ import annotations
 
@@ -267,7 +268,7 @@ def _timeline(cp, preset, rows_m, formats):
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
         out, tile = cp.empty((m, n), cp.float16), wgmma_tile(bits, m, n, k, epi, sms)
         stamps = runtime.module_global("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epi),
-                                       "linear_wgmma_timeline", cp.uint64, (1024, 8), ("CUINFER_TIMELINE",))
+                                       "linear_wgmma_timeline", cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
         for w in copies[1:] * 2:
             _launch(x, w, None, None, out, tile, epi, timeline=True)
         cp.cuda.Device().synchronize()
@@ -275,11 +276,13 @@ def _timeline(cp, preset, rows_m, formats):
         _launch(x, copies[0], None, None, out, tile, epi, timeline=True)
         cp.cuda.Device().synchronize()
         a = cp.asnumpy(stamps).astype(np.int64)
-        a = a[a[:, 0] > 0]  # start ns, start clock, first stage, loop end, exit clock, exit ns, cluster's results, SM
+        # start ns, start clock, first stage, loop end, exit clock, exit ns, cluster's results, SM, sums read, stored
+        a = a[a[:, 0] > 0]
         clocks_ns = np.median((a[:, 4] - a[:, 1]) / np.maximum(a[:, 5] - a[:, 0], 1))
         first, loop, epi_us = (np.median(a[:, j + 1] - a[:, j]) / clocks_ns / 1e3 for j in (1, 2, 3))
-        wait = f" ({np.median(a[:, 6] - a[:, 3]) / clocks_ns / 1e3:.2f} until the cluster's results)" \
-            if tile.split > 1 else ""
+        parts = (np.median(a[:, j] - a[:, i]) / clocks_ns / 1e3 for i, j in ((3, 6), (6, 8), (8, 9), (9, 4)))
+        wait = (" ({:.2f} until the cluster's results, {:.2f} reading them, {:.2f} storing, {:.2f} at the closing "
+                "barrier)".format(*parts)) if tile.split > 1 else ""
         start, end = (a[:, 0] - a[:, 0].min()) / 1e3, (a[:, 5] - a[:, 0].min()) / 1e3
         rows.append(dict(
             name=f"{preset} {name} {fmt} M={m}", dtype="float16", ms=end.max() / 1e3, bytes=copies[0].nbytes,
