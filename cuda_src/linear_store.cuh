@@ -45,7 +45,8 @@ __device__ __forceinline__ void store_unit(const float (&y)[8], const float (&g)
       if (bias != nullptr) up += to_float(bias[rk + N]);
       v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * up;
     }
-    if (EPI == MMA_EPI_STORE && residual) v = to_float(from_float<T>(v)) + to_float(in.res[k]);  // round(round(y) + residual)
+    if (EPI == MMA_EPI_STORE && residual)
+      v = to_float(from_float<T>(v)) + to_float(in.res[k]);  // round(round(y) + residual)
     o[k] = from_float<T>(v);
   }
   if (vec) *reinterpret_cast<uint4*>(out + (size_t)m * N + row) = *reinterpret_cast<const uint4*>(o);
