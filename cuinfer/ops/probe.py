@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import runtime
+from .linear_mma import weight_map
+from .quant import Int8Weight
 
 STREAM_SHAPES = [(4, 32768, 0), (4, 0, 32768), (8, 8192, 0), (4, 8192, 32768), (6, 8192, 16384), (6, 16384, 8192)]
 BOX_SHAPES = [(6, 16384, 8192)]
@@ -91,10 +93,9 @@ def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None, che
     out = cp.zeros(1, cp.uint64) if out is None else out
     slots, wb, xb = shape
     src = w
-    if box:  # the int8 GEMM's map of an [N, K] weight (linear_mma.weight_map), N = 128 grid, K = 128 stages
+    if box:  # the int8 GEMM's own map of w's bytes as an [N, K] weight, N = 128 grid, K = 128 stages
         n, k = 128 * grid, 128 * stages
-        src = runtime.tensor_map_device(w[:n * k].view(cp.uint16), (stages, 1, n, 64), (128, n * k, k, 2),
-                                        (1, 1, 128, 64))
+        src = weight_map(Int8Weight(w[:n * k].view(cp.int8).reshape(n, k), None, (n, k)), gated=False)
     kern = runtime.kernel("probe", stream_instantiation(shape, checksum, box))
     runtime.launch(kern, (grid,), (160,), (src, x, np.int32(stages), np.int64(max(x_wrap, 16)), out),
                    slots * (wb + xb) + (1024 if box else 0))
