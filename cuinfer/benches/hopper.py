@@ -9,8 +9,10 @@ Rows (cuda_src/probe.cu, sm_90 only):
   16 KB at 64), ring depths as the kernel's; GB/s counts the weights' bytes; the same for int8 at 32
   rows (16 KB of weights and 8 KB of x a stage, 6 slots), as contiguous runs and as the kernel
   copies them (a tensor-map box of a block's 128 rows x 128 bytes of an [N, K] int8 weight);
-- one SM's ceiling: the HBM row and the int8 streams on 16 blocks, too few to load HBM, so that
-  their GB/s / 16 is what a block streams by itself;
+- one SM's ceiling: the HBM row on 16 blocks, too few to load HBM, so that its GB/s / 16 is what a
+  block streams by itself; the int8 streams (240 stages a block) on 16, 66 and 96 blocks and one an
+  SM: where the stream stops scaling with the blocks, and what the box form costs at each (the split
+  GEMM calls run 96 blocks at 17-128 rows);
 - wgmma m64nNk16 with one block an SM: FLOP an SM-cycle (the H100's dense fp16 peak is 4,096) and
   TFLOP/s, by N, warpgroups, A from registers (RS) or shared memory (SS), and the wait after each
   group of 8 (all, or all but the last).
@@ -60,9 +62,10 @@ def run(args):
             stream_row(cp, w, x, "gate_up's streams, 64 rows", 224, 32, (6, 8192, 16384), 1 << 19),
             stream_row(cp, w, x, "int8 gate_up's streams, 32 rows", 224, 32, (6, 16384, 8192), 1 << 20),
             stream_row(cp, w, x, "the same in the int8 GEMM's boxes", 224, 32, (6, 16384, 8192), 1 << 20, True),
-            stream_row(cp, w, x, "bulk copy HBM -> shared, 16 blocks", 16, 240, (4, 32768, 0), 1 << 20),
-            stream_row(cp, w, x, "int8 streams, 32 rows, 16 blocks", 16, 240, (6, 16384, 8192), 1 << 20),
-            stream_row(cp, w, x, "the same in the int8 GEMM's boxes", 16, 240, (6, 16384, 8192), 1 << 20, True)]
+            stream_row(cp, w, x, "bulk copy HBM -> shared, 16 blocks", 16, 240, (4, 32768, 0), 1 << 20)]
+    for grid in (16, 66, 96, sms):
+        rows += [stream_row(cp, w, x, f"int8 streams, 32 rows, {grid} blocks", grid, 240, (6, 16384, 8192), 1 << 20),
+                 stream_row(cp, w, x, "the same in the int8 GEMM's boxes", grid, 240, (6, 16384, 8192), 1 << 20, True)]
     for nx, wgs, regs, wait in probe.WGMMA_SHAPES:
         probe.wgmma_probe(nx, wgs, regs, wait, 10, sms)
         a, b = cp.cuda.Event(), cp.cuda.Event()
