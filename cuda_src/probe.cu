@@ -12,23 +12,28 @@ using namespace cuinfer;
 // share, as the GEMM's x from L2), both by one bulk copy completing on the slot's full mbarrier; the
 // consumers add up the slot's 32-bit words (mod 2^64, SUM) or read one word (the copies alone, as fast
 // as they go) and release it. sum += the block's total.
-// BOX: w is instead a TensorMap of w's bytes as the int8 GEMM maps an Int8Weight (its [stages, 1,
-// 128 gridDim.x, 64] 16-bit view, 128-byte swizzle), and block b's stage i is the box of its 128
-// rows b 128 .. + 128 and their bytes 128 i .. + 128 (WB = 16 KB), as linear_wgmma_kernel copies
-// them. The ring is then 1024-byte aligned (1 KB more shared memory).
+// LAYOUT 1 (box): w is instead a TensorMap of w's bytes as the int8 GEMM maps an Int8Weight (its
+// [stages, 1, 128 gridDim.x, 64] 16-bit view, 128-byte swizzle), and block b's stage i is the box of
+// its 128 rows b 128 .. + 128 and their bytes 128 i .. + 128 (WB = 16 KB), as linear_wgmma_kernel
+// copies them; the ring is then 1024-byte aligned (1 KB more shared memory). LAYOUT 2 (tiles): w
+// holds 2 KB tiles of 16 rows x 128 bytes, tile (t, i) at (t stages + i) 2 KB, and block b's stage i
+// is tiles 8b .. 8b + 7 at i, eight bulk copies (an int8 weight stored as int4's tiles16 are).
+// LAYOUT 0: runs, one copy a stage, as above.
 // w, x 16-byte aligned; WB, XB, xwrap multiples of 16.
-template <int SLOTS, int WB, int XB, bool SUM, bool BOX = false>
+template <int SLOTS, int WB, int XB, bool SUM, int LAYOUT = 0>
 __global__ void __launch_bounds__(160) stream_probe_kernel(const char* __restrict__ w, const char* __restrict__ x,
                                                            int stages, long long xwrap,
                                                            unsigned long long* __restrict__ sum) {
 #if __CUDA_ARCH__ >= 900
   constexpr int kSlot = WB + XB;
+  constexpr bool kBox = LAYOUT == 1;
   static_assert(kSlot % 16 == 0 && kSlot > 0, "slot");
-  static_assert(!BOX || (WB == 16384 && kSlot % 1024 == 0), "a box is 128 rows x 128 bytes");
+  static_assert(LAYOUT == 0 || WB == 16384, "an int8 stage is 128 rows x 128 bytes");
+  static_assert(!kBox || kSlot % 1024 == 0, "a box lands 1024-byte aligned");
   extern __shared__ __align__(128) unsigned char raw[];
   __shared__ __align__(8) unsigned long long bars[2 * SLOTS];
   __shared__ unsigned long long part[4];
-  const unsigned ring = BOX ? (smem_u32(raw) + 1023) & ~1023u : smem_u32(raw);
+  const unsigned ring = kBox ? (smem_u32(raw) + 1023) & ~1023u : smem_u32(raw);
   const unsigned char* smem = raw + (ring - smem_u32(raw));
   const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * SLOTS;
   if (threadIdx.x == 0) {
@@ -42,8 +47,14 @@ __global__ void __launch_bounds__(160) stream_probe_kernel(const char* __restric
       const unsigned full = full0 + 8 * (i % SLOTS), slot = ring + (i % SLOTS) * kSlot;
       if (i >= SLOTS) mbar_wait(empty0 + 8 * (i % SLOTS), (i / SLOTS - 1) & 1);
       mbar_expect_tx(full, kSlot);
-      if constexpr (BOX) tma_load_4d(slot, reinterpret_cast<const TensorMap*>(w), 0, 128 * blockIdx.x, 0, i, full);
-      else if (WB) bulk_load(slot, wb + (long long)i * WB, WB, full);
+      if constexpr (kBox) {
+        tma_load_4d(slot, reinterpret_cast<const TensorMap*>(w), 0, 128 * blockIdx.x, 0, i, full);
+      } else if constexpr (LAYOUT == 2) {
+        for (int t = 0; t < 8; ++t)
+          bulk_load(slot + 2048 * t, w + ((long long)(8 * blockIdx.x + t) * stages + i) * 2048, 2048, full);
+      } else if (WB) {
+        bulk_load(slot, wb + (long long)i * WB, WB, full);
+      }
       if (XB) bulk_load(slot + WB, x + (long long)i * XB % xwrap, XB, full);
     }
   } else if (threadIdx.x >= 32) {

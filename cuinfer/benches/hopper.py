@@ -12,7 +12,9 @@ Rows (cuda_src/probe.cu, sm_90 only):
 - one SM's ceiling: the HBM row on 16 blocks, too few to load HBM, so that its GB/s / 16 is what a
   block streams by itself; the int8 streams (240 stages a block) on 16, 66 and 96 blocks and one an
   SM: where the stream stops scaling with the blocks, and what the box form costs at each (the split
-  GEMM calls run 96 blocks at 17-128 rows);
+  GEMM calls run 96 blocks at 17-128 rows), against stage-long runs (an int8 weight stored a stage
+  of 128 rows x 128 k contiguous) and 16-row tiles (stored as int4's tiles16, eight 2 KB copies a
+  stage);
 - wgmma m64nNk16 with one block an SM: FLOP an SM-cycle (the H100's dense fp16 peak is 4,096) and
   TFLOP/s, by N, warpgroups, A from registers (RS) or shared memory (SS), and the wait after each
   group of 8 (all, or all but the last).
@@ -34,7 +36,7 @@ def add_arguments(parser):
                         help="groups of 8 wgmma a warpgroup issues (its accumulators stay exact up to 131,072)")
 
 
-def stream_row(cp, w, x, name, grid, stages, shape, x_wrap, box=False):
+def stream_row(cp, w, x, name, grid, stages, shape, x_wrap, layout="runs"):
     slots, wb, xb = shape
     per_launch = grid * stages * wb
     launches = max(1, min(20, GIB // max(per_launch, 1)))
@@ -42,7 +44,8 @@ def stream_row(cp, w, x, name, grid, stages, shape, x_wrap, box=False):
 
     def passes():
         for j in range(launches):
-            probe.stream_probe(w[j * per_launch:], x, grid, stages, shape, x_wrap, out=out, checksum=False, box=box)
+            probe.stream_probe(w[j * per_launch:], x, grid, stages, shape, x_wrap, out=out, checksum=False,
+                               layout=layout)
 
     ms = bench.time_ms(passes, warmup=1, iters=3) / launches
     landed = grid * stages * (wb + xb)
@@ -61,11 +64,12 @@ def run(args):
             stream_row(cp, w, x, "gate_up's streams, 128 rows", 224, 32, (4, 8192, 32768), 1 << 20),
             stream_row(cp, w, x, "gate_up's streams, 64 rows", 224, 32, (6, 8192, 16384), 1 << 19),
             stream_row(cp, w, x, "int8 gate_up's streams, 32 rows", 224, 32, (6, 16384, 8192), 1 << 20),
-            stream_row(cp, w, x, "the same in the int8 GEMM's boxes", 224, 32, (6, 16384, 8192), 1 << 20, True),
+            stream_row(cp, w, x, "the same in the int8 GEMM's boxes", 224, 32, (6, 16384, 8192), 1 << 20, "box"),
             stream_row(cp, w, x, "bulk copy HBM -> shared, 16 blocks", 16, 240, (4, 32768, 0), 1 << 20)]
     for grid in (16, 66, 96, sms):
         rows += [stream_row(cp, w, x, f"int8 streams, 32 rows, {grid} blocks", grid, 240, (6, 16384, 8192), 1 << 20),
-                 stream_row(cp, w, x, "the same in the int8 GEMM's boxes", grid, 240, (6, 16384, 8192), 1 << 20, True)]
+                 stream_row(cp, w, x, "the same in the int8 GEMM's boxes", grid, 240, (6, 16384, 8192), 1 << 20, "box"),
+                 stream_row(cp, w, x, "the same in 16-row tiles", grid, 240, (6, 16384, 8192), 1 << 20, "tiles")]
     for nx, wgs, regs, wait in probe.WGMMA_SHAPES:
         probe.wgmma_probe(nx, wgs, regs, wait, 10, sms)
         a, b = cp.cuda.Event(), cp.cuda.Event()

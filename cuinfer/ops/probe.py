@@ -1,15 +1,17 @@
 """Machine-ceiling probes for the wgmma GEMM (sm_90): bulk-copy streams and the wgmma issue rate.
 
-stream_probe(w, x, grid, stages, shape, x_wrap, out=None, checksum=True, box=False) -> uint64 [1]
+stream_probe(w, x, grid, stages, shape, x_wrap, out=None, checksum=True, layout="runs") -> uint64 [1]
     w, x: uint8, 16-byte aligned; shape = (slots, w_bytes, x_bytes), one of STREAM_SHAPES. Block b of
     `grid` streams stages of w_bytes of w (its own run: w[(b stages + i) w_bytes:]) and x_bytes of x
     (x[i x_bytes % x_wrap:], one region every block reads) through a ring of `slots` slots of shared
     memory, one bulk copy each (the wgmma GEMM's weights from HBM and x from L2); `out` (zeroed by the
     caller) gets the 32-bit words landed summed mod 2^64, or with checksum=False those of each slot's
-    first 16 bytes only (the copies alone, for timing). box (shape one of BOX_SHAPES): w's first
-    grid 128 x stages 128 bytes are instead an int8 weight [grid 128 rows, stages 128 k], and block b's
-    stage i is one tensor-map copy of the 128 x 128 bytes of its rows b 128 .. + 128 at k 128 i, as the
-    int8 wgmma GEMM copies its weights (the same bytes land; a slot starts with row b 128's).
+    first 16 bytes only (the copies alone, for timing). The other layouts (shape one of INT8_SHAPES)
+    stream the same bytes as an int8 weight of grid 128 rows and stages 128 k, block b's stage i
+    being its rows b 128 .. + 128 at k 128 i (a slot starts with row b 128's 16 bytes there):
+    "box": w's first bytes are that weight [N, K] row-major, one tensor-map copy a stage, as the int8
+    wgmma GEMM copies its weights; "tiles": w holds it in 2 KB tiles of 16 rows x 128 k, tile (t, i)
+    at (t stages + i) 2 KB, eight bulk copies a stage (int8 stored as int4's tiles16 are).
     numpy arrays run the reference.
 wgmma_probe(nx, warpgroups, registers, wait, iters, blocks) -> (cycles int64 [blocks], acc float32 [blocks])
     One block an SM, each warpgroup issuing `iters` groups of 8 wgmma m64n{nx}k16 (A from registers
@@ -26,14 +28,15 @@ from .linear_mma import weight_map
 from .quant import Int8Weight
 
 STREAM_SHAPES = [(4, 32768, 0), (4, 0, 32768), (8, 8192, 0), (4, 8192, 32768), (6, 8192, 16384), (6, 16384, 8192)]
-BOX_SHAPES = [(6, 16384, 8192)]
+INT8_SHAPES = [(6, 16384, 8192)]
+LAYOUTS = ("runs", "box", "tiles")
 WGMMA_SHAPES = [(64, 2, True, 0), (128, 1, True, 0), (128, 2, True, 0), (128, 2, False, 0), (128, 2, True, 1),
                 (256, 2, True, 0)]
 
 
-def stream_instantiation(shape, checksum=True, box=False) -> str:
+def stream_instantiation(shape, checksum=True, layout="runs") -> str:
     slots, wb, xb = shape
-    return f"stream_probe_kernel<{slots}, {wb}, {xb}, {str(checksum).lower()}, {str(box).lower()}>"
+    return f"stream_probe_kernel<{slots}, {wb}, {xb}, {str(checksum).lower()}, {LAYOUTS.index(layout)}>"
 
 
 def wgmma_instantiation(nx: int, warpgroups: int, registers: bool, wait: int) -> str:
@@ -41,17 +44,18 @@ def wgmma_instantiation(nx: int, warpgroups: int, registers: bool, wait: int) ->
 
 
 INSTANTIATIONS = ([stream_instantiation(s, c) for s in STREAM_SHAPES for c in (True, False)]
-                  + [stream_instantiation(s, c, True) for s in BOX_SHAPES for c in (True, False)]
+                  + [stream_instantiation(s, c, lay) for s in INT8_SHAPES for c in (True, False) for lay in LAYOUTS[1:]]
                   + [wgmma_instantiation(*s) for s in WGMMA_SHAPES])
 
 
 def stream_probe_reference(w, x, grid: int, stages: int, shape, x_wrap: int, checksum=True,
-                           box=False) -> np.ndarray:
+                           layout="runs") -> np.ndarray:
     """The words stream_probe lands (checksum=False: each slot's first 16 bytes), summed mod 2^64: uint64 [1]."""
     _, wb, xb = shape
     w = np.asarray(w[:grid * stages * wb])
-    if not checksum and box:  # row b 128's 16 bytes at k 128 i
-        first = w.reshape(grid * 128, stages * 128)[::128].reshape(grid, stages, 128)[:, :, :16]
+    if not checksum and layout != "runs":  # row b 128's 16 bytes at k 128 i
+        first = (w.reshape(grid * 128, stages * 128)[::128].reshape(grid, stages, 128) if layout == "box" else
+                 w.reshape(grid * 8, stages, 2048)[::8])[:, :, :16]
         return np.array([int(np.ascontiguousarray(first).view(np.uint32).sum(dtype=np.uint64)) % (1 << 64)], np.uint64)
     if not checksum:  # a slot starts with its weights' run, or without weights its x
         first = w.reshape(grid * stages, wb)[:, :16] if wb else np.stack(
@@ -64,10 +68,12 @@ def stream_probe_reference(w, x, grid: int, stages: int, shape, x_wrap: int, che
     return np.array([total % (1 << 64)], np.uint64)
 
 
-def _check_stream(w, x, grid, stages, shape, x_wrap, box):
-    if tuple(shape) not in (BOX_SHAPES if box else STREAM_SHAPES):
-        raise ValueError(f"shape {tuple(shape)} is not one of {'BOX' if box else 'STREAM'}_SHAPES "
-                         f"{BOX_SHAPES if box else STREAM_SHAPES}")
+def _check_stream(w, x, grid, stages, shape, x_wrap, layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    shapes = STREAM_SHAPES if layout == "runs" else INT8_SHAPES
+    if tuple(shape) not in shapes:
+        raise ValueError(f"shape {tuple(shape)} is not one of the {layout} layout's shapes {shapes}")
     _, wb, xb = shape
     if grid < 1 or stages < 1:
         raise ValueError(f"grid and stages must be >= 1, got {grid} and {stages}")
@@ -80,11 +86,11 @@ def _check_stream(w, x, grid, stages, shape, x_wrap, box):
         raise ValueError(f"x_wrap {x_wrap}: a multiple of x_bytes ({xb}) within x ({x.size} bytes)")
 
 
-def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None, checksum=True, box=False):
+def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None, checksum=True, layout="runs"):
     """See the module docstring."""
-    _check_stream(w, x, grid, stages, shape, x_wrap, box)
+    _check_stream(w, x, grid, stages, shape, x_wrap, layout)
     if isinstance(w, np.ndarray):
-        return stream_probe_reference(w, x, grid, stages, shape, x_wrap, checksum, box)
+        return stream_probe_reference(w, x, grid, stages, shape, x_wrap, checksum, layout)
     cp = runtime.require_cupy()
     if runtime.device_info()["arch"] != "sm_90":
         raise runtime.CuinferError("stream_probe needs an sm_90 GPU (bulk copies)")
@@ -93,12 +99,12 @@ def stream_probe(w, x, grid: int, stages: int, shape, x_wrap: int, out=None, che
     out = cp.zeros(1, cp.uint64) if out is None else out
     slots, wb, xb = shape
     src = w
-    if box:  # the int8 GEMM's own map of w's bytes as an [N, K] weight, N = 128 grid, K = 128 stages
+    if layout == "box":  # the int8 GEMM's own map of w's bytes as an [N, K] weight, N = 128 grid, K = 128 stages
         n, k = 128 * grid, 128 * stages
         src = weight_map(Int8Weight(w[:n * k].view(cp.int8).reshape(n, k), None, (n, k)), gated=False)
-    kern = runtime.kernel("probe", stream_instantiation(shape, checksum, box))
+    kern = runtime.kernel("probe", stream_instantiation(shape, checksum, layout))
     runtime.launch(kern, (grid,), (160,), (src, x, np.int32(stages), np.int64(max(x_wrap, 16)), out),
-                   slots * (wb + xb) + (1024 if box else 0))
+                   slots * (wb + xb) + (1024 if layout == "box" else 0))
     return out
 
 

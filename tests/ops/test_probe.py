@@ -25,22 +25,26 @@ def test_stream_reference_sums_words():
         first.view(np.uint32).sum(dtype=np.uint64))
 
 
-def test_stream_box_reference_reads_each_blocks_rows():
-    """box=True: the same bytes land (the same checksum), and each slot starts with the first of its
-    block's 128 rows at the stage's 128 bytes."""
+def test_stream_int8_layouts_reference_reads_each_blocks_rows():
+    """box and tiles: the same bytes land (the same checksum), and each slot starts with the first of
+    its block's 128 rows at the stage's 128 bytes, wherever the layout keeps them."""
     rng = np.random.default_rng(2)
-    shape, grid, stages, wrap = probe.BOX_SHAPES[0], 3, 5, 16384
+    shape, grid, stages, wrap = probe.INT8_SHAPES[0], 3, 5, 16384
     w, x = stream_case(rng, grid, stages, shape, wrap)
-    assert probe.stream_probe(w, x, grid, stages, shape, wrap, box=True) == probe.stream_probe(
-        w, x, grid, stages, shape, wrap)
-    rows = w[:grid * stages * 16384].reshape(128 * grid, 128 * stages)
-    first = sum(int(rows[128 * b, 128 * i:128 * i + 16].view(np.uint32).sum(dtype=np.uint64))
-                for b in range(grid) for i in range(stages))
-    assert int(probe.stream_probe(w, x, grid, stages, shape, wrap, checksum=False, box=True)[0]) == first
+    weight = w[:grid * stages * 16384]
+    rows = weight.reshape(128 * grid, 128 * stages)  # box: [N, K] row-major
+    tiles = weight.reshape(8 * grid, stages, 16, 128)  # tiles: tile (t, i) of 16 rows x 128 k
+    firsts = {"box": lambda b, i: rows[128 * b, 128 * i:], "tiles": lambda b, i: tiles[8 * b, i, 0]}
+    for layout, first_row in firsts.items():
+        assert probe.stream_probe(w, x, grid, stages, shape, wrap, layout=layout) == probe.stream_probe(
+            w, x, grid, stages, shape, wrap)
+        first = sum(int(first_row(b, i)[:16].view(np.uint32).sum(dtype=np.uint64))
+                    for b in range(grid) for i in range(stages))
+        assert int(probe.stream_probe(w, x, grid, stages, shape, wrap, checksum=False, layout=layout)[0]) == first
 
 
 @pytest.mark.parametrize("bad", [dict(shape=(3, 8192, 0)), dict(grid=0), dict(x_wrap=40000),
-                                 dict(w=np.zeros(10, np.uint8)), dict(box=True)])
+                                 dict(w=np.zeros(10, np.uint8)), dict(layout="box"), dict(layout="tile")])
 def test_stream_rejects(bad):
     rng = np.random.default_rng(1)
     args = dict(grid=2, stages=2, shape=(4, 8192, 32768), x_wrap=65536)
@@ -77,16 +81,17 @@ def test_stream_lands_every_word(shape, checksum):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checksum", [True, False])
-@pytest.mark.parametrize("shape", probe.BOX_SHAPES, ids=str)
-def test_stream_box_lands_every_word(shape, checksum):
+@pytest.mark.parametrize("layout", probe.LAYOUTS[1:])
+@pytest.mark.parametrize("shape", probe.INT8_SHAPES, ids=str)
+def test_stream_int8_layouts_land_every_word(shape, layout, checksum):
     import cupy as cp
 
     sm90()
     rng = np.random.default_rng(3)
     grid, stages, wrap = 7, 11, 2 * shape[2]
     w, x = stream_case(rng, grid, stages, shape, wrap)
-    want = probe.stream_probe_reference(w, x, grid, stages, shape, wrap, checksum, box=True)
-    got = probe.stream_probe(cp.asarray(w), cp.asarray(x), grid, stages, shape, wrap, checksum=checksum, box=True)
+    want = probe.stream_probe_reference(w, x, grid, stages, shape, wrap, checksum, layout)
+    got = probe.stream_probe(cp.asarray(w), cp.asarray(x), grid, stages, shape, wrap, checksum=checksum, layout=layout)
     np.testing.assert_array_equal(cp.asnumpy(got), want)
 
 
