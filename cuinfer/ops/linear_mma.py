@@ -117,9 +117,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     kernel streams): NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB
     stages): 4 and 4 at NX = 128, 6 and 6 at 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 /
     3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %), 6 and 6 at 32 (H200, b=32:
-    8,506-8,530 tok/s in four runs against 8,388 / 8,378 with 8 and 6, 8,494 / 8,486 with 5 and 6,
-    8,405 / 8,398 with 7 and 6, 8,501 / 8,514 with 6 and 5, 8,288 / 8,274 with 8 and 4; 10 to 12
-    weight slots 7,978-8,230)."""
+    no deeper or shallower ring did better, docs/linear.md "int8 weights")."""
     nx = (32 if m <= 32 and bits != 4 else 64) if m <= 64 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
