@@ -145,7 +145,7 @@ def instantiation(dtype, bits: int, group_size: int, tile: Tile, epilogue="store
 
 
 def norm_stride(k: int) -> int:
-    """Elements per row of the normalized x in shared memory (norm_stride of linear.cu)."""
+    """Elements per row of the normalized x in shared memory (norm_stride of linear_stage.cuh)."""
     return -(-k // 64) * 64 + 32
 
 
@@ -155,7 +155,7 @@ def norm_fits(m: int, k: int, dtype) -> bool:
 
 
 def staged_smem(m: int, k: int, dtype, bits: int, norm: bool, add: bool) -> int:
-    """Dynamic shared memory of an XS GEMV (stage_rows in linear.cu), norm_stride(k) elements a row:
+    """Dynamic shared memory of an XS GEMV (stage_rows in linear_stage.cuh), norm_stride(k) elements a row:
     the m rows of x; with fp16 / bf16 weights (WS) also add's y0 rows, then the norm weight and
     add's weight."""
     if bits != 16:
