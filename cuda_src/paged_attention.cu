@@ -131,71 +131,7 @@ __device__ __forceinline__ void for_each_row(bool staged, const typename KvChunk
   }
 }
 
-// The split-K epilogue, called by every thread of a CTA after it wrote its partials (n_splits > 1).
-// The CTA that arrives last on *arrival merges its group's heads into out and resets *arrival to 0
-// for the next launch: out = sum_s w_s part_out_s / sum_s w_s over the n_live splits that hold rows
-// of the context (the others neither write partials nor arrive), w_s = sum_s * exp2(max_s - max).
-// Release: the CTA's writes, bar.sync, then thread 0's atomic with acq_rel semantics at gpu scope
-// (cumulative: it releases what the barrier ordered before it; two __threadfence() around a relaxed
-// atomic cost ~0.6 us a call more, docs/decode.md);
-// acquire: the same atomic in the last CTA, then bar.sync. Other CTAs' partials are read with
-// ld.global.cg (L2, never a stale L1 line). Each thread merges 4 columns of one head on its own, CH
-// splits at a time: their (max, sum) pairs and partial outputs are loaded together (one round trip
-// per CH splits), the running sum rescaled by the new maximum (online softmax).
-template <typename T, int D>
-__device__ __forceinline__ void merge_if_last(const float* part_out, const float* part_ml, int* arrival, T* out,
-                                              size_t head0, int group, int n_splits, int n_live) {
-  constexpr int C = D / 4, CH = 8;  // float4 columns of a head, splits per round trip
-  __syncthreads();  // the CTA's partials are written
-  int last = 0;
-  if (threadIdx.x == 0) {
-    int before;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(arrival) : "memory");
-    last = before == n_live - 1;
-    if (last) *arrival = 0;  // every split has arrived: nothing else touches it in this launch
-  }
-  if (!__syncthreads_or(last)) return;
-
-  for (int i = threadIdx.x; i < group * C; i += blockDim.x) {
-    const int g = i / C, c = i % C;
-    const float2* ml = reinterpret_cast<const float2*>(part_ml) + (head0 + g) * n_splits;
-    const float4* po = reinterpret_cast<const float4*>(part_out + (head0 + g) * n_splits * D) + c;
-    float m = Max::identity(), l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s0 = 0; s0 < n_live; s0 += CH) {
-      float2 x[CH];
-      float4 pv[CH];
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        const bool ok = s0 + j < n_live;
-        x[j] = ok ? __ldcg(ml + s0 + j) : make_float2(0.0f, 0.0f);
-        pv[j] = ok ? __ldcg(po + (size_t)(s0 + j) * C) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-      float mb = m;
-#pragma unroll
-      for (int j = 0; j < CH; ++j)
-        if (x[j].y > 0.0f) mb = fmaxf(mb, x[j].x);
-      if (mb == Max::identity()) continue;  // every split so far is empty
-      const float r = exp2f(m - mb);        // 0 while m is the identity (acc, l are 0 then)
-      l *= r;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] *= r;
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        const float w = x[j].y > 0.0f ? x[j].y * exp2f(x[j].x - mb) : 0.0f;
-        l += w;
-        acc[0] = fmaf(w, pv[j].x, acc[0]);
-        acc[1] = fmaf(w, pv[j].y, acc[1]);
-        acc[2] = fmaf(w, pv[j].z, acc[2]);
-        acc[3] = fmaf(w, pv[j].w, acc[3]);
-      }
-      m = mb;
-    }
-    VecF<T, 4> o;  // l is 0 only when the whole context is empty: zeros
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o.v[e] = l > 0.0f ? acc[e] / l : 0.0f;
-    o.to().store(out + (head0 + g) * D + c * 4);
-  }
-}
+#include "paged_attention_merge.cuh"
 
 // grid: (n_splits, n_kv_heads, num_seqs) · block: 32 * WARPS
 // smem: 4 * (G * partition + WARPS * G * D + 2 * WARPS * G + partition / block_size + 2), with NEW_KV
@@ -252,13 +188,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   // NEW_KV reads the step's inputs before pdl_wait, all loads issued here with context_lens and the
   // block table below: one round trip on the way to the stage copies and RoPE's angles
   const int ctx = context_lens[seq];
-  int slot = -1;  // the new token's row, written by the CTA whose split holds it
-  float freq[8];
-  if constexpr (NEW_KV) {
-    slot = slot_mapping[seq];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) freq[e] = active ? inv_freq[chunk % (CHUNKS / 2) * 8 + e] : 0.0f;
-  }
+  const int slot = NEW_KV ? slot_mapping[seq] : -1;  // the new token's row, written by the CTA whose split holds it
   const int base = window > 0 ? max(0, ctx - window) : 0;  // the first key counted
   const int start = base + split * partition, end = min(ctx, start + partition), len = end - start;
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
@@ -307,11 +237,19 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
 
   float qv[G][8];
   if constexpr (NEW_KV) {
-    // Before pdl_wait: what the kernel before this one (the qkv GEMV) does not write. The step's
-    // inputs, the cache rows of past tokens (the new row at ctx - 1 is stale here: the writer
-    // below patches it into the stage) and RoPE's angles.
+    // Before pdl_wait, what the kernel before this one (the qkv GEMV) does not write: RoPE's angles at
+    // ctx - 1, one sincosf a frequency into `red` (unused until pass 3; every lane computing its
+    // chunk's 8 took longer than a large batch's loads), and the cache rows of past tokens (the new
+    // row at ctx - 1 is stale here: the writer below patches it into the stage).
+    static_assert(D / 2 <= THREADS, "a thread an angle");
+    float2* angles = reinterpret_cast<float2*>(red);
+    if (tid < D / 2) {
+      float s, c;
+      sincosf(static_cast<float>(ctx - 1) * inv_freq[tid], &s, &c);
+      angles[tid] = make_float2(c, s);
+    }
+    __syncthreads();  // blocks[] and the angles written
     if (staged) {
-      __syncthreads();  // blocks[] written
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (u < US) {
@@ -322,11 +260,12 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
       cp_async_commit();
     }
     float cs[8], sn[8];
-    if (active) {
-      const float pos = static_cast<float>(ctx - 1);
+    if (active)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) sincosf(pos * freq[e], &sn[e], &cs[e]);
-    }
+      for (int e = 0; e < 8; ++e) {
+        const float2 a = angles[chunk % (CHUNKS / 2) * 8 + e];
+        cs[e] = a.x, sn[e] = a.y;
+      }
     pdl_wait();  // q, k_new, v_new come from the previous kernel
     pdl_trigger();
     // A verify step (chunk_rows > 1): the row is the b-th of its sequence's chunk, rows seq - b .. seq
@@ -339,7 +278,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
       const int t = min(t0 + warp * RPW + sub, n_before - 1), row = seq - n_before + t, pos = ctx - 1 - n_before + t;
       float rc[8], rs[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) sincosf(static_cast<float>(pos) * freq[e], &rs[e], &rc[e]);
+      for (int e = 0; e < 8; ++e)
+        sincosf(static_cast<float>(pos) * inv_freq[chunk % (CHUNKS / 2) * 8 + e], &rs[e], &rc[e]);
       const Vec<T, 8> k_row = rope_chunk<T, D, KL>(k_new + (size_t)row * k_stride + (size_t)kv_head * D, chunk,
                                                    rc, rs, qk_norm ? k_norm : nullptr, eps);
       const int row_slot = slot_mapping[row];
