@@ -5,7 +5,7 @@ of --prompt-len random tokens, --new-tokens greedy tokens each (ignore_eos), thr
 after a warm-up run of the same shape (graphs captured, kernels compiled). Per row: decode tok/s and
 ms per step (decode-only steps, Engine.stats: host work included), the GPU time of one graph replay
 (replay ms), of the step's linear layers alone (gemv ms: the same linear calls in one graph) and of
-its paged_attention calls alone (attn ms, at the final context),
+its attention calls alone (attn ms, at the final context, Model.decode_attention),
 bytes read per step (every weight once, lm_head included, plus the K/V of the mean context),
 achieved GB/s and % of the copy bandwidth (bench.copy_gbs), the roofline tok/s (copy bandwidth /
 bytes), prefill tok/s of one 2k-token prompt. The peer: transformers AutoModelForCausalLM on the
@@ -28,7 +28,7 @@ import numpy as np
 from .. import bench
 from ..cli import add_kv_cache_dtype_argument
 from ..model.arch import HEAD_NORMS
-from ..model.decoder import GATED_EPILOGUE, LM_HEAD_QUANT, Batch, Model, kernel_dtype
+from ..model.decoder import GATED_EPILOGUE, LM_HEAD_QUANT, Batch, DecodeInputs, Model, kernel_dtype
 from ..model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
@@ -37,7 +37,6 @@ from ..ops.paged_attention import (
     WARPS,
     launch_decode,
     padded_group,
-    paged_attention,
     split_workspace_elems,
     workspace_elems,
 )
@@ -154,15 +153,21 @@ def gemv_ms(cp, model, batch):
 
 
 def attention_ms(cp, engine, batch, ctx, variant=None):
-    """GPU ms of the step's paged_attention calls alone (every layer, each sequence at context ctx,
-    the decode step's bound and workspace), replayed from one graph; variant (n_splits, partition,
-    rows in flight, warps): that launch instead of the op's choice."""
+    """GPU ms of the step's attention calls alone (every layer, each sequence at context ctx, the
+    decode step's bound and workspace: Model.decode_attention, RoPE and the new token's K/V write
+    fused where the step fuses them), replayed from one graph; variant (n_splits, partition, rows in
+    flight, warps): that launch of the plain kernel instead, on a q taken as rotated."""
     model, cache = engine.model, engine.kv_cache
     n_blocks = -(-ctx // cache.block_size)
     blocks = engine.blocks.allocate(batch * n_blocks)
-    tables = cp.asarray(np.asarray(blocks, dtype=np.int32).reshape(batch, n_blocks))
-    lens = cp.full(batch, ctx, dtype=np.int32)
-    q = cp.random.standard_normal((batch, model.n_heads, model.head_dim), dtype=cp.float32).astype(model.dtype)
+    table = np.asarray(blocks, dtype=np.int32).reshape(batch, n_blocks)
+    pos = np.full(batch, ctx - 1, dtype=np.int32)
+    slots = table[:, (ctx - 1) // cache.block_size] * cache.block_size + (ctx - 1) % cache.block_size
+    inputs = DecodeInputs(None, cp.asarray(pos), cp.asarray(slots), cp.asarray(table), cp.asarray(pos + 1))
+    qkv = cp.random.standard_normal((batch, (model.n_heads + 2 * model.n_kv_heads) * model.head_dim),
+                                    dtype=cp.float32).astype(model.dtype)
+    freqs = model.step_inv_freq(inputs.context_lens)
+    tables, lens, q = inputs.block_tables, inputs.context_lens, cp.ascontiguousarray(model.split_qkv(qkv)[0])
     out, bound = cp.empty_like(q), bucket(ctx, MIN_CONTEXT_BUCKET)
     elems = (workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, bound) if variant is None else
              split_workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, variant[0]))
@@ -172,7 +177,7 @@ def attention_ms(cp, engine, batch, ctx, variant=None):
     def step():
         for i in range(model.config.num_hidden_layers):
             if variant is None:
-                paged_attention(q, *cache.layer(i), tables, lens, out=out, max_context_len=bound, workspace=ws)
+                model.decode_attention(i, *model.split_qkv(qkv), *cache.layer(i), inputs, freqs, bound, ws)
             else:
                 n, p, u, w = variant
                 launch_decode(q, *cache.layer(i), tables, lens, out, model.head_dim ** -0.5, group, n, p, ws, u,

@@ -277,23 +277,32 @@ class Model:
         each row's frequencies); q/k norms are fused like RoPE."""
         freqs = self.step_inv_freq(inputs.context_lens)  # None, or longrope's [rows, head_dim / 2]
 
-        def attend(i, q, k, v, k_cache, v_cache):  # out: the caller's pool (DecodeGraph's, Verifier's)
-            kw = dict(out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len, workspace=workspace,
-                      **self.attention_kwargs(i))
-            lw = self.weights.layers[i]
-            if freqs is None:  # all fused: q/k norms, RoPE, the cache write
-                norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, self.config.rms_norm_eps)
-                return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-                                       new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), qk_norm=norm,
-                                       chunk_rows=verify or 1, **kw)
-            q = self.write_kv(i, q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, freqs,
-                              out=self.xp.empty(q.shape, q.dtype))
-            return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)
+        def attend(i, q, k, v, k_cache, v_cache):
+            return self.decode_attention(i, q, k, v, k_cache, v_cache, inputs, freqs, max_context_len, workspace,
+                                         verify)
 
         s = self.hidden(inputs.token_ids, kv_cache, attend)
         if greedy:  # the cap on the logits keeps their order
             return greedy_tokens(s, self.weights.lm_head, norm=self.final_norm, out=tokens_out)
         return self.logits(s)
+
+    def decode_attention(self, i, q, k, v, k_cache, v_cache, inputs: DecodeInputs, freqs, max_context_len: int,
+                         workspace=None, verify=0):
+        """Layer i's attention in a decode step (decode's): q, k, v the rows' heads as the qkv GEMV wrote
+        them, freqs None (q/k norms, RoPE and the cache write fused into paged_attention) or longrope's
+        per-row frequencies (write_kv first). Its arrays come from the caller's pool (DecodeGraph's,
+        Verifier's)."""
+        kw = dict(out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len, workspace=workspace,
+                  **self.attention_kwargs(i))
+        lw = self.weights.layers[i]
+        if freqs is None:
+            norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, self.config.rms_norm_eps)
+            return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
+                                   new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), qk_norm=norm,
+                                   chunk_rows=verify or 1, **kw)
+        q = self.write_kv(i, q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, freqs,
+                          out=self.xp.empty(q.shape, q.dtype))
+        return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)
 
     def decode_workspace_elems(self, batch: int, max_context_len: int) -> int:
         """float32 elements of the split-K partials a decode step of this shape needs (0: none)."""
