@@ -10,11 +10,12 @@ from cuinfer.model.decoder import Model, input_views, pack_inputs
 from cuinfer.model.kv_cache import CacheShape, KVCache
 from cuinfer.ops import runtime
 from cuinfer.ops.sampling import sampling as sampling_op
-from cuinfer.serving.engine import Engine, warm_up_rows
+from cuinfer.serving.engine import Engine
 from cuinfer.serving.request import PromptTooLongError
 from cuinfer.serving.runner import MIN_CONTEXT_BUCKET, bucket
 from cuinfer.serving.sampling import SamplingParams
 from cuinfer.serving.scheduler import PENDING
+from cuinfer.serving.warm_up import warm_up_rows
 
 
 class CharTokenizer:

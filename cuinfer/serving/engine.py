@@ -30,32 +30,23 @@ from ..errors import CuinferError
 from ..model.decoder import Batch, Model
 from ..model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_cache_dtype_for, kv_memory
 from ..ops import runtime
-from ..ops.paged_attention import precompile as precompile_attention
-from .block_manager import BlockManager, blocks_for
+from .block_manager import BlockManager
 from .detokenizer import RequestText
 from .piecewise import PiecewiseForward
 from .request import PromptTooLongError, RequestOutput, Stats, encode_prompt
-from .runner import DecodeGraph, batch_bucket
+from .runner import DecodeGraph
 from .sampling import SamplingParams, draw_uniforms, graph_sampleable, sample, sampling_columns, token_logprobs
 from .scheduler import PENDING, Scheduler, Sequence
-from .spec import NO_DRAFT, accept_greedy, make_speculator, verify
+from .spec import make_speculator
+from .spec_step import SpeculativeSteps
 from .verify import Verifier
+from .warm_up import warm_up
 
 CPU_KV_TOKENS = 16384
 # eager steps of up to this many tokens replay piecewise graphs (docs/serving.md); longer ones are
 # GPU-bound, their host time hidden behind their kernels
 PIECEWISE_MAX_TOKENS = 2048
 DEFAULT_PARAMS = SamplingParams()
-
-
-def warm_up_rows(budget: int) -> list:
-    """The token counts Engine.warm_up runs a forward of: 1-16 (the GEMV's row counts), the GEMM's
-    buckets to 128, then steps of 1.5x to the budget (cuBLAS picks its kernel by shape)."""
-    rows, n = list(range(1, 17)) + [24, 32, 48, 64, 96, 128], 192
-    while n < budget:
-        rows.append(n)
-        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
-    return [r for r in rows if r < budget] + [budget]
 
 
 @dataclass(eq=False)
@@ -85,7 +76,7 @@ class _Launched:
     pending: object  # PendingTokens: wait() -> the tokens as ints
 
 
-class Engine:
+class Engine(SpeculativeSteps):
     def __init__(self, model: Model, kv_cache: KVCache, tokenizer=None, eos_token_ids=(),
                  max_batch_tokens: int = 512, max_num_seqs: int = 256, seed: int = 0, use_graphs: bool = True,
                  async_decode: bool = True, decoder=None, enable_prefix_caching: bool = True,
@@ -165,53 +156,10 @@ class Engine:
                    speculative=speculative, num_speculative_tokens=num_speculative_tokens)
 
     def warm_up(self) -> dict:
-        """Run every kind of step once before the first request, as a server does at start: a
-        request must not wait on a kernel's compilation (seconds each on a fresh machine; CuPy keeps
-        them on disk after), on a cuBLAS kernel's first load (lazy loading synchronizes the device)
-        or on a graph capture. The piecewise graphs of every token bucket, eager forwards of every
-        row count in warm_up_rows (the kernels they pick past the buckets), a mixed step (a chunk
-        and decodes), the greedy decode graph of every batch bucket up to max_num_seqs at the
-        smallest context bucket (a longer context captures its graph on first use, ~50 ms,
-        compiling nothing), then a few requests through step(): a prompt over the step budget, a
-        sampled one and one with logprobs. The prefix cache forgets their blocks. Nothing on the
-        CPU. Returns {"seconds", "graphs", "graph_mib"}."""
-        if self.scheduler.has_work() or self._requests:
-            raise CuinferError("warm_up: call it before the first request")
-        t0 = time.perf_counter()
-        if self.decoder is None:
-            return {"seconds": 0.0, "graphs": 0, "graph_mib": 0.0}
-        xp, bs = self.model.xp, self.kv_cache.block_size
-        budget = min(self.scheduler.max_batch_tokens, self.max_len - 1, self.blocks.num_free * bs - 1)
-        m = self.model
-        if xp is not np:
-            precompile_attention(m.dtype, m.head_dim, m.n_heads, m.n_kv_heads, cache_dtype=self.kv_cache.dtype)
-        pieces = self.piecewise.capture_all() if self.piecewise is not None else 0
-        blocks = self.blocks.allocate(blocks_for(budget + 1, bs))
-        try:
-            for rows in warm_up_rows(budget):  # one chunk: FlashAttention, the lm_head on one row
-                self._forward(Batch.from_chunks([([0] * rows, 0, blocks)], bs).to(xp))
-            for seqs in warm_up_rows(min(budget // 2, self.scheduler.max_num_seqs))[1:]:
-                # a chunk and seqs - 1 decodes: the lm_head on seqs rows, the decodes' paged attention
-                chunks = [([0] * (budget // 2), 0, blocks)] + [([0], budget // 2, blocks)] * (seqs - 1)
-                self._forward(Batch.from_chunks(chunks, bs).to(xp))
-            b = 1
-            while b <= batch_bucket(self.scheduler.max_num_seqs):
-                self.decoder.run([0] * b, [0] * b, [blocks[:1]] * b, True).get()
-                b = batch_bucket(b + 1)
-        finally:
-            self.blocks.free(blocks)
-        vocab = self.model.config.vocab_size
-        rng = np.random.default_rng(0)
-        longest = min(self.scheduler.max_batch_tokens + 17, self.max_len - 5, self.blocks.num_blocks * bs // 2)
-        lengths = [max(1, min(n, longest)) for n in (5, 9, longest)]  # a step with decodes before a chunk
-        params = [SamplingParams(max_new_tokens=4, temperature=0.8, top_k=40, top_p=0.9, seed=0, ignore_eos=True),
-                  SamplingParams(max_new_tokens=4, logprobs=2, ignore_eos=True),
-                  SamplingParams(max_new_tokens=4, ignore_eos=True)]
-        self.generate([rng.integers(0, vocab, n).tolist() for n in lengths], params)
-        self.stats, self.outputs, self._ids = Stats(), [], itertools.count()
-        self.blocks.forget_cached()
-        return {"seconds": time.perf_counter() - t0, "graphs": len(self.decoder.steps) + pieces,
-                "graph_mib": self.decoder.graph_bytes() / 2 ** 20}
+        """Run every kind of step once before the first request, as a server does at start (see
+        warm_up.warm_up): nothing compiled or captured while a request waits. Returns {"seconds",
+        "graphs", "graph_mib"}."""
+        return warm_up(self)
 
     # ------------------------------------------------------------------ requests
 
@@ -421,86 +369,6 @@ class Engine:
         outputs = [s.output_ids if p.presence_penalty or p.frequency_penalty else () for s, p in zip(seqs, params)]
         return sample(logits, params, histories, self._uniforms(seqs), outputs, with_logprobs=True)
 
-    def _verifies(self, plan) -> bool:
-        """Whether the step `plan` is a verify step (cuinfer/serving/spec.py): speculation is on and
-        Speculator.wants it."""
-        return self.spec is not None and self.spec.wants(plan)
-
-    def _spec_step(self, plan, t0) -> list:
-        """A verify step (cuinfer/serving/spec.py): every sequence decodes its last token and the due
-        ones their drafts after it, in one forward; each keeps what the verification accepts, and
-        the slots of rejected drafts are rolled back. Without any draft: a plain synchronous step.
-        A greedy step is launched, the bookkeeping that needs none of its tokens done while it
-        runs, and then its tokens are waited for."""
-        seqs = [s for s, _ in plan]
-        reqs = [self._requests[s.seq_id] for s in seqs]
-        shapes = self._graph_shapes()
-        budgets = self.spec.budgets(seqs, self.max_len)
-        drafts = self.spec.propose(seqs, budgets, [r.seed for r in reqs])
-        drafts = [d if d.tokens and self.scheduler.reserve_draft(s, len(d.tokens)) else NO_DRAFT
-                  for s, d in zip(seqs, drafts)]
-        if not any(d.tokens for d in drafts):
-            for s, k in zip(seqs, budgets):
-                if k:
-                    self.spec.record(s, 0, 0)
-            return self._sync_step(plan, t0)
-        chunks = [([s.token_at(s.num_computed)] + d.tokens, s.num_computed, s.block_table)
-                  for s, d in zip(seqs, drafts)]
-        starts = list(itertools.accumulate((len(c[0]) for c in chunks), initial=0))
-        pending = None
-        if all(s.params.greedy and graph_sampleable(s.params) for s in seqs):  # only each row's argmax comes back
-            pending = self.verifier.launch(chunks)
-        else:
-            kept, lps = self._verify(seqs, drafts, self.verifier.run(chunks), starts)
-        timed = self._graph_shapes() == shapes  # a step that met a new shape captured a graph
-        self._note_kv_blocks()
-        self.stats.draft_tokens += sum(len(d.tokens) for d in drafts)
-        self.stats.verify_rows += sum(1 for d in drafts if d.tokens)
-        if pending is not None:
-            targets = pending.wait()
-            kept = [accept_greedy(targets[a:b], d.tokens) for a, b, d in zip(starts, starts[1:], drafts)]
-            lps = [None] * len(seqs)
-        now = time.perf_counter()
-        events = []
-        for s, r, d, tokens, lp in zip(seqs, reqs, drafts, kept, lps):
-            self.scheduler.computed(s, len(tokens))  # the last token and the accepted drafts
-            events.append(self._append_all(r, tokens, lp, now))
-            self.scheduler.rollback(s)
-            if d.tokens:
-                self.stats.accepted_tokens += len(tokens) - 1
-        elapsed = time.perf_counter() - t0
-        cost = self.spec.note_verify_step(len(seqs), elapsed if timed else None)
-        for s, d, k, tokens in zip(seqs, drafts, budgets, kept):
-            if k:
-                self.spec.record(s, len(d.tokens), len(tokens) - 1, cost)
-        self.stats.decode_s += elapsed
-        self.stats.decode_tokens += sum(len(o.new_token_ids) for o in events)
-        return events
-
-    def _graph_shapes(self) -> int:
-        """Step shapes the decode and verify runners (the draft model's too) have met: a new one
-        captured a graph, so the step that met it says nothing of a step's cost."""
-        runners = (self.decoder, self.verifier, *getattr(self.spec.proposer, "runners", ()))
-        return sum(len(getattr(r, "steps", ())) for r in runners)
-
-    def _verify(self, seqs, drafts, logits, starts):
-        """(tokens, logprobs entries or None) per sequence from a verify step's logits (starts: where
-        each sequence's rows start, and their end): drafted sequences through spec.verify, the
-        others sampled as a plain step samples them (penalties, logprobs and seeded draws included)."""
-        xp, starts = self.model.xp, np.asarray(starts)
-        drafted = [i for i, d in enumerate(drafts) if d.tokens]
-        plain = [i for i, d in enumerate(drafts) if not d.tokens]
-        kept, lps = [None] * len(seqs), [None] * len(seqs)
-        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in drafted])
-        found = verify(logits[xp.asarray(rows)], [seqs[i] for i in drafted], [drafts[i] for i in drafted],
-                       [self._requests[seqs[i].seq_id].seed for i in drafted])
-        for i, tokens in zip(drafted, found):
-            kept[i] = tokens
-        if plain:
-            tokens, entries = self._sample([seqs[i] for i in plain], logits[xp.asarray(starts[plain])])
-            for i, t, entry in zip(plain, tokens, entries):
-                kept[i], lps[i] = [int(t)], [entry]
-        return kept, lps
 
     def _append_all(self, req: _Request, tokens, logprobs, now: float) -> RequestOutput:
         """Append a step's tokens one by one until the sequence finishes (the rest are dropped); one
