@@ -14,8 +14,9 @@ token per sequence (decode) runs through DecodeGraph instead: a CUDA graph repla
 the argmax when every sequence decodes greedily, or in the sampling kernel when every sampled
 sequence needs no penalty and no logprobs (its seeded uniform is copied in with the step's inputs),
 so only the tokens come back to the host; steps with other rows end in the logits, sampled here.
-Pipelined decode (async_decode) launches the next such decode step before this one's tokens
-are read; docs/serving.md gives its invariants. A row whose sequence finished (end token, stop
+Pipelined decode (async_decode, pipeline.py) launches the next such decode step before this one's
+tokens are read; docs/serving.md gives its invariants. Verify steps of speculative decoding are in
+spec_step.py, the warm-up in warm_up.py. A row whose sequence finished (end token, stop
 string, abort) while its step was in flight is discarded, never appended or emitted.
 """
 from __future__ import annotations
