@@ -38,7 +38,6 @@ from ..ops.paged_attention import (
     launch_decode,
     padded_group,
     split_workspace_elems,
-    workspace_elems,
 )
 from ..ops.quant import quantize_spec
 from ..serving.engine import Engine
@@ -166,10 +165,11 @@ def attention_ms(cp, engine, batch, ctx, variant=None):
     inputs = DecodeInputs(None, cp.asarray(pos), cp.asarray(slots), cp.asarray(table), cp.asarray(pos + 1))
     qkv = cp.random.standard_normal((batch, (model.n_heads + 2 * model.n_kv_heads) * model.head_dim),
                                     dtype=cp.float32).astype(model.dtype)
+    q, k, v = model.split_qkv(qkv)
     freqs = model.step_inv_freq(inputs.context_lens)
-    tables, lens, q = inputs.block_tables, inputs.context_lens, cp.ascontiguousarray(model.split_qkv(qkv)[0])
-    out, bound = cp.empty_like(q), bucket(ctx, MIN_CONTEXT_BUCKET)
-    elems = (workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, bound) if variant is None else
+    tables, lens, q_rot = inputs.block_tables, inputs.context_lens, cp.ascontiguousarray(q)
+    out, bound = cp.empty_like(q_rot), bucket(ctx, MIN_CONTEXT_BUCKET)
+    elems = (model.decode_workspace_elems(batch, bound) if variant is None else
              split_workspace_elems(batch, model.n_heads, model.n_kv_heads, model.head_dim, variant[0]))
     ws = cp.zeros(max(1, elems), dtype=np.float32)
     group = padded_group(model.n_heads, model.n_kv_heads)
@@ -177,10 +177,10 @@ def attention_ms(cp, engine, batch, ctx, variant=None):
     def step():
         for i in range(model.config.num_hidden_layers):
             if variant is None:
-                model.decode_attention(i, *model.split_qkv(qkv), *cache.layer(i), inputs, freqs, bound, ws)
+                model.decode_attention(i, q, k, v, *cache.layer(i), inputs, freqs, bound, ws)
             else:
                 n, p, u, w = variant
-                launch_decode(q, *cache.layer(i), tables, lens, out, model.head_dim ** -0.5, group, n, p, ws, u,
+                launch_decode(q_rot, *cache.layer(i), tables, lens, out, model.head_dim ** -0.5, group, n, p, ws, u,
                               warps=w)
 
     cp.cuda.Device().synchronize()
