@@ -144,7 +144,8 @@ __device__ __forceinline__ void for_each_row(bool staged, const typename KvChunk
 // before the launch and left zero by it
 // NEW_KV only: q rows q_stride elements apart (heads contiguous), un-rotated; k_new, v_new: [num_seqs,
 // n_kv_heads, D] rows k_stride / v_stride apart, k un-rotated; slot_mapping: [num_seqs] (slot < 0: no
-// write); inv_freq: [D / 2] fp32; qk_norm != 0: every q and k head RMS-normed with q_norm / k_norm [D]
+// write); inv_freq: [D / 2] fp32, or with freq_stride > 0 a row per q row, freq_stride elements apart
+// (longrope: each sequence's short or long frequencies); qk_norm != 0: every q and k head RMS-normed with q_norm / k_norm [D]
 // (epsilon eps) before RoPE, as write_kv's NORM kernel norms; chunk_rows: rows per sequence chunk (1:
 // decode, each row its own sequence). Without NEW_KV these are unused and q is contiguous.
 // window > 0: only the last `window` keys count; the splits then tile [max(0, ctx - window), ctx) (the
@@ -166,7 +167,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     int block_shift, int n_heads, int n_kv_heads, int partition, float scale_log2,
     const T* __restrict__ k_new, const T* __restrict__ v_new, const int* __restrict__ slot_mapping,
     const float* __restrict__ inv_freq, int q_stride, int k_stride, int v_stride, int window, float cap_log2,
-    const T* __restrict__ q_norm, const T* __restrict__ k_norm, int qk_norm, float eps, int chunk_rows) {
+    const T* __restrict__ q_norm, const T* __restrict__ k_norm, int qk_norm, float eps, int chunk_rows,
+    int freq_stride) {
   if constexpr (!NEW_KV) {
     pdl_wait();  // every input of this kernel may come from the previous one
     pdl_trigger();
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     float2* angles = reinterpret_cast<float2*>(red);
     if (tid < D / 2) {
       float s, c;
-      sincosf(static_cast<float>(ctx - 1) * inv_freq[tid], &s, &c);
+      sincosf(static_cast<float>(ctx - 1) * inv_freq[(size_t)seq * freq_stride + tid], &s, &c);
       angles[tid] = make_float2(c, s);
     }
     __syncthreads();  // blocks[] and the angles written
@@ -279,7 +281,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
       float rc[8], rs[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        sincosf(static_cast<float>(pos) * inv_freq[chunk % (CHUNKS / 2) * 8 + e], &rs[e], &rc[e]);
+        sincosf(static_cast<float>(pos) * inv_freq[(size_t)row * freq_stride + chunk % (CHUNKS / 2) * 8 + e], &rs[e],
+                &rc[e]);
       const Vec<T, 8> k_row = rope_chunk<T, D, KL>(k_new + (size_t)row * k_stride + (size_t)kv_head * D, chunk,
                                                    rc, rs, qk_norm ? k_norm : nullptr, eps);
       const int row_slot = slot_mapping[row];

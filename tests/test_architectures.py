@@ -300,15 +300,21 @@ def test_batched_decode_steps_equal_forward(name, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3-longrope"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_graph_decode_matches_numpy(name, dtype, tmp_path, cp):
-    """Decode steps replayed from CUDA graphs (write_kv with the q/k norms or longrope's per-row
-    frequencies, then paged_attention) for three sequences of different lengths (longrope: one short,
-    two past original_max_position_embeddings 64), against the NumPy backend's forward of the same
+@pytest.mark.parametrize("write", ["fused", "separate"])
+def test_gpu_graph_decode_matches_numpy(name, dtype, write, tmp_path, cp, monkeypatch):
+    """Decode steps replayed from CUDA graphs (the q/k norms, RoPE with longrope's per-row frequencies
+    and the K/V write fused into paged_attention, or done by write_kv first as steps of
+    SEPARATE_WRITE_ROWS rows do) for three sequences of different lengths (longrope: one short, two
+    past original_max_position_embeddings 64), against the NumPy backend's forward of the same
     tokens; the captures take nothing from the pool beyond their warm-up."""
     from test_model import GPU_LOGIT_REL_L2, make_cache
 
+    from cuinfer.model import decoder
     from cuinfer.ops import runtime
     from cuinfer.serving.runner import DecodeGraph
+
+    if write == "separate":
+        monkeypatch.setattr(decoder, "SEPARATE_WRITE_ROWS", 1)
 
     extra = {"original_max_position_embeddings": 64, "max_position_embeddings": 512} if "longrope" in name else {}
     path, _ = save_case(name, tmp_path / name, hidden_size=256, intermediate_size=512, head_dim=64, **extra)

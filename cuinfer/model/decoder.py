@@ -49,6 +49,7 @@ from .weights import LINEAR_FIELDS, Weights, fuse, nonfinite_tensor, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
 GATED_EPILOGUE = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # hidden_act -> ops.linear.GATED
+SEPARATE_WRITE_ROWS = 96  # decode steps of this many rows write K/V (write_kv) before the plain attention
 
 
 def project(x, w, bias=None, norm=None, residual=None, out=None):
@@ -273,8 +274,8 @@ class Model:
         with verify=q (a verify step), rows i*q .. i*q + q - 1 are consecutive tokens of one sequence,
         each row with its own position, context_lens and block-table row: the attention writes each
         row's K/V and those of its chunk's rows before it, then the row attends over its context
-        (paged_attention's chunk_rows). Longrope writes every row's K/V first (write_kv rotates with
-        each row's frequencies); q/k norms are fused like RoPE."""
+        (paged_attention's chunk_rows). Longrope rotates each row with its own frequencies (a row
+        of them per q row); q/k norms are fused like RoPE."""
         freqs = self.step_inv_freq(inputs.context_lens)  # None, or longrope's [rows, head_dim / 2]
 
         def attend(i, q, k, v, k_cache, v_cache):
@@ -289,20 +290,21 @@ class Model:
     def decode_attention(self, i, q, k, v, k_cache, v_cache, inputs: DecodeInputs, freqs, max_context_len: int,
                          workspace=None, verify=0):
         """Layer i's attention in a decode step (decode's): q, k, v the rows' heads as the qkv GEMV wrote
-        them, freqs None (q/k norms, RoPE and the cache write fused into paged_attention) or longrope's
-        per-row frequencies (write_kv first). Its arrays come from the caller's pool (DecodeGraph's,
-        Verifier's)."""
+        them; q/k norms, RoPE (the layer's frequencies, or with longrope freqs, a row per q row) and the
+        cache write fused into paged_attention, or from SEPARATE_WRITE_ROWS rows on done by write_kv
+        first (the same bits; there the fused call's coherent re-reads of the new rows cost more than
+        the extra launch). Its arrays come from the caller's pool (DecodeGraph's, Verifier's)."""
         kw = dict(out=self.xp.empty(q.shape, q.dtype), max_context_len=max_context_len, workspace=workspace,
                   **self.attention_kwargs(i))
+        if q.shape[0] >= SEPARATE_WRITE_ROWS:
+            q = self.write_kv(i, q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, freqs,
+                              out=self.xp.empty(q.shape, q.dtype))
+            return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)
         lw = self.weights.layers[i]
-        if freqs is None:
-            norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, self.config.rms_norm_eps)
-            return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens,
-                                   new_kv=(k, v, inputs.slot_mapping, self.inv_freq[i]), qk_norm=norm,
-                                   chunk_rows=verify or 1, **kw)
-        q = self.write_kv(i, q, k, v, inputs.positions, k_cache, v_cache, inputs.slot_mapping, freqs,
-                          out=self.xp.empty(q.shape, q.dtype))
-        return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, **kw)
+        norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, self.config.rms_norm_eps)
+        new_kv = (k, v, inputs.slot_mapping, self.inv_freq[i] if freqs is None else freqs)
+        return paged_attention(q, k_cache, v_cache, inputs.block_tables, inputs.context_lens, new_kv=new_kv,
+                               qk_norm=norm, chunk_rows=verify or 1, **kw)
 
     def decode_workspace_elems(self, batch: int, max_context_len: int) -> int:
         """float32 elements of the split-K partials a decode step of this shape needs (0: none)."""

@@ -15,7 +15,8 @@ what write_kv(q, k, v, context_lens - 1, k_cache, v_cache, slot_mapping, inv_fre
 paged_attention on the rotated q does, bit for bit, in one launch:
     k, v: [num_seqs, n_kv_heads, head_dim]; slot_mapping: int32 [num_seqs], the cache slot of
     position context_lens - 1 (block_tables' entry for it; < 0: no write); inv_freq: float32
-    [head_dim // 2] (cuinfer.ops.rope.rope_inv_freq). q, k, v may be views of one qkv row
+    [head_dim // 2] (cuinfer.ops.rope.rope_inv_freq), or [num_seqs, head_dim // 2] (a row each:
+    longrope's frequencies per sequence, as write_kv takes them). q, k, v may be views of one qkv row
     ([num_seqs, (n_heads + 2 * n_kv_heads) * head_dim]): rows any 16-byte multiple apart, heads
     contiguous within a row. A sequence with context_lens 0 writes nothing (and gives zeros).
     qk_norm=(q_norm, k_norm, eps) (with new_kv only): q and k heads RMS-normed first, as
@@ -300,7 +301,8 @@ def _check_new_kv(q, n_kv, k, v, slot_mapping, inv_freq):
         check_head_rows(name, a)
         runtime.check(name, a, align=16, contiguous=False)
     runtime.check("slot_mapping", slot_mapping, dtype=np.int32, shape=(num_seqs,))
-    runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(d // 2,))
+    per_row = getattr(inv_freq, "ndim", 1) == 2  # longrope: each row its own frequencies
+    runtime.check("inv_freq", inv_freq, dtype=np.float32, shape=(num_seqs, d // 2) if per_row else (d // 2,))
 
 
 def _check_qk_norm(q, new_kv, q_norm, k_norm, eps):
@@ -366,6 +368,6 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
             *(np.int32(a.strides[0] // a.itemsize) for a in (q, k, v)), np.int32(window),
             np.float32(softcap * LOG2E if softcap else 0.0), q_norm, k_norm, np.int32(qk_norm is not None),
-            np.float32(eps), np.int32(chunk_rows))
+            np.float32(eps), np.int32(chunk_rows), np.int32(inv_freq.shape[1] if inv_freq.ndim == 2 else 0))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
                    smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps, 8 * k_cache.itemsize))

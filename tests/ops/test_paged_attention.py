@@ -304,11 +304,12 @@ def split_qkv(qkv, n_heads, n_kv, d):
             qkv[:, nq + nkv:nq + 2 * nkv].reshape(rows, n_kv, d))
 
 
-def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0, fp8_cache=False):
+def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0, fp8_cache=False,
+                   per_row_freq=False):
     """NumPy inputs of a fused decode step: each sequence's context (random K/V, NaN elsewhere in the cache and
     in the rows the call writes), a qkv buffer for the new tokens and the slots of their positions lens - 1 (a
     spare block's slots where a length is 0, -1 for a `drop` fraction of rows); fp8_cache: the caches as E4M3
-    codes (NaN: 0x7f)."""
+    codes (NaN: 0x7f); per_row_freq: RoPE frequencies a row each (longrope's short or long ones per sequence)."""
     lens = np.array(lens, np.int32)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     k, v = (rng.standard_normal((cu[-1], n_kv, d)).astype(np.float32).astype(dtype) for _ in range(2))
@@ -325,9 +326,11 @@ def new_token_case(rng, lens, ratio, n_kv, d, dtype, block_size, pad=0, drop=0.0
         k_cache, v_cache = fp8.encode_e4m3(k_cache), fp8.encode_e4m3(v_cache)
     width = (n_kv * ratio + 2 * n_kv) * d + pad
     qkv = rng.standard_normal((len(lens), width)).astype(np.float32).astype(dtype)
+    inv_freq = inv_freq_for(d, 500000.0)
+    if per_row_freq:
+        inv_freq = (inv_freq * rng.choice([1.0, 0.25, 1 / 3], size=(len(lens), 1))).astype(np.float32)
     return {"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache, "tables": tables, "lens": lens,
-            "slots": slots.astype(np.int32), "inv_freq": inv_freq_for(d, 500000.0), "n_heads": n_kv * ratio,
-            "n_kv": n_kv, "d": d}
+            "slots": slots.astype(np.int32), "inv_freq": inv_freq, "n_heads": n_kv * ratio, "n_kv": n_kv, "d": d}
 
 
 def bits(a):
@@ -388,8 +391,9 @@ def test_new_kv_numpy_path_composes_write_kv():
     from cuinfer.ops.write_kv import write_kv
 
     rng = np.random.default_rng(7)
-    for dtype, fp8_cache in ((np.float32, False), (np.float16, False), (np.float16, True)):
-        case = new_token_case(rng, [1, 16, 17, 0, 40], 3, 2, 64, dtype, 16, pad=8, drop=0.3, fp8_cache=fp8_cache)
+    for dtype, fp8_cache, per_row in ((np.float32, False, False), (np.float16, False, True), (np.float16, True, False)):
+        case = new_token_case(rng, [1, 16, 17, 0, 40], 3, 2, 64, dtype, 16, pad=8, drop=0.3, fp8_cache=fp8_cache,
+                              per_row_freq=per_row)
         q, k, v = split_qkv(case["qkv"], 6, 2, 64)
         kc, vc = case["k_cache"].copy(), case["v_cache"].copy()
         got = paged_attention(q, kc, vc, case["tables"], case["lens"], new_kv=(k, v, case["slots"], case["inv_freq"]))
@@ -452,6 +456,8 @@ def test_new_kv_argument_checks():
         paged_attention(q, *args, new_kv=(k, v, case["slots"].astype(np.int64), case["inv_freq"]))
     with pytest.raises(ValueError, match="inv_freq: got shape"):
         paged_attention(q, *args, new_kv=(k, v, case["slots"], case["inv_freq"][:16]))
+    with pytest.raises(ValueError, match="inv_freq: got shape"):  # a row each: one per q row
+        paged_attention(q, *args, new_kv=(k, v, case["slots"], np.tile(case["inv_freq"], (len(q) + 1, 1))))
 
 
 @pytest.mark.gpu
@@ -461,17 +467,20 @@ def test_new_kv_argument_checks():
        ratio=st.sampled_from([1, 4, 7, 8]), n_kv=st.sampled_from([1, 2]), d=st.sampled_from([64, 80, 96, 128, 256]),
        dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16, 32]), pad=st.sampled_from([0, 8, 24]),
        strided=st.booleans(), drop=st.sampled_from([0.0, 0.3]), extra=st.sampled_from([None, 0, 1, 700]),
-       qk_norm=st.booleans(), fp8_cache=st.booleans(), seed=st.integers(0, 2**31))
+       qk_norm=st.booleans(), fp8_cache=st.booleans(), per_row_freq=st.booleans(), seed=st.integers(0, 2**31))
 def test_new_kv_matches_write_kv_then_decode(cp, lens, ratio, n_kv, d, dtype, block_size, pad, strided, drop, extra,
-                                             qk_norm, fp8_cache, seed):
-    case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop, fp8_cache)
+                                             qk_norm, fp8_cache, per_row_freq, seed):
+    case = new_token_case(np.random.default_rng(seed), lens, ratio, n_kv, d, dtype, block_size, pad, drop, fp8_cache,
+                          per_row_freq)
     check_fused_matches_write_kv(cp, case, None if extra is None else max(lens) + extra, strided, qk_norm=qk_norm)
 
 
-def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad=0, fp8_cache=False):
+def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad=0, fp8_cache=False,
+                per_row_freq=False):
     """A verify step's inputs (speculative decoding): sequence i has prefixes[i] tokens cached and drafts[i] + 1
     <= q new rows, its chunk rows i*q .. i*q + q - 1 (real rows first, then rows of length 0 and slot -1), each
-    row with its own length, slot and a copy of the sequence's block table; the new rows' slots are NaN."""
+    row with its own length, slot and a copy of the sequence's block table; the new rows' slots are NaN;
+    per_row_freq: RoPE frequencies a row each, differing within a chunk."""
     new = np.array(drafts, np.int32) + 1
     case = new_token_case(rng, np.array(prefixes) + new, ratio, n_kv, d, dtype, block_size, pad, fp8_cache=fp8_cache)
     rows = len(prefixes) * q
@@ -484,8 +493,11 @@ def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad
     for cache in (case["k_cache"], case["v_cache"]):  # the rows the step writes hold no data yet
         cache.reshape(-1, n_kv, d)[slots[real]] = 0x7F if fp8_cache else np.nan
     width = case["qkv"].shape[1]
+    inv_freq = case["inv_freq"]
+    if per_row_freq:
+        inv_freq = (inv_freq * rng.choice([1.0, 0.25, 1 / 3], size=(rows, 1))).astype(np.float32)
     return dict(case, qkv=rng.standard_normal((rows, width)).astype(np.float32).astype(dtype), lens=lens,
-                slots=slots.astype(np.int32), tables=np.ascontiguousarray(tables))
+                slots=slots.astype(np.int32), tables=np.ascontiguousarray(tables), inv_freq=inv_freq)
 
 
 @pytest.mark.gpu
@@ -495,16 +507,16 @@ def verify_case(rng, prefixes, drafts, q, ratio, n_kv, d, dtype, block_size, pad
        q_extra=st.sampled_from([0, 1, 3]), ratio=st.sampled_from([1, 3, 4, 8]), d=st.sampled_from(HEAD_DIMS),
        dtype=st.sampled_from(DTYPES), block_size=st.sampled_from([8, 16]), qk_norm=st.booleans(),
        window=st.sampled_from([0, 0, 1, 5, 300]), extra=st.sampled_from([None, 0, 700]), fp8_cache=st.booleans(),
-       seed=st.integers(0, 2**31))
+       per_row_freq=st.booleans(), seed=st.integers(0, 2**31))
 def test_new_kv_verify_chunks(cp, chunks, q_extra, ratio, d, dtype, block_size, qk_norm, window, extra, fp8_cache,
-                              seed):
+                              per_row_freq, seed):
     """chunk_rows: each row of a verify step writes its K/V and those of its chunk's rows before it, then attends:
     caches and output bit for bit those of write_kv over every row then paged_attention (short contexts take the
     staged path, long ones split; a window may leave the chunk's first rows unread)."""
     prefixes, drafts = (list(x) for x in zip(*chunks))
     q = max(drafts) + 1 + q_extra
     case = verify_case(np.random.default_rng(seed), prefixes, drafts, q, ratio, 2, d, dtype, block_size, pad=8,
-                       fp8_cache=fp8_cache)
+                       fp8_cache=fp8_cache, per_row_freq=per_row_freq)
     check_fused_matches_write_kv(cp, case, None if extra is None else int(case["lens"].max()) + extra, window=window,
                                  qk_norm=qk_norm, chunk_rows=q)
 
