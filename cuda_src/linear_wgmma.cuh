@@ -17,7 +17,8 @@ namespace {
 // and 64-byte scale copies a stage 63.8 us, without the scale copies 48.8, one 8 KB copy 41.4), hence
 // chunks; x, from L2, wants a deeper ring of one-stage slots (ops/linear_mma.py's wgmma_tile), hence
 // two rings. Warpgroups 1 and 2 each own 64 weight rows (gated: 1 the gate rows, 2 the up rows of the
-// same 64 outputs): per half stage of 64 k each lane turns its words straight into wgmma's A fragments
+// same 64 outputs; at NX = 192 their accumulators take registers from warpgroup 0, setmaxnreg):
+// per half stage of 64 k each lane turns its words straight into wgmma's A fragments
 // (the mma.sync A fragment of its warp's 16 rows, round((q - z) scale) in T: dequantize() rounded to
 // T, as the cuBLAS path's scratch holds it) and multiplies them by the x tile in shared memory (K-major
 // B, 128-byte swizzle); the second half is dequantized while the first one's multiplies run. No
@@ -227,7 +228,8 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   using G = WGeo<WBITS, GS, NX, WS, XS>;
   static_assert(WBITS == 16 || WBITS == 8 || (WBITS == 4 && (GS == 32 || GS == 64 || GS == 128)),
                 "16-bit or int8 weights, or int4 groups of 32, 64 or 128");
-  static_assert(WS >= 2 && XS >= 2 && (NX == 32 || NX == 64 || NX == 128), "tile");
+  static_assert(WS >= 2 && XS >= 2 && (NX == 32 || NX == 64 || NX == 128 || NX == 192), "tile");
+  constexpr bool kWide = NX > 128;  // 96 accumulators a consumer thread: registers moved to them
   extern __shared__ __align__(128) unsigned char smem[];
   // wfull[WS], wempty[WS], xfull[XS], xempty[XS], redfree
   __shared__ __align__(8) unsigned long long bars[2 * (WS + XS) + 1];
@@ -266,60 +268,72 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   // results go over the x slots, so the weights of the next tile stream in during its epilogue and x's
   // wait for redfree.
   float acc[NX / 2];
-  if (G::kTma && warp == 0) {  // 16-bit and int8 weights: lane 0 copies each stage's 128 rows through the map
-    if (lane == 0) {
-      const TensorMap* map = static_cast<const TensorMap*>(w);
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
-      int gc = 0;  // stages issued
+  // kWide: the consumers' accumulators take registers from warpgroup 0 (128 x 40 + 256 x 232: the 384 x
+  // 168 the launch holds), each side in its own branch to the end (setmaxnreg: the same instruction for a
+  // whole warpgroup; ptxas allocates each region for its limit).
+  if (wg == 0) {
+    if constexpr (kWide) regs_dec<40>();
+    if (G::kTma && warp == 0) {  // 16-bit and int8 weights: lane 0 copies each stage's 128 rows through the map
+      if (lane == 0) {
+        const TensorMap* map = static_cast<const TensorMap*>(w);
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+        int gc = 0;  // stages issued
+        for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
+          const int row0 = block_of(tile).row0;
+          for (int i = 0; i < n_t; ++i, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
+            const unsigned full = wfull0 + 8 * (gc % WS);
+            if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
+            mbar_expect_tx(full, G::kW);  // rows past N are zero-filled, and count
+            tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, (WBITS == 16 ? 2 : 1) * (t_begin + i), full);
+          }
+        }
+      }
+    } else if (warp == 0) {  // int4 weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a slot
+      const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
+      int gc = 0;  // chunks issued
       for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
+        // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
         const int row0 = block_of(tile).row0;
-        for (int i = 0; i < n_t; ++i, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
-          const unsigned full = wfull0 + 8 * (gc % WS);
+        const int tl = min(mma_gated(EPI) ? (l >> 2) * N + row0 + 16 * (l & 3) : row0 + 16 * l, n_w - 1) / 16;
+        const char* wsrc = static_cast<const char*>(w) + ((size_t)tl * n_st + t_begin) * 1024;
+        const char* ssrc = reinterpret_cast<const char*>(scales) + ((size_t)tl * n_st + t_begin) * G::kGroups * 64;
+        for (int c = 0; c * G::kChunk < n_t; ++c, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
+          const unsigned slot = ring + (gc % WS) * G::kWSlot, full = wfull0 + 8 * (gc % WS);
+          const int t = c * G::kChunk, st = min(G::kChunk, n_t - t);
           if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
-          mbar_expect_tx(full, G::kW);  // rows past N are zero-filled, and count
-          tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, (WBITS == 16 ? 2 : 1) * (t_begin + i), full);
+          if (lane == 0) mbar_expect_tx(full, st * 8 * (1024 + G::kGroups * 64));
+          __syncwarp();
+          if (lane < 8) {
+            bulk_load(slot + G::kTile * l, wsrc + (size_t)t * 1024, st * 1024, full);
+            bulk_load(slot + G::kW + G::kTileS * l, ssrc + (size_t)t * G::kGroups * 64, st * G::kGroups * 64, full);
+          }
         }
       }
-    }
-  } else if (warp == 0) {  // int4 weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a slot
-    const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
-    int gc = 0;  // chunks issued
-    for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
-      // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
-      const int row0 = block_of(tile).row0;
-      const int tl = min(mma_gated(EPI) ? (l >> 2) * N + row0 + 16 * (l & 3) : row0 + 16 * l, n_w - 1) / 16;
-      const char* wsrc = static_cast<const char*>(w) + ((size_t)tl * n_st + t_begin) * 1024;
-      const char* ssrc = reinterpret_cast<const char*>(scales) + ((size_t)tl * n_st + t_begin) * G::kGroups * 64;
-      for (int c = 0; c * G::kChunk < n_t; ++c, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
-        const unsigned slot = ring + (gc % WS) * G::kWSlot, full = wfull0 + 8 * (gc % WS);
-        const int t = c * G::kChunk, st = min(G::kChunk, n_t - t);
-        if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
-        if (lane == 0) mbar_expect_tx(full, st * 8 * (1024 + G::kGroups * 64));
-        __syncwarp();
-        if (lane < 8) {
-          bulk_load(slot + G::kTile * l, wsrc + (size_t)t * 1024, st * 1024, full);
-          bulk_load(slot + G::kW + G::kTileS * l, ssrc + (size_t)t * G::kGroups * 64, st * G::kGroups * 64, full);
+    } else if (warp == 1) {  // x: lane 0 copies each stage's slot image (wgmma_x_kernel's) to an x slot
+      pdl_wait();
+      pdl_trigger();
+      int gs = 0, k = 0;  // stages issued, tiles begun
+      for (int tile = blockIdx.x; more(tile, k) && lane == 0; tile += gridDim.x, ++k) {
+        const char* xsrc = reinterpret_cast<const char*>(x) +
+                           ((size_t)block_of(tile).m0 * K * sizeof(T) + (size_t)t_begin * G::kX);
+        if (k > 0) mbar_wait(redfree, (k - 1) & 1);  // the previous tile's results are stored
+        for (int i = 0; i < n_t; ++i, ++gs) {
+          const unsigned full = xfull0 + 8 * (gs % XS);
+          if (gs >= XS) mbar_wait(xempty0 + 8 * (gs % XS), (gs / XS - 1) & 1);
+          mbar_expect_tx(full, G::kX);
+          bulk_load(xring + (gs % XS) * G::kX, xsrc + (size_t)i * G::kX, G::kX, full);
         }
       }
+    } else {
+      pdl_wait();
     }
-  } else if (warp == 1) {  // x: lane 0 copies each stage's slot image (wgmma_x_kernel's) to an x slot
-    pdl_wait();
-    pdl_trigger();
-    int gs = 0, k = 0;  // stages issued, tiles begun
-    for (int tile = blockIdx.x; more(tile, k) && lane == 0; tile += gridDim.x, ++k) {
-      const char* xsrc = reinterpret_cast<const char*>(x) +
-                         ((size_t)block_of(tile).m0 * K * sizeof(T) + (size_t)t_begin * G::kX);
-      if (k > 0) mbar_wait(redfree, (k - 1) & 1);  // the previous tile's results are stored
-      for (int i = 0; i < n_t; ++i, ++gs) {
-        const unsigned full = xfull0 + 8 * (gs % XS);
-        if (gs >= XS) mbar_wait(xempty0 + 8 * (gs % XS), (gs / XS - 1) & 1);
-        mbar_expect_tx(full, G::kX);
-        bulk_load(xring + (gs % XS) * G::kX, xsrc + (size_t)i * G::kX, G::kX, full);
-      }
+    if constexpr (kWide && SPLIT > 1) {  // store_rows' cluster barriers only
+      cluster_sync();
+      cluster_arrive();
+      cluster_wait();
     }
-  } else if (wg == 0) {
-    pdl_wait();
   } else {  // consumers: warpgroup wg - 1 owns local rows 64 (wg - 1) .. + 64, warp w its 16 rows from 16 w
+    if constexpr (kWide) regs_inc<232>();
     pdl_wait();
     const int r = 64 * (wg - 1) + 16 * (warp & 3) + (lane >> 2), c = lane & 3;
     // The lane's weights and pairs in weight slot 0, and x slot 0's descriptor's low word (desc128 with
@@ -398,7 +412,18 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
         mbar_arrive(redfree);  // this thread's reads of the results are done
       }
     }
+    if constexpr (kWide && SPLIT > 1) {  // the cluster's reduction by the consumers
+      WG_STAMP(threadIdx.x == 128, 3, clock64());
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' multiplies done: the ring is free
+      float* red = reinterpret_cast<float*>(sm);
+      wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
+      store_rows<T, WBITS, 128, NX, 256, SPLIT, EPI>(red, scales, bias, residual, out, block_of(blockIdx.x), M, N,
+                                                     threadIdx.x - 128);
+      WG_STAMP(threadIdx.x == 128, 4, clock64());
+      WG_STAMP(threadIdx.x == 128, 5, global_ns());
+    }
   }
+  if constexpr (kWide) return;
   WG_STAMP(threadIdx.x == 128, 3, clock64());
   if constexpr (SPLIT > 1) {  // one tile a block: every thread takes part in the cluster's reduction
     __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it
