@@ -17,7 +17,7 @@ namespace {
 // and 64-byte scale copies a stage 63.8 us, without the scale copies 48.8, one 8 KB copy 41.4), hence
 // chunks; x, from L2, wants a deeper ring of one-stage slots (ops/linear_mma.py's wgmma_tile), hence
 // two rings. Warpgroups 1 and 2 each own 64 weight rows (gated: 1 the gate rows, 2 the up rows of the
-// same 64 outputs; at NX = 192 their accumulators take registers from warpgroup 0, setmaxnreg):
+// same 64 outputs; above NX = 128 their accumulators take registers from warpgroup 0, setmaxnreg):
 // per half stage of 64 k each lane turns its words straight into wgmma's A fragments
 // (the mma.sync A fragment of its warp's 16 rows, round((q - z) scale) in T: dequantize() rounded to
 // T, as the cuBLAS path's scratch holds it) and multiplies them by the x tile in shared memory (K-major
@@ -228,8 +228,8 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   using G = WGeo<WBITS, GS, NX, WS, XS>;
   static_assert(WBITS == 16 || WBITS == 8 || (WBITS == 4 && (GS == 32 || GS == 64 || GS == 128)),
                 "16-bit or int8 weights, or int4 groups of 32, 64 or 128");
-  static_assert(WS >= 2 && XS >= 2 && (NX == 32 || NX == 64 || NX == 128 || NX == 192), "tile");
-  constexpr bool kWide = NX > 128;  // 96 accumulators a consumer thread: registers moved to them
+  static_assert(WS >= 2 && XS >= 2 && NX % 32 == 0 && NX <= 224, "tile");
+  constexpr bool kWide = NX > 128;  // 80-112 accumulators a consumer thread: registers moved to them
   extern __shared__ __align__(128) unsigned char smem[];
   // wfull[WS], wempty[WS], xfull[XS], xempty[XS], redfree
   __shared__ __align__(8) unsigned long long bars[2 * (WS + XS) + 1];

@@ -195,15 +195,29 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 #define CUINFER_ACC16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUINFER_ACC32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
   "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUINFER_ACC48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
 #define CUINFER_ACC64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
   "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
   "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
   "%59, %60, %61, %62, %63}"
+#define CUINFER_ACC80 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
+  "%58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
+  "%78, %79}"
 #define CUINFER_ACC96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
   "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
   "%58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, " \
   "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define CUINFER_ACC112 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+  "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, " \
+  "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, " \
+  "%57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, " \
+  "%77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, " \
+  "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}"
 #define CUINFER_ACC128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
   "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, " \
   "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, " \
@@ -214,8 +228,11 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 #define CUINFER_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define CUINFER_F16(d, i) CUINFER_F4(d, i), CUINFER_F4(d, i + 4), CUINFER_F4(d, i + 8), CUINFER_F4(d, i + 12)
 #define CUINFER_F32(d) CUINFER_F16(d, 0), CUINFER_F16(d, 16)
+#define CUINFER_F48(d) CUINFER_F32(d), CUINFER_F16(d, 32)
 #define CUINFER_F64(d) CUINFER_F32(d), CUINFER_F16(d, 32), CUINFER_F16(d, 48)
+#define CUINFER_F80(d) CUINFER_F64(d), CUINFER_F16(d, 64)
 #define CUINFER_F96(d) CUINFER_F64(d), CUINFER_F16(d, 64), CUINFER_F16(d, 80)
+#define CUINFER_F112(d) CUINFER_F96(d), CUINFER_F16(d, 96)
 #define CUINFER_F128(d) CUINFER_F64(d), CUINFER_F16(d, 64), CUINFER_F16(d, 80), CUINFER_F16(d, 96), CUINFER_F16(d, 112)
 // A from shared memory (descriptor a), B from shared memory, K-major. %S = first input operand.
 #define CUINFER_WGMMA_SS(N, TY, ACC, OPS, A, B, S)                                                       \
@@ -258,14 +275,23 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, 
   } else if constexpr (N == 64) {                                                                            \
     if constexpr (H) CUINFER_WGMMA_RS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB); \
     else CUINFER_WGMMA_RS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB);       \
+  } else if constexpr (N == 96) {                                                                           \
+    if constexpr (H) CUINFER_WGMMA_RS(96, "f16", CUINFER_ACC48, CUINFER_F48(d), "{%48, %49, %50, %51}", "52", "53", TB); \
+    else CUINFER_WGMMA_RS(96, "bf16", CUINFER_ACC48, CUINFER_F48(d), "{%48, %49, %50, %51}", "52", "53", TB);      \
   } else if constexpr (N == 128) {                                                                           \
     if constexpr (H) CUINFER_WGMMA_RS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB); \
     else CUINFER_WGMMA_RS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB);      \
+  } else if constexpr (N == 160) {                                                                           \
+    if constexpr (H) CUINFER_WGMMA_RS(160, "f16", CUINFER_ACC80, CUINFER_F80(d), "{%80, %81, %82, %83}", "84", "85", TB); \
+    else CUINFER_WGMMA_RS(160, "bf16", CUINFER_ACC80, CUINFER_F80(d), "{%80, %81, %82, %83}", "84", "85", TB);      \
   } else if constexpr (N == 192) {                                                                           \
     if constexpr (H) CUINFER_WGMMA_RS(192, "f16", CUINFER_ACC96, CUINFER_F96(d), "{%96, %97, %98, %99}", "100", "101", TB); \
     else CUINFER_WGMMA_RS(192, "bf16", CUINFER_ACC96, CUINFER_F96(d), "{%96, %97, %98, %99}", "100", "101", TB);      \
+  } else if constexpr (N == 224) {                                                                           \
+    if constexpr (H) CUINFER_WGMMA_RS(224, "f16", CUINFER_ACC112, CUINFER_F112(d), "{%112, %113, %114, %115}", "116", "117", TB); \
+    else CUINFER_WGMMA_RS(224, "bf16", CUINFER_ACC112, CUINFER_F112(d), "{%112, %113, %114, %115}", "116", "117", TB);      \
   } else {                                                                                                   \
-    static_assert(N == 256, "mma_rs: N is 32, 64, 128, 192 or 256");                                                \
+    static_assert(N == 256, "mma_rs: N is a multiple of 32 from 32 to 256");                                                \
     if constexpr (H)                                                                                         \
       CUINFER_WGMMA_RS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \
     else CUINFER_WGMMA_RS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \
