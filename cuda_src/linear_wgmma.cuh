@@ -412,13 +412,15 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
         mbar_arrive(redfree);  // this thread's reads of the results are done
       }
     }
-    if constexpr (kWide && SPLIT > 1) {  // the cluster's reduction by the consumers
+    if constexpr (kWide) {  // the consumers finish the block alone
       WG_STAMP(threadIdx.x == 128, 3, clock64());
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' multiplies done: the ring is free
-      float* red = reinterpret_cast<float*>(sm);
-      wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
-      store_rows<T, WBITS, 128, NX, 256, SPLIT, EPI>(red, scales, bias, residual, out, block_of(blockIdx.x), M, N,
-                                                     threadIdx.x - 128);
+      if constexpr (SPLIT > 1) {  // the cluster's reduction
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' multiplies done: the ring is free
+        float* red = reinterpret_cast<float*>(sm);
+        wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
+        store_rows<T, WBITS, 128, NX, 256, SPLIT, EPI>(red, scales, bias, residual, out, block_of(blockIdx.x), M,
+                                                       N, threadIdx.x - 128);
+      }
       WG_STAMP(threadIdx.x == 128, 4, clock64());
       WG_STAMP(threadIdx.x == 128, 5, global_ns());
     }
