@@ -49,7 +49,7 @@ from .weights import LINEAR_FIELDS, Weights, fuse, nonfinite_tensor, to_device
 
 LM_HEAD_QUANT = "int8"  # the lm_head's format whenever the linear layers are quantized
 GATED_EPILOGUE = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # hidden_act -> ops.linear.GATED
-SEPARATE_WRITE_ROWS = 96  # decode steps of this many rows write K/V (write_kv) before the plain attention
+SEPARATE_WRITE_ROWS = 96  # decode steps of at least this many rows write K/V (write_kv) before the plain attention
 
 
 def project(x, w, bias=None, norm=None, residual=None, out=None):
