@@ -220,7 +220,8 @@ INSTANTIATIONS = sorted(
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (33, 4096, 4096)}
     | {wgmma_instantiation(dt, 8, 0, wgmma_tile(8, m, n, k, epi), epi) for dt in KERNEL_DTYPES
-       for m in (17, 33, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for m in (17, 33, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256)
+       for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_x_instantiation(dt, nx, bits, norm) for dt in KERNEL_DTYPES for nx, bits in
