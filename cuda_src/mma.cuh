@@ -226,14 +226,15 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
   "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, " \
   "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 #define CUINFER_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define CUINFER_F16(d, i) CUINFER_F4(d, i), CUINFER_F4(d, i + 4), CUINFER_F4(d, i + 8), CUINFER_F4(d, i + 12)
-#define CUINFER_F32(d) CUINFER_F16(d, 0), CUINFER_F16(d, 16)
-#define CUINFER_F48(d) CUINFER_F32(d), CUINFER_F16(d, 32)
-#define CUINFER_F64(d) CUINFER_F32(d), CUINFER_F16(d, 32), CUINFER_F16(d, 48)
-#define CUINFER_F80(d) CUINFER_F64(d), CUINFER_F16(d, 64)
-#define CUINFER_F96(d) CUINFER_F64(d), CUINFER_F16(d, 64), CUINFER_F16(d, 80)
-#define CUINFER_F112(d) CUINFER_F96(d), CUINFER_F16(d, 96)
-#define CUINFER_F128(d) CUINFER_F64(d), CUINFER_F16(d, 64), CUINFER_F16(d, 80), CUINFER_F16(d, 96), CUINFER_F16(d, 112)
+#define CUINFER_F16AT(d, i) CUINFER_F4(d, i), CUINFER_F4(d, i + 4), CUINFER_F4(d, i + 8), CUINFER_F4(d, i + 12)
+#define CUINFER_F16(d) CUINFER_F16AT(d, 0)
+#define CUINFER_F32(d) CUINFER_F16(d), CUINFER_F16AT(d, 16)
+#define CUINFER_F48(d) CUINFER_F32(d), CUINFER_F16AT(d, 32)
+#define CUINFER_F64(d) CUINFER_F32(d), CUINFER_F16AT(d, 32), CUINFER_F16AT(d, 48)
+#define CUINFER_F80(d) CUINFER_F64(d), CUINFER_F16AT(d, 64)
+#define CUINFER_F96(d) CUINFER_F64(d), CUINFER_F16AT(d, 64), CUINFER_F16AT(d, 80)
+#define CUINFER_F112(d) CUINFER_F96(d), CUINFER_F16AT(d, 96)
+#define CUINFER_F128(d) CUINFER_F64(d), CUINFER_F16AT(d, 64), CUINFER_F16AT(d, 80), CUINFER_F16AT(d, 96), CUINFER_F16AT(d, 112)
 // A from shared memory (descriptor a), B from shared memory, K-major. %S = first input operand.
 #define CUINFER_WGMMA_SS(N, TY, ACC, OPS, A, B, S)                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                                          \
@@ -253,8 +254,8 @@ template <int N, typename T>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int scale_d) {
   constexpr bool H = is_half<T>::value;
   if constexpr (N == 32) {
-    if constexpr (H) CUINFER_WGMMA_SS(32, "f16", CUINFER_ACC16, CUINFER_F16(d, 0), "16", "17", "18");
-    else CUINFER_WGMMA_SS(32, "bf16", CUINFER_ACC16, CUINFER_F16(d, 0), "16", "17", "18");
+    if constexpr (H) CUINFER_WGMMA_SS(32, "f16", CUINFER_ACC16, CUINFER_F16(d), "16", "17", "18");
+    else CUINFER_WGMMA_SS(32, "bf16", CUINFER_ACC16, CUINFER_F16(d), "16", "17", "18");
   } else if constexpr (N == 64) {
     if constexpr (H) CUINFER_WGMMA_SS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
     else CUINFER_WGMMA_SS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
@@ -266,36 +267,25 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, 
 }
 // d (64 x N) += A (64 x 16, registers a) * B (16 x N in shared memory, descriptor b): MN-major (row k
 // of B is 16-bit row k of the tile) with TB "1", K-major with "0".
-#define CUINFER_MMA_RS(TB)                                                                                    \
-  constexpr bool H = is_half<T>::value;                                                                      \
-  const int scale_d = 1;                                                                                     \
-  if constexpr (N == 32) {                                                                                   \
-    if constexpr (H) CUINFER_WGMMA_RS(32, "f16", CUINFER_ACC16, CUINFER_F16(d, 0), "{%16, %17, %18, %19}", "20", "21", TB); \
-    else CUINFER_WGMMA_RS(32, "bf16", CUINFER_ACC16, CUINFER_F16(d, 0), "{%16, %17, %18, %19}", "20", "21", TB);       \
-  } else if constexpr (N == 64) {                                                                            \
-    if constexpr (H) CUINFER_WGMMA_RS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB); \
-    else CUINFER_WGMMA_RS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "{%32, %33, %34, %35}", "36", "37", TB);       \
-  } else if constexpr (N == 96) {                                                                           \
-    if constexpr (H) CUINFER_WGMMA_RS(96, "f16", CUINFER_ACC48, CUINFER_F48(d), "{%48, %49, %50, %51}", "52", "53", TB); \
-    else CUINFER_WGMMA_RS(96, "bf16", CUINFER_ACC48, CUINFER_F48(d), "{%48, %49, %50, %51}", "52", "53", TB);      \
-  } else if constexpr (N == 128) {                                                                           \
-    if constexpr (H) CUINFER_WGMMA_RS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB); \
-    else CUINFER_WGMMA_RS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "{%64, %65, %66, %67}", "68", "69", TB);      \
-  } else if constexpr (N == 160) {                                                                           \
-    if constexpr (H) CUINFER_WGMMA_RS(160, "f16", CUINFER_ACC80, CUINFER_F80(d), "{%80, %81, %82, %83}", "84", "85", TB); \
-    else CUINFER_WGMMA_RS(160, "bf16", CUINFER_ACC80, CUINFER_F80(d), "{%80, %81, %82, %83}", "84", "85", TB);      \
-  } else if constexpr (N == 192) {                                                                           \
-    if constexpr (H) CUINFER_WGMMA_RS(192, "f16", CUINFER_ACC96, CUINFER_F96(d), "{%96, %97, %98, %99}", "100", "101", TB); \
-    else CUINFER_WGMMA_RS(192, "bf16", CUINFER_ACC96, CUINFER_F96(d), "{%96, %97, %98, %99}", "100", "101", TB);      \
-  } else if constexpr (N == 224) {                                                                           \
-    if constexpr (H) CUINFER_WGMMA_RS(224, "f16", CUINFER_ACC112, CUINFER_F112(d), "{%112, %113, %114, %115}", "116", "117", TB); \
-    else CUINFER_WGMMA_RS(224, "bf16", CUINFER_ACC112, CUINFER_F112(d), "{%112, %113, %114, %115}", "116", "117", TB);      \
-  } else {                                                                                                   \
-    static_assert(N == 256, "mma_rs: N is a multiple of 32 from 32 to 256");                                                \
-    if constexpr (H)                                                                                         \
-      CUINFER_WGMMA_RS(256, "f16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \
-    else CUINFER_WGMMA_RS(256, "bf16", CUINFER_ACC128, CUINFER_F128(d), "{%128, %129, %130, %131}", "132", "133", TB); \
+// One N of CUINFER_MMA_RS (NN = 2 HALF): accumulators %0 .. %(HALF - 1), then A's four registers, b
+// and scale_d.
+#define CUINFER_RS_CASE(NN, HALF, A, B, S, TB)                                                       \
+  if constexpr (N == NN) {                                                                             \
+    if constexpr (H) CUINFER_WGMMA_RS(NN, "f16", CUINFER_ACC##HALF, CUINFER_F##HALF(d), A, B, S, TB);   \
+    else CUINFER_WGMMA_RS(NN, "bf16", CUINFER_ACC##HALF, CUINFER_F##HALF(d), A, B, S, TB);              \
   }
+#define CUINFER_MMA_RS(TB)                                                                             \
+  constexpr bool H = is_half<T>::value;                                                               \
+  const int scale_d = 1;                                                                              \
+  static_assert(N % 32 == 0 && N <= 256, "mma_rs: N is a multiple of 32 from 32 to 256");           \
+  CUINFER_RS_CASE(32, 16, "{%16, %17, %18, %19}", "20", "21", TB)                                      \
+  else CUINFER_RS_CASE(64, 32, "{%32, %33, %34, %35}", "36", "37", TB)                                 \
+  else CUINFER_RS_CASE(96, 48, "{%48, %49, %50, %51}", "52", "53", TB)                                 \
+  else CUINFER_RS_CASE(128, 64, "{%64, %65, %66, %67}", "68", "69", TB)                                \
+  else CUINFER_RS_CASE(160, 80, "{%80, %81, %82, %83}", "84", "85", TB)                                \
+  else CUINFER_RS_CASE(192, 96, "{%96, %97, %98, %99}", "100", "101", TB)                              \
+  else CUINFER_RS_CASE(224, 112, "{%112, %113, %114, %115}", "116", "117", TB)                         \
+  else CUINFER_RS_CASE(256, 128, "{%128, %129, %130, %131}", "132", "133", TB)
 template <int N, typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b) {
   CUINFER_MMA_RS("1")
