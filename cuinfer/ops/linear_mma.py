@@ -123,7 +123,8 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %), 6 and 6 at 32 (H200, b=32:
     no deeper or shallower ring did better, docs/linear.md "int8 weights"). Above NX = 128 as many x
     slots as fit beside the weight ring, at most 4."""
-    nx = (32 if m <= 32 and bits != 4 else 64) if m <= 64 else -(-m // 32) * 32 if m <= 224 else 128
+    nx = ((32 if m <= 32 and bits != 4 else 64) if m <= 64 else
+          -(-m // 32) * 32 if m <= 224 and bits != 16 else 128)
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
     if bits == 16:
