@@ -44,8 +44,8 @@ def windows(n_tokens: int, window: int, stride: int):
 def perplexity(model, ids, window: int = 512, stride: int = 256, block_size: int = 16, kv_cache_dtype: str = "auto"):
     """(perplexity, tokens scored) of the token ids under `model` (cuinfer.model.decoder.Model), its
     KV cache in kv_cache_dtype ("auto": the model's dtype, or "fp8")."""
-    from .model.decoder import Batch
     from .model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
+    from .model.step_inputs import Batch
 
     if stride < 1 or stride >= window:
         raise runtime.CuinferError(f"--stride {stride}: need 1 <= stride < window ({window})")

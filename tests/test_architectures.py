@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from cuinfer.io.checkpoint import load_checkpoint
-from cuinfer.model.decoder import Batch, DecodeInputs, Model, slot_mapping
+from cuinfer.model.decoder import Model
+from cuinfer.model.step_inputs import Batch, DecodeInputs, slot_mapping
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -274,7 +275,7 @@ def test_batched_decode_steps_equal_forward(name, tmp_path):
     short row, two past original_max_position_embeddings 16) equals Model.forward's logits."""
     from test_model import make_cache
 
-    from cuinfer.model.decoder import input_views, pack_inputs
+    from cuinfer.model.step_inputs import input_views, pack_inputs
 
     extra = {"original_max_position_embeddings": 16, "max_position_embeddings": 128} if "longrope" in name else {}
     path, _ = save_case(name, tmp_path / name, **extra)

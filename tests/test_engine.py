@@ -6,8 +6,9 @@ import pytest
 from test_model import random_tensors, tiny_config
 
 from cuinfer.errors import CuinferError
-from cuinfer.model.decoder import Model, input_views, pack_inputs
+from cuinfer.model.decoder import Model
 from cuinfer.model.kv_cache import CacheShape, KVCache
+from cuinfer.model.step_inputs import input_views, pack_inputs
 from cuinfer.ops import runtime
 from cuinfer.ops.sampling import sampling as sampling_op
 from cuinfer.serving.engine import Engine
@@ -517,7 +518,7 @@ def test_greedy_matches_transformers(name, tmp_path_factory):
     layer, alternate layers), shorter than prompt and continuation."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from cuinfer.model.decoder import Batch
+    from cuinfer.model.step_inputs import Batch
 
     path = checkpoint_dir(name, tmp_path_factory)
     eng = Engine.from_pretrained(path, device="cpu", kv_tokens=8192)
@@ -593,7 +594,7 @@ def test_gpu_blocks_behind_every_window_are_released_and_outputs_unchanged():
 def test_prompt_logprobs_equal_the_log_softmax_of_one_forward(cpu_model):
     """prompt_logprobs over chunked prefill (16-token steps) equal the log-softmax of one forward
     over the whole prompt, handed out once, in the first output; the prefix cache is not used."""
-    from cuinfer.model.decoder import Batch
+    from cuinfer.model.step_inputs import Batch
 
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, cpu_model.config.vocab_size, 50).tolist()

@@ -74,7 +74,7 @@ def test_gptq_weights_quantizes_every_linear_and_beats_rounding():
     from test_model import make_cache
 
     from cuinfer.eval import perplexity
-    from cuinfer.model.decoder import Batch
+    from cuinfer.model.step_inputs import Batch
 
     def logits(m):
         return m.forward(Batch.from_chunks([(ids[:64], 0, [0, 1, 2, 3])], 16), make_cache(cfg, m), all_logits=True)

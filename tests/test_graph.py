@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts, random_tensors, tiny_config
 
-from cuinfer.model.decoder import Batch, Model, input_views, pack_inputs
+from cuinfer.model.decoder import Model
+from cuinfer.model.step_inputs import Batch, input_views, pack_inputs
 from cuinfer.serving.engine import Engine
 from cuinfer.serving.piecewise import token_buckets
 from cuinfer.serving.runner import BATCH_BUCKETS, batch_bucket, bucket

@@ -12,8 +12,8 @@ from helpers import make_tiny_checkpoint
 
 from cuinfer import generate
 from cuinfer.errors import CuinferError
-from cuinfer.model.decoder import Batch
 from cuinfer.model.kv_cache import KVCache, kv_cache_dtype_for
+from cuinfer.model.step_inputs import Batch
 from cuinfer.ops import fp8
 from cuinfer.serving.engine import Engine
 from cuinfer.serving.sampling import SamplingParams

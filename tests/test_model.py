@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 from cuinfer.io.config import ModelConfig
-from cuinfer.model.decoder import Batch, Model
+from cuinfer.model.decoder import Model
 from cuinfer.model.kv_cache import CacheShape, KVCache
+from cuinfer.model.step_inputs import Batch
 from cuinfer.ops import runtime
 from cuinfer.ops.linear import path
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from test_model import GPU_LOGIT_REL_L2, gpu_case, make_cache, prompts
 
-from cuinfer.model.decoder import Batch, Model
+from cuinfer.model.decoder import Model
+from cuinfer.model.step_inputs import Batch
 from cuinfer.serving.piecewise import token_bucket, token_buckets
 
 

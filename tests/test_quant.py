@@ -282,8 +282,9 @@ def test_windows_score_every_token_once(n, window, stride):
 def test_perplexity_of_one_window_is_the_full_sequence_loss(tmp_path):
     from cuinfer.eval import perplexity, token_nll
     from cuinfer.io.checkpoint import load_checkpoint
-    from cuinfer.model.decoder import Batch, Model
+    from cuinfer.model.decoder import Model
     from cuinfer.model.kv_cache import CacheShape, KVCache
+    from cuinfer.model.step_inputs import Batch
     from tests.helpers import make_tiny_checkpoint
 
     config, tensors = load_checkpoint(make_tiny_checkpoint(tmp_path))

@@ -153,8 +153,8 @@ def test_bench_serve_drives_a_workload(cpu_model):
 
 
 def test_logprobs_match_the_models_log_softmax_and_penalties_apply(cpu_model):
-    from cuinfer.model.decoder import Batch
     from cuinfer.model.kv_cache import CacheShape, KVCache
+    from cuinfer.model.step_inputs import Batch
 
     eng = make_engine(cpu_model, 2048)
     prompt = [5, 6, 7, 8, 9]

@@ -8,7 +8,8 @@ from test_model import random_tensors, tiny_config
 from test_serving import run_online
 
 from cuinfer.errors import CuinferError
-from cuinfer.model.decoder import Batch, Model
+from cuinfer.model.decoder import Model
+from cuinfer.model.step_inputs import Batch
 from cuinfer.serving import spec
 from cuinfer.serving.sampling import SamplingParams
 from cuinfer.serving.scheduler import Sequence
@@ -463,8 +464,8 @@ def test_padded_verify_batch_gives_the_rows_of_the_chunks(cpu_model):
     token, slot -1 and context 0 for padding), run on the NumPy backend: the real rows' logits and
     the KV cache equal those of one forward over the chunks as they are, padding writes no slot, and
     a greedy step gives the rows' argmax."""
-    from cuinfer.model.decoder import input_views
     from cuinfer.model.kv_cache import CacheShape, KVCache
+    from cuinfer.model.step_inputs import input_views
     from cuinfer.serving.verify import Verifier, pack_chunks
 
     cfg, bs = cpu_model.config, 16

@@ -28,8 +28,9 @@ import numpy as np
 from .. import bench
 from ..cli import add_kv_cache_dtype_argument
 from ..model.arch import HEAD_NORMS
-from ..model.decoder import GATED_EPILOGUE, LM_HEAD_QUANT, Batch, DecodeInputs, Model, kernel_dtype
+from ..model.decoder import GATED_EPILOGUE, LM_HEAD_QUANT, Model, kernel_dtype
 from ..model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
+from ..model.step_inputs import Batch, DecodeInputs
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
 from ..ops.linear import linear, linear_argmax

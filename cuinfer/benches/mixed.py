@@ -21,8 +21,9 @@ import time
 import numpy as np
 
 from .. import bench
-from ..model.decoder import Batch, Model
+from ..model.decoder import Model
 from ..model.kv_cache import CacheShape, KVCache
+from ..model.step_inputs import Batch
 from ..ops import runtime
 from ..serving.piecewise import PiecewiseForward
 from ..serving.runner import DecodeGraph

@@ -86,8 +86,8 @@ def gptq_weights(model, calib_ids, group_size: int = 128, seq_len: int = 512, bl
     group_size does not divide takes the largest group that does (quant.group_for).
     progress(layer index) is called after each layer."""
     from ..ops.embedding import embedding
-    from .decoder import Batch
     from .kv_cache import CacheShape, KVCache
+    from .step_inputs import Batch
 
     if model.xp is not np or model.weights.embed.dtype != np.float32:
         raise runtime.CuinferError("GPTQ runs on the float32 CPU model: Model.from_tensors(config, tensors, 'cpu')")

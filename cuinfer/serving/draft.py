@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CuinferError
-from ..model.decoder import Batch
 from ..model.kv_cache import CacheShape, KVCache
+from ..model.step_inputs import Batch
 from ..ops import fp8
 from .block_manager import BlockManager, blocks_for
 from .runner import DecodeGraph

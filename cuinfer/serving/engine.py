@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CuinferError
-from ..model.decoder import Batch, Model
+from ..model.decoder import Model
 from ..model.kv_cache import CacheShape, KVCache, bytes_per_token, kv_cache_dtype_for, kv_memory
+from ..model.step_inputs import Batch
 from ..ops import runtime
 from .block_manager import BlockManager
 from .detokenizer import RequestText

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.decoder import input_views, pack_inputs
+from ..model.step_inputs import input_views, pack_inputs
 from ..ops import runtime
 from ..ops.sampling import sampling as sample_tokens
 

@@ -18,7 +18,7 @@ and no copy follows the step. Its shape
 is fixed once every chunk is padded to q_len (the longest chunk, rounded up to 1, 2, 3, 5, 9 or 16
 rows: q_bucket), the number of sequences to a
 batch bucket (1, 2, 4, ...) and the block tables to a context bucket (256, 512, ... tokens, as
-DecodeGraph's); the inputs live in one static int32 device buffer, decoder.input_views' layout
+DecodeGraph's); the inputs live in one static int32 device buffer, step_inputs.input_views' layout
 over T = b * q_len rows
 
     [token_ids T | positions T | slot_mapping T | context_lens T | block_tables T x width]
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.decoder import input_views
+from ..model.step_inputs import input_views
 from ..ops import runtime
 from ..ops.linear import GEMV_ROWS
 from .runner import MIN_CONTEXT_BUCKET, bucket, capture, copy_async, mapped_pinned

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from ..errors import CuinferError
-from ..model.decoder import Batch
+from ..model.step_inputs import Batch
 from ..ops.paged_attention import precompile as precompile_attention
 from .block_manager import blocks_for
 from .request import Stats
