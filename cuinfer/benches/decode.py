@@ -30,7 +30,7 @@ from ..cli import add_kv_cache_dtype_argument
 from ..model.arch import HEAD_NORMS
 from ..model.decoder import GATED_EPILOGUE, LM_HEAD_QUANT, Model, kernel_dtype
 from ..model.kv_cache import CacheShape, KVCache, kv_cache_dtype_for
-from ..model.step_inputs import Batch, DecodeInputs
+from ..model.step_inputs import Batch, DecodeInputs, slot_mapping
 from ..model.weights import LINEAR_FIELDS, LayerWeights, Weights
 from ..ops import runtime
 from ..ops.linear import linear, linear_argmax
@@ -162,7 +162,7 @@ def attention_ms(cp, engine, batch, ctx, variant=None):
     blocks = engine.blocks.allocate(batch * n_blocks)
     table = np.asarray(blocks, dtype=np.int32).reshape(batch, n_blocks)
     pos = np.full(batch, ctx - 1, dtype=np.int32)
-    slots = table[:, (ctx - 1) // cache.block_size] * cache.block_size + (ctx - 1) % cache.block_size
+    slots = slot_mapping(table, np.arange(batch), pos, cache.block_size)
     inputs = DecodeInputs(None, cp.asarray(pos), cp.asarray(slots), cp.asarray(table), cp.asarray(pos + 1))
     qkv = cp.random.standard_normal((batch, (model.n_heads + 2 * model.n_kv_heads) * model.head_dim),
                                     dtype=cp.float32).astype(model.dtype)

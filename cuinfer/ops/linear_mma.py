@@ -56,6 +56,7 @@ WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # 18,700 against 21,730)
 WGMMA16_MAX_M = 64
 WGMMA_K = 128  # k per stage of the wgmma kernel
+WGMMA_SMEM = 227 * 1024  # the shared memory an sm_90 block may opt in to
 WGMMA_CHUNK = 4  # stages per weight slot of the wgmma kernel (WGeo::kChunk)
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "gelu_and_mul": 3}  # MMA_EPI_* of linear_mma.cu
 GATED = {"silu_and_mul": "silu", "gelu_and_mul": "gelu_tanh"}
@@ -132,7 +133,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     if nx > 128:  # as many x slots (NX x 256 bytes) as fit beside the weight ring, at most 4
         ws = 4 if bits == 8 else 2
         return next(t for t in (WgTile(nx, ws, x, split) for x in (4, 3, 2))
-                    if wgmma_smem_bytes(bits, 32, t) <= 227 * 1024)
+                    if wgmma_smem_bytes(bits, 32, t) <= WGMMA_SMEM)
     if bits == 8:
         return WgTile(nx, 4, 4, split) if nx >= 96 else WgTile(nx, 6, 6, split)
     return WgTile(nx, 2, 4, split) if nx >= 96 else WgTile(nx, 2, 6, split)
