@@ -130,7 +130,7 @@ def test_tiles_fit_the_sm_and_the_instantiations():
         for m in (17, 64, MMA_MAX_M):
             t = mma_tile(4, m, n, k)
             assert instantiation(np.float16, 4, 128, True, t) in INSTANTIATIONS, (m, n, k, t)
-        for m in (WGMMA_MIN_M, 65, 96, 128, 160, 192, 224, WGMMA_MAX_M):
+        for m in (WGMMA_MIN_M, 48, 49, 65, 96, 128, 160, 192, 224, WGMMA_MAX_M):
             for bits, gs in ((4, 128),):
                 t = wgmma_tile(bits, m, n, k)
                 assert t.split in (1, 2, 3)
@@ -147,7 +147,7 @@ def test_tiles_fit_the_sm_and_the_instantiations():
     for t in WG16_TILES:
         assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024
     for k, n in SHAPES:  # int8 weights
-        for m in (MMA_MIN_M, 32, WGMMA_MIN_M, 96, 128, 160, 192, 224, WGMMA_MAX_M):
+        for m in (MMA_MIN_M, 32, WGMMA_MIN_M, 48, 49, 96, 128, 160, 192, 224, WGMMA_MAX_M):
             t = wgmma_tile(8, m, n, k)
             assert wgmma_smem_bytes(8, 0, t) <= 227 * 1024
             assert wgmma_instantiation(np.float16, 8, 0, t) in INSTANTIATIONS, (m, n, k, t)
@@ -170,14 +170,16 @@ def n_choices(fmt, gated=False):
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2)]
 WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3),
-            WgTile(32, 2, 6, 1), WgTile(192, 2, 3, 2), WgTile(224, 2, 2, 1), WgTile(160, 2, 3, 3), WgTile(96, 2, 4, 1)]
+            WgTile(32, 2, 6, 1), WgTile(192, 2, 3, 2), WgTile(224, 2, 2, 1), WgTile(160, 2, 3, 3), WgTile(96, 2, 4, 1),
+            WgTile(48, 2, 6, 2)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
 WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgTile(128, 3, 3, 1), WgTile(64, 2, 3, 8)]
 WG16_ROWS = [17, 31, 32, 33, 64, 100]
 WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
 WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
-             WgTile(32, 6, 6, 1), WgTile(32, 4, 4, 2), WgTile(192, 4, 3, 3), WgTile(224, 4, 2, 1), WgTile(160, 4, 4, 2), WgTile(96, 4, 4, 1)]
+             WgTile(32, 6, 6, 1), WgTile(32, 4, 4, 2), WgTile(192, 4, 3, 3), WgTile(224, 4, 2, 1), WgTile(160, 4, 4, 2),
+             WgTile(96, 4, 4, 1), WgTile(48, 6, 6, 1)]
 
 
 def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
@@ -335,7 +337,7 @@ def test_wgmma_matches_reference(fmt, gs, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", sorted({t for t in WG_TILES if t.split == 1}
-                                         | {WgTile(128, 2, 4, 1), WgTile(64, 2, 6, 1)}), ids=str)
+                                         | {WgTile(128, 2, 4, 1), WgTile(64, 2, 6, 1), WgTile(48, 2, 6, 1)}), ids=str)
 def test_wgmma_persistent_tiles(tile):
     """With split 1 the grid is at most one block an SM, each block taking every gridDim.x-th tile: more
     tiles than SMs, the rings running on across a block's tiles (K of a partial chunk: each tile starts
