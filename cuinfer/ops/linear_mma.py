@@ -113,7 +113,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     done the work of 256, H200, llama3-8b decode, NX = 192 against that: int4 b=160 / 192 16,640 /
     18,660 -> 19,060 / 21,050 tok/s, int8 16,190 / 18,080 -> 19,220 / 21,070), else 128 (NX = 256 at
     256 rows, one tile, was no faster: int4 21,970 -> 21,770, int8 21,290 -> 21,340). int4: 2 weight
-    slots (8 stages) and 4 x slots at NX = 96 / 128, 2 and 6 at 64 (<= 209 KB at g32; H100, a
+    slots (8 stages) and 4 x slots at NX = 96 / 128, 2 and 6 at 48 / 64 (<= 209 KB at g32; H100, a
     llama3-8b layer's four calls at 64 / 128 / 256 rows: 3 and 3 at NX = 128, 4 and 4 at 64 took
     2.4 / 4.8 / 4.0 % longer, 4 and 2 no less: x, from L2, wants the deeper ring). K splits over a
     cluster of 3, else 2, where the grid then still fits one wave and each block keeps >= 8 stages
@@ -121,7 +121,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every time, as was a second
     wave). 16-bit weights, whose copies are 32 KB stages (no dequantization: the kernel streams):
     NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB stages): 4 and 4
-    at NX = 96 / 128, 6 and 6 at 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 / 3 + 5,
+    at NX = 96 / 128, 6 and 6 at 48 / 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 / 3 + 5,
     8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %), 6 and 6 at 32 (H200, b=32: no deeper
     or shallower ring did better, docs/linear.md "int8 weights"). Above NX = 128 as many x slots as
     fit beside the weight ring, at most 4."""
