@@ -75,7 +75,10 @@ class MmaTile(NamedTuple):
 def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True,
              integer_zeros=True) -> MmaTile:
     """The tile for M rows of x, N outputs and K inputs (ptxas -v, sm_90). RT = 2 (each x fragment
-    feeds two weight tiles: shared-memory bandwidth), 4 warps, 3 stages. NT = 4 with 3 blocks an SM
+    feeds two weight tiles: shared-memory bandwidth), 4 warps, 3 stages. NT = 3 up to 24 rows (H200,
+    llama3-8b int4 decode at b=24 against NT = 4: 6,351 / 6,362 -> 7,068 / 7,084 tok/s, the linear
+    layers 3.05 -> 2.47 ms a step: the padding's multiplies cost more than their share of the
+    instructions suggests), else NT = 4 with 3 blocks an SM
     (<= 168 registers, <= 75 KB each; int4 fractional zeros, whose zero sums take NT 4 more
     registers, at 2: they spill at 168); int8 above 32 rows NT = 8 with 2 blocks an SM (~150
     registers, ~100 KB): each dequantized weight fragment feeds twice the mma, and the weights are
@@ -83,8 +86,8 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     NT = 8 needs 230-255 registers and spills in half the configurations (bf16, fractional zeros,
     2 warps). 2 warps when even a split of 8 leaves most SMs idle (N = 1024); grids below one block
     per SM split K over a cluster of up to 8, each block keeping >= 4 stages."""
-    nt = 8 if bits == 8 and m > 32 else 4
-    minb = 3 if nt == 4 and (bits == 8 or integer_zeros) else 2
+    nt = 8 if bits == 8 and m > 32 else 3 if m <= 24 else 4
+    minb = 3 if nt <= 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
     gated = epilogue in GATED
 
@@ -99,7 +102,7 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
 
 
 class WgTile(NamedTuple):
-    nx: int  # x rows per block (wgmma's N: 32, 48, or a multiple of 32 to 224; 16-bit weights 32, 64)
+    nx: int  # x rows per block (wgmma's N: 24, 32, 48, or a multiple of 32 to 224; 16-bit weights 32, 64)
     wstages: int  # weight slots of WGMMA_CHUNK stages each (16-bit weights: one stage each)
     xstages: int  # x slots of a stage each
     split: int  # blocks of a cluster splitting K (sm_90)
@@ -107,8 +110,9 @@ class WgTile(NamedTuple):
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to 64
-    rows (16-bit and int8: 32 up to 32; int8 and int4 48 up to 48: H200, llama3-8b decode at b=48
-    against NX = 64, int4 11,350 -> 12,020 tok/s, int8 11,520 -> 12,020), the rows rounded up to 32
+    rows (16-bit weights 32 up to 32; int8 and int4 the smallest of 24, 32 and 48 that holds the rows:
+    H200, llama3-8b decode against NX = 64 at b=48, int4 11,350 -> 12,020 tok/s, int8 11,520 ->
+    12,020, int8 against NX = 32 at b=24 6,612 -> 6,733), the rows rounded up to 32
     at 65-224 rows (one x tile, no more padding than 31 rows: at 129-192 rows two tiles of 128 had
     done the work of 256, H200, llama3-8b decode, NX = 192 against that: int4 b=160 / 192 16,640 /
     18,660 -> 19,060 / 21,050 tok/s, int8 16,190 / 18,080 -> 19,220 / 21,070), else 128 (NX = 256 at
@@ -125,8 +129,10 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %), 6 and 6 at 32 (H200, b=32: no deeper
     or shallower ring did better, docs/linear.md "int8 weights"). Above NX = 128 as many x slots as
     fit beside the weight ring, at most 4."""
-    nx = ((32 if m <= 32 and bits != 4 else 48 if m <= 48 and bits != 16 else 64) if m <= 64 else
-          -(-m // 32) * 32 if m <= 224 and bits != 16 else 128)
+    if bits == 16:
+        nx = 32 if m <= 32 else 64 if m <= 64 else 128
+    else:
+        nx = next(t for t in (24, 32, 48, 64) if t >= m) if m <= 64 else -(-m // 32) * 32 if m <= 224 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
     if bits == 16:
@@ -224,12 +230,12 @@ INSTANTIATIONS = sorted(
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (33, 4096, 4096)}
     | {wgmma_instantiation(dt, 8, 0, wgmma_tile(8, m, n, k, epi), epi) for dt in KERNEL_DTYPES
-       for m in (17, 33, 49, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256)
+       for m in (17, 25, 33, 49, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256)
        for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_x_instantiation(dt, nx, bits, norm) for dt in KERNEL_DTYPES for nx, bits in
-       ((32, 16), (64, 16), (32, 8), *((nx, b) for nx in (48, *range(64, 225, 32)) for b in (4, 8)))
+       ((32, 16), (64, 16), (24, 8), (32, 8), *((nx, b) for nx in (48, *range(64, 225, 32)) for b in (4, 8)))
        for norm in (False, True)})
 
 
