@@ -49,6 +49,7 @@ namespace {
 constexpr unsigned long long kDescHi = (1024ull >> 4 << 32) | (1ull << 62);
 
 template <int WBITS, int GS, int NX, int WS, int XS> struct WGeo {
+  static constexpr int kWS = WS, kXS = XS;                      // weight and x slots
   static constexpr bool kTma = WBITS != 4;                      // weights by TMA through a tensor map
   static constexpr int kChunk = kTma ? 1 : 4;                   // stages of a weight slot
   static constexpr int kX = NX * 256;                           // an x slot: NX rows x 128 k, two 64-k halves
@@ -212,6 +213,93 @@ __device__ __forceinline__ unsigned sm_id() {
 }
 #endif
 
+// A block's work as every role of linear_wgmma_kernel sees it: its tiles (with a split, its cluster's
+// one tile and the block's share of K) and the addresses of its mbarriers.
+template <int NX, int WS, int XS, int SPLIT, int EPI> struct WgWork {
+  int x_tiles, n_st, rows, tiles, t_begin, n_t;  // n_t <= 0: a split past K (its fragments are zeros)
+  unsigned wfull0, wempty0, xfull0, xempty0, redfree;  // wfull[WS], wempty[WS], xfull[XS], xempty[XS], redfree
+  __device__ __forceinline__ WgWork(int M, int N, int K, unsigned bars)
+      : x_tiles((M + NX - 1) / NX), n_st(K / 128), rows(mma_gated(EPI) ? 64 : 128),
+        tiles((N + rows - 1) / rows * x_tiles),  // SPLIT > 1: the grid has one block a tile
+        t_begin((SPLIT > 1 ? blockIdx.y : 0) * ((n_st + SPLIT - 1) / SPLIT)),
+        n_t(min(n_st, t_begin + (n_st + SPLIT - 1) / SPLIT) - t_begin), wfull0(bars), wempty0(bars + 8 * WS),
+        xfull0(wempty0 + 8 * WS), xempty0(xfull0 + 8 * XS), redfree(xempty0 + 8 * XS) {}
+  __device__ __forceinline__ Block block_of(int tile) const {
+    return Block{tile / x_tiles * rows, tile % x_tiles * NX, t_begin, t_begin + n_t};
+  }
+  // whether the block takes a k-th tile, `tile`: with SPLIT > 1 its one tile (a loop of one trip the
+  // compiler sees as such)
+  __device__ __forceinline__ bool more(int tile, int k) const { return SPLIT > 1 ? k < 1 : tile < tiles; }
+};
+
+// Lane 0 of warp 0, 16-bit and int8 weights: each stage's 128 rows through the tensor map w into the
+// weight ring (rows past N are zero-filled, and count). No kernel of a graph writes weights: no pdl_wait.
+template <class G, int WBITS, class Work>
+__device__ __forceinline__ void copy_weights_tma(const Work& wk, const void* w, unsigned ring) {
+  constexpr int WS = G::kWS;
+  const TensorMap* map = static_cast<const TensorMap*>(w);
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+  int gc = 0;  // stages issued
+  for (int tile = blockIdx.x, k = 0; wk.more(tile, k); tile += gridDim.x, ++k) {
+    const int row0 = wk.block_of(tile).row0;
+    for (int i = 0; i < wk.n_t; ++i, ++gc) {
+      const unsigned full = wk.wfull0 + 8 * (gc % WS);
+      if (gc >= WS) mbar_wait(wk.wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
+      mbar_expect_tx(full, G::kW);
+      tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, (WBITS == 16 ? 2 : 1) * (wk.t_begin + i), full);
+    }
+  }
+}
+
+// Warp 0, int4 weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a weight slot,
+// the block's local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never
+// stored). No kernel of a graph writes weights: no pdl_wait.
+template <class G, int EPI, class Work>
+__device__ __forceinline__ void copy_weights_int4(const Work& wk, const void* w, const __half* scales, int N,
+                                                  unsigned ring, int lane) {
+  constexpr int WS = G::kWS;
+  const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
+  int gc = 0;  // chunks issued
+  for (int tile = blockIdx.x, k = 0; wk.more(tile, k); tile += gridDim.x, ++k) {
+    const int row0 = wk.block_of(tile).row0;
+    const int tl = min(mma_gated(EPI) ? (l >> 2) * N + row0 + 16 * (l & 3) : row0 + 16 * l, n_w - 1) / 16;
+    const char* wsrc = static_cast<const char*>(w) + ((size_t)tl * wk.n_st + wk.t_begin) * 1024;
+    const char* ssrc = reinterpret_cast<const char*>(scales) + ((size_t)tl * wk.n_st + wk.t_begin) * G::kGroups * 64;
+    for (int c = 0; c * G::kChunk < wk.n_t; ++c, ++gc) {
+      const unsigned slot = ring + (gc % WS) * G::kWSlot, full = wk.wfull0 + 8 * (gc % WS);
+      const int t = c * G::kChunk, st = min(G::kChunk, wk.n_t - t);
+      if (gc >= WS) mbar_wait(wk.wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
+      if (lane == 0) mbar_expect_tx(full, st * 8 * (1024 + G::kGroups * 64));
+      __syncwarp();
+      if (lane < 8) {
+        bulk_load(slot + G::kTile * l, wsrc + (size_t)t * 1024, st * 1024, full);
+        bulk_load(slot + G::kW + G::kTileS * l, ssrc + (size_t)t * G::kGroups * 64, st * G::kGroups * 64, full);
+      }
+    }
+  }
+}
+
+// Warp 1: lane 0 copies each stage's slot image of x (wgmma_x_kernel's) to an x slot; a tile's first
+// waits for the previous tile's results, which lie over the x slots, to be stored (redfree).
+template <class G, typename T, class Work>
+__device__ __forceinline__ void copy_x(const Work& wk, const T* x, int K, unsigned xring, int lane) {
+  constexpr int XS = G::kXS;
+  pdl_wait();
+  pdl_trigger();
+  int gs = 0, k = 0;  // stages issued, tiles begun
+  for (int tile = blockIdx.x; wk.more(tile, k) && lane == 0; tile += gridDim.x, ++k) {
+    const char* xsrc = reinterpret_cast<const char*>(x) +
+                       ((size_t)wk.block_of(tile).m0 * K * sizeof(T) + (size_t)wk.t_begin * G::kX);
+    if (k > 0) mbar_wait(wk.redfree, (k - 1) & 1);
+    for (int i = 0; i < wk.n_t; ++i, ++gs) {
+      const unsigned full = wk.xfull0 + 8 * (gs % XS);
+      if (gs >= XS) mbar_wait(wk.xempty0 + 8 * (gs % XS), (gs / XS - 1) & 1);
+      mbar_expect_tx(full, G::kX);
+      bulk_load(xring + (gs % XS) * G::kX, xsrc + (size_t)i * G::kX, G::kX, full);
+    }
+  }
+}
+
 // grid: (tiles, SPLIT) with SPLIT > 1, (min(tiles, SMs), 1) with SPLIT 1 (a persistent grid), tiles =
 // ceil(N / E) * ceil(M / NX), E = 128 (64 gated), the x tiles of one row block adjacent; clusters of
 // (1, SPLIT, 1) · block: 384 threads · smem: dynamic WGeo::kSmem bytes · sm_90a
@@ -231,31 +319,22 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   static_assert(WS >= 2 && XS >= 2 && (NX % 32 == 0 || NX == 24 || NX == 48) && NX <= 224, "tile");
   constexpr bool kWide = NX > 128;  // 80-112 accumulators a consumer thread: registers moved to them
   extern __shared__ __align__(128) unsigned char smem[];
-  // wfull[WS], wempty[WS], xfull[XS], xempty[XS], redfree
-  __shared__ __align__(8) unsigned long long bars[2 * (WS + XS) + 1];
-  const int x_tiles = (M + NX - 1) / NX, n_st = K / 128, rows = mma_gated(EPI) ? 64 : 128;
-  const int tiles = (N + rows - 1) / rows * x_tiles;  // SPLIT > 1: the grid has one block a tile
-  const int per_split = (n_st + SPLIT - 1) / SPLIT, t_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split;
-  const int n_t = min(n_st, t_begin + per_split) - t_begin;  // <= 0: a split past K (its fragments are zeros)
-  auto block_of = [&](int tile) { return Block{tile / x_tiles * rows, tile % x_tiles * NX, t_begin, t_begin + n_t}; };
-  // a block's tiles: with SPLIT > 1 its one tile (a loop of one trip the compiler sees as such)
-  auto more = [&](int tile, int k) { return SPLIT > 1 ? k < 1 : tile < tiles; };
+  __shared__ __align__(8) unsigned long long bars[2 * (WS + XS) + 1];  // WgWork's
+  const WgWork<NX, WS, XS, SPLIT, EPI> wk(M, N, K, smem_u32(bars));
   const unsigned raw_base = smem_u32(smem), ring = (raw_base + 1023) & ~1023u;  // swizzled tiles: 1024-aligned
   const unsigned xring = ring + WS * G::kWSlot;
   unsigned char* sm = smem + (ring - raw_base);
-  const unsigned wfull0 = smem_u32(bars), wempty0 = wfull0 + 8 * WS, xfull0 = wempty0 + 8 * WS,
-                 xempty0 = xfull0 + 8 * XS, redfree = xempty0 + 8 * XS;
   const int wg = threadIdx.x >> 7, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < WS; ++s) {
-      mbar_init(wfull0 + 8 * s, 1);     // the producer's arrival with the chunk's bytes
-      mbar_init(wempty0 + 8 * s, 256);  // every consumer thread
+      mbar_init(wk.wfull0 + 8 * s, 1);     // the producer's arrival with the chunk's bytes
+      mbar_init(wk.wempty0 + 8 * s, 256);  // every consumer thread
     }
     for (int s = 0; s < XS; ++s) {
-      mbar_init(xfull0 + 8 * s, 1);
-      mbar_init(xempty0 + 8 * s, 256);
+      mbar_init(wk.xfull0 + 8 * s, 1);
+      mbar_init(wk.xempty0 + 8 * s, 256);
     }
-    mbar_init(redfree, 256);  // every consumer thread, once it has stored a tile's results
+    mbar_init(wk.redfree, 256);  // every consumer thread, once it has stored a tile's results
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -273,57 +352,14 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   // whole warpgroup; ptxas allocates each region for its limit).
   if (wg == 0) {
     if constexpr (kWide) regs_dec<40>();
-    if (G::kTma && warp == 0) {  // 16-bit and int8 weights: lane 0 copies each stage's 128 rows through the map
-      if (lane == 0) {
-        const TensorMap* map = static_cast<const TensorMap*>(w);
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
-        int gc = 0;  // stages issued
-        for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
-          const int row0 = block_of(tile).row0;
-          for (int i = 0; i < n_t; ++i, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
-            const unsigned full = wfull0 + 8 * (gc % WS);
-            if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
-            mbar_expect_tx(full, G::kW);  // rows past N are zero-filled, and count
-            tma_load_4d(ring + (gc % WS) * G::kWSlot, map, 0, row0, 0, (WBITS == 16 ? 2 : 1) * (t_begin + i), full);
-          }
-        }
+    if (warp == 0) {  // the weight ring
+      if constexpr (G::kTma) {
+        if (lane == 0) copy_weights_tma<G, WBITS>(wk, w, ring);
+      } else {
+        copy_weights_int4<G, EPI>(wk, w, scales, N, ring, lane);
       }
-    } else if (warp == 0) {  // int4 weights: lane l < 8 copies tile l's next kChunk stages and their pairs to a slot
-      const int l = lane & 7, n_w = mma_gated(EPI) ? 2 * N : N;
-      int gc = 0;  // chunks issued
-      for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
-        // local row 16 l's row of w (gated: rows 64.. the up half), clamped to the last (never stored)
-        const int row0 = block_of(tile).row0;
-        const int tl = min(mma_gated(EPI) ? (l >> 2) * N + row0 + 16 * (l & 3) : row0 + 16 * l, n_w - 1) / 16;
-        const char* wsrc = static_cast<const char*>(w) + ((size_t)tl * n_st + t_begin) * 1024;
-        const char* ssrc = reinterpret_cast<const char*>(scales) + ((size_t)tl * n_st + t_begin) * G::kGroups * 64;
-        for (int c = 0; c * G::kChunk < n_t; ++c, ++gc) {  // no kernel of a graph writes weights: no pdl_wait
-          const unsigned slot = ring + (gc % WS) * G::kWSlot, full = wfull0 + 8 * (gc % WS);
-          const int t = c * G::kChunk, st = min(G::kChunk, n_t - t);
-          if (gc >= WS) mbar_wait(wempty0 + 8 * (gc % WS), (gc / WS - 1) & 1);
-          if (lane == 0) mbar_expect_tx(full, st * 8 * (1024 + G::kGroups * 64));
-          __syncwarp();
-          if (lane < 8) {
-            bulk_load(slot + G::kTile * l, wsrc + (size_t)t * 1024, st * 1024, full);
-            bulk_load(slot + G::kW + G::kTileS * l, ssrc + (size_t)t * G::kGroups * 64, st * G::kGroups * 64, full);
-          }
-        }
-      }
-    } else if (warp == 1) {  // x: lane 0 copies each stage's slot image (wgmma_x_kernel's) to an x slot
-      pdl_wait();
-      pdl_trigger();
-      int gs = 0, k = 0;  // stages issued, tiles begun
-      for (int tile = blockIdx.x; more(tile, k) && lane == 0; tile += gridDim.x, ++k) {
-        const char* xsrc = reinterpret_cast<const char*>(x) +
-                           ((size_t)block_of(tile).m0 * K * sizeof(T) + (size_t)t_begin * G::kX);
-        if (k > 0) mbar_wait(redfree, (k - 1) & 1);  // the previous tile's results are stored
-        for (int i = 0; i < n_t; ++i, ++gs) {
-          const unsigned full = xfull0 + 8 * (gs % XS);
-          if (gs >= XS) mbar_wait(xempty0 + 8 * (gs % XS), (gs / XS - 1) & 1);
-          mbar_expect_tx(full, G::kX);
-          bulk_load(xring + (gs % XS) * G::kX, xsrc + (size_t)i * G::kX, G::kX, full);
-        }
-      }
+    } else if (warp == 1) {  // the x ring
+      copy_x<G>(wk, x, K, xring, lane);
     } else {
       pdl_wait();
     }
@@ -344,12 +380,12 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     const unsigned xd0 = (xring >> 4) | (1u << 16);
     const unsigned wd0 = ((ring + (wg - 1) * 64 * 128) >> 4) | (1u << 16);  // 16-bit: the warpgroup's rows
     int j = 0, wslot = 0, wpar = 0, xslot = 0, xpar = 0;
-    for (int tile = blockIdx.x, k = 0; more(tile, k); tile += gridDim.x, ++k) {
+    for (int tile = blockIdx.x, k = 0; wk.more(tile, k); tile += gridDim.x, ++k) {
 #pragma unroll
       for (int i = 0; i < NX / 2; ++i) acc[i] = 0.0f;
-      for (int i = 0; i < n_t; ++i) {
-        if (j == 0) mbar_wait(wfull0 + 8 * wslot, wpar);
-        mbar_wait(xfull0 + 8 * xslot, xpar);
+      for (int i = 0; i < wk.n_t; ++i) {
+        if (j == 0) mbar_wait(wk.wfull0 + 8 * wslot, wpar);
+        mbar_wait(wk.xfull0 + 8 * xslot, xpar);
         WG_STAMP(threadIdx.x == 128 && i == 0 && k == 0, 2, clock64());
         const unsigned xd = xd0 + xslot * (G::kX >> 4);
         if constexpr (WBITS == 16) {  // A straight from the slot: [half][row][128 bytes], 128-byte swizzle
@@ -395,10 +431,10 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
 #pragma unroll
           for (int s = 0; s < 4; ++s) wgmma::fence_operand(a0[s]), wgmma::fence_operand(a1[s]);
         }
-        mbar_arrive(xempty0 + 8 * xslot);  // each thread releases its own reads of the slots
-        if (j == G::kChunk - 1 || i == n_t - 1) mbar_arrive(wempty0 + 8 * wslot);
+        mbar_arrive(wk.xempty0 + 8 * xslot);  // each thread releases its own reads of the slots
+        if (j == G::kChunk - 1 || i == wk.n_t - 1) mbar_arrive(wk.wempty0 + 8 * wslot);
         if (++xslot == XS) xslot = 0, xpar ^= 1;
-        if (++j == G::kChunk || i == n_t - 1) {  // the next tile starts a fresh chunk
+        if (++j == G::kChunk || i == wk.n_t - 1) {  // the next tile starts a fresh chunk
           j = 0;
           if (++wslot == WS) wslot = 0, wpar ^= 1;
         }
@@ -407,9 +443,9 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
         asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' multiplies have read their x
         float* red = reinterpret_cast<float*>(smem + (xring - raw_base));
         wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
-        store_rows<T, WBITS, 128, NX, 256, 1, EPI, true>(red, scales, bias, residual, out, block_of(tile), M, N,
+        store_rows<T, WBITS, 128, NX, 256, 1, EPI, true>(red, scales, bias, residual, out, wk.block_of(tile), M, N,
                                                          threadIdx.x - 128);
-        mbar_arrive(redfree);  // this thread's reads of the results are done
+        mbar_arrive(wk.redfree);  // this thread's reads of the results are done
       }
     }
     if constexpr (kWide) {  // the consumers finish the block alone
@@ -418,7 +454,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
         asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' multiplies done: the ring is free
         float* red = reinterpret_cast<float*>(sm);
         wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
-        store_rows<T, WBITS, 128, NX, 256, SPLIT, EPI>(red, scales, bias, residual, out, block_of(blockIdx.x), M,
+        store_rows<T, WBITS, 128, NX, 256, SPLIT, EPI>(red, scales, bias, residual, out, wk.block_of(blockIdx.x), M,
                                                        N, threadIdx.x - 128);
       }
       WG_STAMP(threadIdx.x == 128, 4, clock64());
@@ -431,7 +467,7 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
     __syncthreads();  // every stage consumed (every copy landed): the ring is free, the results reuse it
     float* red = reinterpret_cast<float*>(sm);
     if (wg > 0) wgmma_results<NX, G::kRS>(red, acc, wg, warp, lane);
-    store_rows<T, WBITS, 128, NX, 384, SPLIT, EPI>(red, scales, bias, residual, out, block_of(blockIdx.x), M, N,
+    store_rows<T, WBITS, 128, NX, 384, SPLIT, EPI>(red, scales, bias, residual, out, wk.block_of(blockIdx.x), M, N,
                                                    threadIdx.x);
   }
   WG_STAMP(threadIdx.x == 128, 4, clock64());
