@@ -316,7 +316,8 @@ __global__ void __launch_bounds__(384, 1) MMA_CLUSTER(SPLIT) linear_wgmma_kernel
   using G = WGeo<WBITS, GS, NX, WS, XS>;
   static_assert(WBITS == 16 || WBITS == 8 || (WBITS == 4 && (GS == 32 || GS == 64 || GS == 128)),
                 "16-bit or int8 weights, or int4 groups of 32, 64 or 128");
-  static_assert(WS >= 2 && XS >= 2 && (NX % 32 == 0 || NX == 24 || NX == 48) && NX <= 224, "tile");
+  static_assert(WS >= 2 && XS >= 2 && (NX % 32 == 0 || NX == 16 || NX == 24 || NX == 48) && NX <= 224,
+                "tile");
   constexpr bool kWide = NX > 128;  // 80-112 accumulators a consumer thread: registers moved to them
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[2 * (WS + XS) + 1];  // WgWork's

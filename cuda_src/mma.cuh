@@ -192,6 +192,7 @@ __device__ __forceinline__ void fence_operand(unsigned (&a)[4]) {
 // Shared memory written by ordinary stores or cp.async, read next by wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+#define CUINFER_ACC8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
 #define CUINFER_ACC12 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}"
 #define CUINFER_ACC16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUINFER_ACC24 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
@@ -230,6 +231,7 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
   "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 #define CUINFER_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define CUINFER_F16AT(d, i) CUINFER_F4(d, i), CUINFER_F4(d, i + 4), CUINFER_F4(d, i + 8), CUINFER_F4(d, i + 12)
+#define CUINFER_F8(d) CUINFER_F4(d, 0), CUINFER_F4(d, 4)
 #define CUINFER_F12(d) CUINFER_F4(d, 0), CUINFER_F4(d, 4), CUINFER_F4(d, 8)
 #define CUINFER_F16(d) CUINFER_F16AT(d, 0)
 #define CUINFER_F24(d) CUINFER_F16(d), CUINFER_F4(d, 16), CUINFER_F4(d, 20)
@@ -282,9 +284,10 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, 
 #define CUINFER_MMA_RS(TB)                                                                             \
   constexpr bool H = is_half<T>::value;                                                               \
   const int scale_d = 1;                                                                              \
-  static_assert((N % 32 == 0 || N == 24 || N == 48) && N <= 256,                                     \
-                "mma_rs: N is 24, 48 or a multiple of 32 up to 256");                                   \
-  CUINFER_RS_CASE(24, 12, "{%12, %13, %14, %15}", "16", "17", TB)                                      \
+  static_assert((N % 32 == 0 || N == 16 || N == 24 || N == 48) && N <= 256,                           \
+                "mma_rs: N is 16, 24, 48 or a multiple of 32 up to 256");                             \
+  CUINFER_RS_CASE(16, 8, "{%8, %9, %10, %11}", "12", "13", TB)                                         \
+  else CUINFER_RS_CASE(24, 12, "{%12, %13, %14, %15}", "16", "17", TB)                                 \
   else CUINFER_RS_CASE(32, 16, "{%16, %17, %18, %19}", "20", "21", TB)                                 \
   else CUINFER_RS_CASE(48, 24, "{%24, %25, %26, %27}", "28", "29", TB)                                 \
   else CUINFER_RS_CASE(64, 32, "{%32, %33, %34, %35}", "36", "37", TB)                                 \

@@ -22,8 +22,9 @@ linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
 
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
 cupy arrays (path(bits, m) names the one taken): the decode GEMV of cuda_src/linear.cu (tensor
-cores, weights dequantized in registers, every weight byte read once, epilogue fused) for M <= 16;
-for quantized weights at 17 <= M <= MMA_MAX_M (ones its wgmma kernel takes: <= WGMMA_MAX_M),
+cores, weights dequantized in registers, every weight byte read once, epilogue fused) for M <=
+GEMV_MAX_M (16 rows of fp16 / bf16 weights, 8 of quantized ones); for quantized weights at 9 <= M <=
+MMA_MAX_M (ones its wgmma kernel takes: <= WGMMA_MAX_M),
 and fp16 / bf16 ones the wgmma kernel takes at 17 <= M <= WGMMA16_MAX_M (sm_90), the GEMMs of
 ops.linear_mma (dequantization in registers or none, bias / residual / gated epilogues fused, y
 rounded once). With norm, every GEMV block first normalizes the rows of x into shared memory (no
@@ -62,7 +63,10 @@ from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
-GEMV_MAX_M = {16: 16, 8: 16, 4: 16}  # by weight bits: above, the GEMM (quantized) or cuBLAS
+# by weight bits: above, the GEMM (quantized) or cuBLAS. Quantized at 9-16 rows the GEMMs win (H200, llama3-8b
+# decode b=16: int4 4,800 -> 5,518 tok/s on mma.sync, int8 3,895 -> 4,668 on wgmma; the linear layers at 9
+# rows 2.42 -> 2.29 / 3.39 -> 2.74 ms), at 8 the GEMV (int4 3,870 against 3,224, int8 2,805 against 2,442)
+GEMV_MAX_M = {16: 16, 8: 8, 4: 8}
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2, "gelu_and_mul": 3}  # EPI_* of linear.cu
 GATED = {"silu_and_mul": ("silu", silu_and_mul), "gelu_and_mul": ("gelu_tanh", gelu_and_mul)}  # act, unfused op
 QUAD_K = {16: 32, 8: 64, 4: 128}  # k per quad step of one lane quad
@@ -95,7 +99,8 @@ def path(bits: int, m: int) -> str:
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
     """The tile for M rows of x, N outputs and K inputs, from the H100 sweeps (docs/linear.md).
 
-    Quantized weights at M <= 8 (the GEMV sweep; int8 from the decode-graph sweep): U = 1
+    Quantized weights at M <= 8 (the GEMV sweep; int8 from the decode-graph sweep; from 9 rows
+    linear() takes the GEMM, and the M > 8 rule below serves direct calls, bench linear's): U = 1
     int4 quad per stage below 64 quads of K, else 2 (int8: always 2; int4 also at 1-3 blocks per SM,
     the grid in one wave: llama3-8b's o 6.5 -> 4.9 us in the H100 sweep; at 2-3 blocks only g128,
     whose U = 2 kernel fits the 80 registers of three 8-warp blocks an SM without spills (ptxas:
@@ -190,7 +195,7 @@ def _formats():
 
 INSTANTIATIONS = sorted(
     {instantiation(dt, b, g, tile_config(b, m, n, k, epi, group_size=g), epi, norm, iz) for dt in KERNEL_DTYPES
-     for b, g, iz in _formats() for m in (1, 16) for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
+     for b, g, iz in _formats() for m in {1, GEMV_MAX_M[b]} for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
      for epi in EPILOGUES for norm in {False, m == 1}
      if epi != "gelu_and_mul" or (m, n, k) == (1, 6144, 4096)}  # GELU differs from SiLU in its activation only
     | {instantiation(dt, b, g, tile_config(b, 1, 3072, 4096, epi, group_size=g), epi, 2, iz) for dt in KERNEL_DTYPES

@@ -1,4 +1,4 @@
-"""Linear layers at 17 or more rows of x: the tensor-core GEMMs of cuda_src/linear_mma.cu (and linear_wgmma.cuh).
+"""Linear layers past the GEMV's rows of x: the tensor-core GEMMs of cuda_src/linear_mma.cu (and linear_wgmma.cuh).
 
 linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=None) -> [M, N] in x's dtype
     x: [M, K] fp16 / bf16; w: cuinfer.ops.quant.Int8Weight or Int4Weight [N, K], or on sm_90 an fp16 /
@@ -41,14 +41,15 @@ from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # rows of x ops.linear sends here (below: the GEMV; above: cuBLAS on a dequantized copy). The mma.sync
-# kernel takes MMA_MIN_M..MMA_MAX_M rows (past 128 cuBLAS on the copy was faster: llama3-8b int4 decode
+# kernel takes MMA_MIN_M..MMA_MAX_M rows (from 9 rows, where it and the int8 wgmma kernel beat the GEMV:
+# ops.linear.GEMV_MAX_M; past 128 cuBLAS on the copy was faster: llama3-8b int4 decode
 # at b=256 13,380 tok/s against 12,010), the wgmma kernel (sm_90, int8 and int4 with integer zeros:
 # wgmma_fits) up to WGMMA_MAX_M, int4 from WGMMA_MIN_M (H100, a llama3-8b layer's four calls: against
 # mma.sync 132 / 135 us at 48 / 64 rows where mma.sync took 156 / 151, 132 at 32 where it took 102;
 # against cuBLAS on the copy 529 / 1,033 us at 512 / 1,024 rows where it took 541 / 846. int8, H200,
 # llama3-8b decode against mma.sync: b=32 7,105 -> 7,825 tok/s, b=64 9,233 -> 13,960, b=128 10,750 ->
 # 19,190).
-MMA_MIN_M, MMA_MAX_M = 17, 128
+MMA_MIN_M, MMA_MAX_M = 9, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
 # fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
 # fp16 decode with the norm in the x pass: b=32 4,628 -> 4,855 tok/s, b=48 6,649 -> 6,742, b=64 8,436
@@ -86,7 +87,7 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     NT = 8 needs 230-255 registers and spills in half the configurations (bf16, fractional zeros,
     2 warps). 2 warps when even a split of 8 leaves most SMs idle (N = 1024); grids below one block
     per SM split K over a cluster of up to 8, each block keeping >= 4 stages."""
-    nt = 8 if bits == 8 and m > 32 else 3 if m <= 24 else 4
+    nt = 8 if bits == 8 and m > 32 else 2 if m <= 16 else 3 if m <= 24 else 4
     minb = 3 if nt <= 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
     gated = epilogue in GATED
@@ -110,9 +111,9 @@ class WgTile(NamedTuple):
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
     """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to 64
-    rows (16-bit weights 32 up to 32; int8 and int4 the smallest of 24, 32 and 48 that holds the rows:
-    H200, llama3-8b decode against NX = 64 at b=48, int4 11,350 -> 12,020 tok/s, int8 11,520 ->
-    12,020, int8 against NX = 32 at b=24 6,612 -> 6,733), the rows rounded up to 32
+    rows (16-bit weights 32 up to 32; int8 and int4 the smallest of 16, 24, 32 and 48 that holds the
+    rows: H200, llama3-8b decode against NX = 64 at b=48, int4 11,350 -> 12,020 tok/s, int8 11,520 ->
+    12,020, int8 against NX = 32 at b=24 6,612 -> 6,733, against NX = 24 at b=16 4,633 -> 4,668), the rows rounded up to 32
     at 65-224 rows (one x tile, no more padding than 31 rows: at 129-192 rows two tiles of 128 had
     done the work of 256, H200, llama3-8b decode, NX = 192 against that: int4 b=160 / 192 16,640 /
     18,660 -> 19,060 / 21,050 tok/s, int8 16,190 / 18,080 -> 19,220 / 21,070), else 128 (NX = 256 at
@@ -132,7 +133,7 @@ def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> 
     if bits == 16:
         nx = 32 if m <= 32 else 64 if m <= 64 else 128
     else:
-        nx = next(t for t in (24, 32, 48, 64) if t >= m) if m <= 64 else -(-m // 32) * 32 if m <= 224 else 128
+        nx = next(t for t in (16, 24, 32, 48, 64) if t >= m) if m <= 64 else -(-m // 32) * 32 if m <= 224 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
     split = next((s for s in (3, 2) if blocks * s <= sms and k // WGMMA_K >= 8 * s), 1)
     if bits == 16:
@@ -216,7 +217,7 @@ def _formats():
 INSTANTIATIONS = sorted(
     {instantiation(dt, b, g, iz, mma_tile(b, m, n, k, epi, integer_zeros=iz), epi) for dt in KERNEL_DTYPES
      for b, g, iz in _formats()
-     for m in (17, 32, 64, 128) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+     for m in (9, 17, 32, 64, 128) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
      for epi in EPILOGUES
      if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)}  # GELU differs from SiLU in its activation only
     | {wgmma_instantiation(dt, b, g, wgmma_tile(b, m, n, k, epi), epi) for dt in KERNEL_DTYPES
@@ -230,12 +231,12 @@ INSTANTIATIONS = sorted(
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (33, 4096, 4096)}
     | {wgmma_instantiation(dt, 8, 0, wgmma_tile(8, m, n, k, epi), epi) for dt in KERNEL_DTYPES
-       for m in (17, 25, 33, 49, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256)
+       for m in (9, 17, 25, 33, 49, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256)
        for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_x_instantiation(dt, nx, bits, norm) for dt in KERNEL_DTYPES for nx, bits in
-       ((32, 16), (64, 16), (24, 8), (32, 8), *((nx, b) for nx in (48, *range(64, 225, 32)) for b in (4, 8)))
+       ((32, 16), (64, 16), (16, 8), (24, 8), (32, 8), *((nx, b) for nx in (48, *range(64, 225, 32)) for b in (4, 8)))
        for norm in (False, True)})
 
 

@@ -308,10 +308,20 @@ def test_prefill_matches_reference(fmt, gs, dtype):
 def test_gemv_llama_shape_int4_lm_head_tile():
     import cupy as cp
 
-    # N large enough for the two-row-tile configuration (RT = 2) at M = 9..16
+    # N large enough for tile_config's two-row-tile configuration (RT = 2) at M = 9..16, called directly:
+    # linear() takes quantized weights to the GEMM from 9 rows
+    rng = np.random.default_rng(5)
     for fmt, gs in FORMATS:
-        run_case(cp, np.random.default_rng(5), runtime.bfloat16, 11, 17000 + 5, 160 if not fmt.startswith("int4") else 5 * gs,
-                 fmt, gs, True, 1.0)
+        m, n, k = 11, 17000 + 5, 160 if not fmt.startswith("int4") else 5 * gs
+        x = rng.standard_normal((m, k)).astype(runtime.bfloat16)
+        w = make_weight(rng, n, k, fmt, gs or 128)
+        w = w.astype(runtime.bfloat16) if fmt == "float" else w
+        bias = rng.standard_normal(n).astype(runtime.bfloat16)
+        tile = tile_config(fmt_bits(fmt), m, n, k, group_size=gs or 128)
+        assert tile.rt == 2
+        out = poison(cp, (m, n), runtime.bfloat16)
+        _gemv(cp.asarray(x), cp.asarray(w) if fmt == "float" else w.to_device(), cp.asarray(bias), out, tile)
+        assert_close(out, reference_rounded(x, w, bias, False))
 
 
 CONFIGS = [(1, 1, 1, 8, 1), (1, 1, 2, 4, 1), (1, 1, 4, 8, 1), (1, 2, 1, 8, 1), (2, 1, 2, 16, 1), (2, 2, 1, 8, 1),

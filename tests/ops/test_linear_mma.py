@@ -34,7 +34,7 @@ from tests.ops.test_linear import fmt_bits, make_weight, reference_rounded, roun
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int4-mse", 32), ("int4-mse", 128)]
-ROWS = [17, 24, 31, 33, 64, 65, 111, 128, 200, 256]
+ROWS = [9, 16, 17, 24, 31, 33, 64, 65, 111, 128, 200, 256]
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256), (4096, 6144), (4096, 28672)]
 
 
@@ -109,9 +109,9 @@ def test_argument_checks():
 
 
 def test_paths():
-    rows = (1, 16, MMA_MIN_M, MMA_MAX_M, MMA_MAX_M + 1, WGMMA_MAX_M, WGMMA_MAX_M + 1)
-    assert [path(4, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "cublas"]
-    assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "cublas"]
+    rows = (1, 8, MMA_MIN_M, 16, MMA_MAX_M, MMA_MAX_M + 1, WGMMA_MAX_M, WGMMA_MAX_M + 1)
+    assert [path(4, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "mma", "cublas"]
+    assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "mma", "cublas"]
     assert [path(16, m) for m in (16, 17, WGMMA16_MAX_M, WGMMA16_MAX_M + 1)] == ["gemv", "mma", "mma", "cublas"]
 
 
@@ -123,7 +123,7 @@ def test_tiles_fit_the_sm_and_the_instantiations():
             for k, n in SHAPES + [(64, 17), (576, 1536)]:
                 for epi in ("store", "silu_and_mul"):
                     t = mma_tile(bits, m, n, k, epi)
-                    assert t.split in (1, 2, 4, 8) and t.warps in (2, 4) and t.nt in (3, 4, 8)
+                    assert t.split in (1, 2, 4, 8) and t.warps in (2, 4) and t.nt in (2, 3, 4, 8)
                     assert t.minb * (smem_bytes(bits, gs or 128, t) + 1024) <= 228 * 1024
                     assert mma_tile(bits, m, n, k, epi, clusters=False).split == 1
     for k, n in SHAPES:
@@ -168,7 +168,8 @@ def n_choices(fmt, gated=False):
 
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
-         MmaTile(8, 2, 2, 3, 4, 2), MmaTile(3, 2, 4, 3, 1, 3), MmaTile(3, 2, 2, 3, 4, 2)]
+         MmaTile(8, 2, 2, 3, 4, 2), MmaTile(3, 2, 4, 3, 1, 3), MmaTile(3, 2, 2, 3, 4, 2),
+         MmaTile(2, 2, 4, 3, 2, 3)]
 WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3),
             WgTile(32, 2, 6, 1), WgTile(192, 2, 3, 2), WgTile(224, 2, 2, 1), WgTile(160, 2, 3, 3), WgTile(96, 2, 4, 1),
             WgTile(48, 2, 6, 2)]
@@ -179,7 +180,8 @@ WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
 WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
              WgTile(32, 6, 6, 1), WgTile(32, 4, 4, 2), WgTile(192, 4, 3, 3), WgTile(224, 4, 2, 1), WgTile(160, 4, 4, 2),
-             WgTile(96, 4, 4, 1), WgTile(48, 6, 6, 1), WgTile(24, 6, 6, 1), WgTile(24, 4, 4, 3)]
+             WgTile(96, 4, 4, 1), WgTile(48, 6, 6, 1), WgTile(24, 6, 6, 1), WgTile(24, 4, 4, 3),
+             WgTile(16, 6, 6, 2)]
 
 
 def mma_case(cp, rng, dtype, m, n, k, fmt, gs, use_bias, magnitude, epilogue="store", residual=False, tile=None):
