@@ -260,14 +260,17 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 template <int N, typename T>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int scale_d) {
   constexpr bool H = is_half<T>::value;
-  if constexpr (N == 32) {
+  if constexpr (N == 16) {
+    if constexpr (H) CUINFER_WGMMA_SS(16, "f16", CUINFER_ACC8, CUINFER_F8(d), "8", "9", "10");
+    else CUINFER_WGMMA_SS(16, "bf16", CUINFER_ACC8, CUINFER_F8(d), "8", "9", "10");
+  } else if constexpr (N == 32) {
     if constexpr (H) CUINFER_WGMMA_SS(32, "f16", CUINFER_ACC16, CUINFER_F16(d), "16", "17", "18");
     else CUINFER_WGMMA_SS(32, "bf16", CUINFER_ACC16, CUINFER_F16(d), "16", "17", "18");
   } else if constexpr (N == 64) {
     if constexpr (H) CUINFER_WGMMA_SS(64, "f16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
     else CUINFER_WGMMA_SS(64, "bf16", CUINFER_ACC32, CUINFER_F32(d), "32", "33", "34");
   } else {
-    static_assert(N == 128, "mma_ss: N is 32, 64 or 128");
+    static_assert(N == 128, "mma_ss: N is 16, 32, 64 or 128");
     if constexpr (H) CUINFER_WGMMA_SS(128, "f16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
     else CUINFER_WGMMA_SS(128, "bf16", CUINFER_ACC64, CUINFER_F64(d), "64", "65", "66");
   }

@@ -17,15 +17,15 @@ linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None, add
 linear_argmax(x, w, out=None, workspace=None, norm=None) -> int32 [M]
     argmax over N of the logits x @ W.T rounded to x's dtype (ties: the lowest index), for
     greedy decoding; norm as in linear. workspace: int32 [argmax_workspace_size(N)] of the GEMV's
-    partial maxima; None allocates one. Above GEMV_MAX_M rows the logits are made as linear makes
+    partial maxima; None allocates one. Past the GEMV's rows (route) the logits are made as linear makes
     them (the GEMM or cuBLAS, into a new array) and reduced per row; the workspace is not used.
 
 numpy arrays run the reference: dequantize to float32, matmul in float32, round once.
-cupy arrays (path(bits, m) names the one taken): the decode GEMV of cuda_src/linear.cu (tensor
+cupy arrays (route(w, m, k) names the one taken): the decode GEMV of cuda_src/linear.cu (tensor
 cores, weights dequantized in registers, every weight byte read once, epilogue fused) for M <=
-GEMV_MAX_M (16 rows of fp16 / bf16 weights, 8 of quantized ones); for quantized weights at 9 <= M <=
-MMA_MAX_M (ones its wgmma kernel takes: <= WGMMA_MAX_M),
-and fp16 / bf16 ones the wgmma kernel takes at 17 <= M <= WGMMA16_MAX_M (sm_90), the GEMMs of
+GEMV_MAX_M (1 row of fp16 / bf16 weights, 8 of quantized ones; 16 for a 16-bit weight the wgmma
+kernel does not take); for quantized weights at 9 <= M <= MMA_MAX_M (ones its wgmma kernel takes: <=
+WGMMA_MAX_M), and fp16 / bf16 ones the wgmma kernel takes at 2 <= M <= WGMMA16_MAX_M (sm_90), the GEMMs of
 ops.linear_mma (dequantization in registers or none, bias / residual / gated epilogues fused, y
 rounded once). With norm, every GEMV block first normalizes the rows of x into shared memory (no
 launch of its own) when a 16-row chunk of them fits in NORM_SMEM bytes, and the wgmma GEMM in its
@@ -63,10 +63,13 @@ from .rms_norm import rms_norm, rms_norm_reference
 
 KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 GEMV_ROWS = 16  # rows of x per GEMV launch (two n8 tiles)
-# by weight bits: above, the GEMM (quantized) or cuBLAS. Quantized at 9-16 rows the GEMMs win (H200, llama3-8b
+# by weight bits: above, the GEMMs (route) or cuBLAS. Quantized at 9-16 rows the GEMMs win (H200, llama3-8b
 # decode b=16: int4 4,800 -> 5,518 tok/s on mma.sync, int8 3,895 -> 4,668 on wgmma; the linear layers at 9
-# rows 2.42 -> 2.29 / 3.39 -> 2.74 ms), at 8 the GEMV (int4 3,870 against 3,224, int8 2,805 against 2,442)
-GEMV_MAX_M = {16: 16, 8: 8, 4: 8}
+# rows 2.42 -> 2.29 / 3.39 -> 2.74 ms), at 8 the GEMV (int4 3,870 against 3,224, int8 2,805 against 2,442).
+# fp16 from 2 rows on the wgmma kernel (NX = 16; its linear layers take ~4.19 ms a step at any 1-16 rows, the
+# GEMV's 4.18 / 4.30 / 4.93 / 5.12 / 5.63 at 1 / 2 / 4 / 8 / 16): decode b=2 434 -> 440 tok/s, b=4 763 -> 874,
+# b=8 1,449 -> 1,685, b=16 2,598 -> 3,254. A 16-bit weight that kernel does not take keeps the GEMV to GEMV_ROWS.
+GEMV_MAX_M = {16: 1, 8: 8, 4: 8}
 EPILOGUES = {"store": 0, "silu_and_mul": 1, "argmax": 2, "gelu_and_mul": 3}  # EPI_* of linear.cu
 GATED = {"silu_and_mul": ("silu", silu_and_mul), "gelu_and_mul": ("gelu_tanh", gelu_and_mul)}  # act, unfused op
 QUAD_K = {16: 32, 8: 64, 4: 128}  # k per quad step of one lane quad
@@ -88,12 +91,22 @@ def weight_bits(w) -> int:
 
 
 def path(bits: int, m: int) -> str:
-    """The device path linear() takes for M rows of x and weights of `bits`: "gemv", "mma" (the
-    GEMMs of ops.linear_mma; quantized weights past MMA_MAX_M rows and fp16 / bf16 always only where
-    its wgmma kernel takes the weight, linear_mma.wgmma_fits, else cuBLAS) or "cublas"."""
+    """The device path for M rows of x and weights of `bits` by rows alone: "gemv", "mma" (the GEMMs of
+    ops.linear_mma) or "cublas"; route(w, m, k) resolves "mma" for a weight the GEMMs do not take."""
     if m <= GEMV_MAX_M[bits]:
         return "gemv"
     return "mma" if m <= (WGMMA16_MAX_M if bits == 16 else WGMMA_MAX_M) else "cublas"
+
+
+def route(w, m: int, k: int, activation=None) -> str:
+    """The path linear() takes on the device for M rows of x by w: path(bits, m), where "mma" needs the
+    GEMMs to take w (quantized weights up to MMA_MAX_M rows always, else where the wgmma kernel takes it,
+    linear_mma.wgmma_fits); otherwise the GEMV up to GEMV_ROWS rows, then cuBLAS."""
+    bits = weight_bits(w)
+    p = path(bits, m)
+    if p != "mma" or (bits < 16 and m <= MMA_MAX_M) or wgmma_fits(w, k, activation):
+        return p
+    return "gemv" if m <= GEMV_ROWS else "cublas"
 
 
 def tile_config(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True, group_size=128) -> Tile:
@@ -195,7 +208,8 @@ def _formats():
 
 INSTANTIATIONS = sorted(
     {instantiation(dt, b, g, tile_config(b, m, n, k, epi, group_size=g), epi, norm, iz) for dt in KERNEL_DTYPES
-     for b, g, iz in _formats() for m in {1, GEMV_MAX_M[b]} for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
+     for b, g, iz in _formats() for m in {1, GEMV_ROWS if b == 16 else GEMV_MAX_M[b]}
+     for n in (1024, 3072, 6144, 1 << 20) for k in (576, 4096)
      for epi in EPILOGUES for norm in {False, m == 1}
      if epi != "gelu_and_mul" or (m, n, k) == (1, 6144, 4096)}  # GELU differs from SiLU in its activation only
     | {instantiation(dt, b, g, tile_config(b, 1, 3072, 4096, epi, group_size=g), epi, 2, iz) for dt in KERNEL_DTYPES
@@ -251,7 +265,7 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
     if add is not None:
         runtime.check("add y0", add[0], dtype=x.dtype, shape=x.shape)
         runtime.check("add weight", add[1], dtype=x.dtype, shape=(k,))
-        if not (dev and m <= GEMV_MAX_M[bits] and norm_fits(m, k, x.dtype)):  # the add first, on its own
+        if not (dev and route(w, m, k, activation) == "gemv" and norm_fits(m, k, x.dtype)):  # the add first
             x = rms_norm(add[0], add[1], norm[1], add_to=x, out=add_out)
             return linear(x, w, bias, out, activation, norm, residual), x
         add_out = runtime.check_out(add_out, x.shape, x.dtype, x)
@@ -266,11 +280,12 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
         out[...] = y if residual is None else (y.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
         return out
     runtime.check("out", out, align=16)
-    if path(bits, m) == "mma" and ((bits < 16 and m <= MMA_MAX_M) or wgmma_fits(w, k, activation)):
+    via = route(w, m, k, activation)
+    if via == "mma":
         return linear_mma(x, w, bias, out, activation, residual, norm)
-    if norm is not None and (m > GEMV_MAX_M[bits] or not norm_fits(m, k, x.dtype)):
+    if norm is not None and (via != "gemv" or not norm_fits(m, k, x.dtype)):
         x, norm = rms_norm(x, *norm), None
-    if m > GEMV_MAX_M[bits]:
+    if via == "cublas":
         if activation:
             return GATED[activation][1](_prefill(x, w, bias, runtime.require_cupy().empty((m, n_w), x.dtype)), out=out)
         _prefill(x, w, bias, out)
@@ -326,7 +341,7 @@ def linear_argmax(x, w, out=None, workspace=None, norm=None):
         logits = linear_reference(xn, w).astype(x.dtype).astype(np.float32)  # rounded as linear() stores them
         out[...] = np.argmax(logits, axis=1)
         return out
-    if m > GEMV_MAX_M[bits]:  # the logits as linear() makes them, then one block per row
+    if route(w, m, k) != "gemv":  # the logits as linear() makes them, then one block per row
         logits = linear(x, w, norm=norm)
         runtime.launch(runtime.kernel("linear", reduce_instantiation(x.dtype)), (m,), (1024,),
                        (logits, NULL, out, np.int32(n)))

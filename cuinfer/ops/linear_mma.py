@@ -51,7 +51,8 @@ KERNEL_DTYPES = (np.dtype(np.float16), runtime.bfloat16)
 # 19,190).
 MMA_MIN_M, MMA_MAX_M = 9, 128
 WGMMA_MIN_M, WGMMA_MAX_M = 33, 256
-# fp16 / bf16 weights: the wgmma kernel up to WGMMA16_MAX_M rows on sm_90, then cuBLAS (H100, llama3-8b
+# fp16 / bf16 weights: the wgmma kernel past the GEMV's rows (ops.linear.GEMV_MAX_M) up to WGMMA16_MAX_M on
+# sm_90, then cuBLAS (H100, llama3-8b
 # fp16 decode with the norm in the x pass: b=32 4,628 -> 4,855 tok/s, b=48 6,649 -> 6,742, b=64 8,436
 # -> 8,771 against cuBLAS; H200, past 64 rows, NX = 128: b=128 16,820 against cuBLAS's 17,030, b=256
 # 18,700 against 21,730)
@@ -103,35 +104,34 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
 
 
 class WgTile(NamedTuple):
-    nx: int  # x rows per block (wgmma's N: 24, 32, 48, or a multiple of 32 to 224; 16-bit weights 32, 64)
+    nx: int  # x rows per block (wgmma's N: 16, 24, 32, 48, or a multiple of 32 to 224; 16-bit weights 16, 32, 64)
     wstages: int  # weight slots of WGMMA_CHUNK stages each (16-bit weights: one stage each)
     xstages: int  # x slots of a stage each
     split: int  # blocks of a cluster splitting K (sm_90)
 
 
 def wgmma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132) -> WgTile:
-    """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to 64
-    rows (16-bit weights 32 up to 32; int8 and int4 the smallest of 16, 24, 32 and 48 that holds the
-    rows: H200, llama3-8b decode against NX = 64 at b=48, int4 11,350 -> 12,020 tok/s, int8 11,520 ->
-    12,020, int8 against NX = 32 at b=24 6,612 -> 6,733, against NX = 24 at b=16 4,633 -> 4,668), the rows rounded up to 32
-    at 65-224 rows (one x tile, no more padding than 31 rows: at 129-192 rows two tiles of 128 had
-    done the work of 256, H200, llama3-8b decode, NX = 192 against that: int4 b=160 / 192 16,640 /
-    18,660 -> 19,060 / 21,050 tok/s, int8 16,190 / 18,080 -> 19,220 / 21,070), else 128 (NX = 256 at
-    256 rows, one tile, was no faster: int4 21,970 -> 21,770, int8 21,290 -> 21,340). int4: 2 weight
-    slots (8 stages) and 4 x slots at NX = 96 / 128, 2 and 6 at 48 / 64 (<= 209 KB at g32; H100, a
-    llama3-8b layer's four calls at 64 / 128 / 256 rows: 3 and 3 at NX = 128, 4 and 4 at 64 took
-    2.4 / 4.8 / 4.0 % longer, 4 and 2 no less: x, from L2, wants the deeper ring). K splits over a
-    cluster of 3, else 2, where the grid then still fits one wave and each block keeps >= 8 stages
-    of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4 43.2 / 25.6 / 21.5 / 36.2
-    us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every time, as was a second
-    wave). 16-bit weights, whose copies are 32 KB stages (no dequantization: the kernel streams):
-    NX = 32 up to 32 rows, 4 weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB stages): 4 and 4
-    at NX = 96 / 128, 6 and 6 at 48 / 64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 / 3 + 5,
-    8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did better, by 0.3-7 %), 6 and 6 at 32 (H200, b=32: no deeper
-    or shallower ring did better, docs/linear.md "int8 weights"). Above NX = 128 as many x slots as
-    fit beside the weight ring, at most 4."""
+    """The wgmma kernel's tile: 128 weight rows a block (64 outputs gated) times NX = 64 x rows up to 64 rows
+    (16-bit weights 16 up to 16, 32 up to 32; int8 and int4 the smallest of 16, 24, 32 and 48 that holds the
+    rows: H200, llama3-8b decode against NX = 64 at b=48, int4 11,350 -> 12,020 tok/s, int8 11,520 -> 12,020,
+    int8 against NX = 32 at b=24 6,612 -> 6,733, against NX = 24 at b=16 4,633 -> 4,668), the rows rounded up to
+    32 at 65-224 rows (one x tile, no more padding than 31 rows: at 129-192 rows two tiles of 128 had done the
+    work of 256, H200, llama3-8b decode, NX = 192 against that: int4 b=160 / 192 16,640 / 18,660 -> 19,060 /
+    21,050 tok/s, int8 16,190 / 18,080 -> 19,220 / 21,070), else 128 (NX = 256 at 256 rows, one tile, was no
+    faster: int4 21,970 -> 21,770, int8 21,290 -> 21,340). int4: 2 weight slots (8 stages) and 4 x slots at NX =
+    96 / 128, 2 and 6 at 48 / 64 (<= 209 KB at g32; H100, a llama3-8b layer's four calls at 64 / 128 / 256 rows:
+    3 and 3 at NX = 128, 4 and 4 at 64 took 2.4 / 4.8 / 4.0 % longer, 4 and 2 no less: x, from L2, wants the
+    deeper ring). K splits over a cluster of 3, else 2, where the grid then still fits one wave and each block
+    keeps >= 8 stages of 128 k (H100, llama3-8b shapes at 128 rows: o split 1 / 2 / 3 / 4 43.2 / 25.6 / 21.5 /
+    36.2 us, down 119.8 / 66.1 / 50.5 / 74.1; clusters of 4 were slower every time, as was a second wave).
+    16-bit weights, whose copies are 32 KB stages (no dequantization: the kernel streams): NX = 16 up to 16 rows
+    (H200, llama3-8b fp16 decode against NX = 32: b=8 1,667 -> 1,685 tok/s, b=16 3,218 -> 3,254), 32 up to 32, 4
+    weight and 4 x slots (3 and 3 at NX = 128). int8 (16 KB stages): 4 and 4 at NX = 96 / 128, 6 and 6 at 48 /
+    64 (H200, llama3-8b decode at b=64 / 128 against 4 + 8 / 3 + 5, 8 + 4 / 6 + 2 and 4 + 4 / 5 + 3: none did
+    better, by 0.3-7 %), 6 and 6 at 32 (H200, b=32: no deeper or shallower ring did better, docs/linear.md "int8
+    weights"). Above NX = 128 as many x slots as fit beside the weight ring, at most 4."""
     if bits == 16:
-        nx = 32 if m <= 32 else 64 if m <= 64 else 128
+        nx = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     else:
         nx = next(t for t in (16, 24, 32, 48, 64) if t >= m) if m <= 64 else -(-m // 32) * 32 if m <= 224 else 128
     blocks = -(-n // (64 if epilogue in GATED else 128)) * -(-m // nx)
@@ -227,7 +227,7 @@ INSTANTIATIONS = sorted(
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_instantiation(dt, 16, 0, wgmma_tile(16, m, n, k, epi), epi) for dt in KERNEL_DTYPES
-       for m in (17, 33) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+       for m in (9, 17, 33) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (33, 4096, 4096)}
     | {wgmma_instantiation(dt, 8, 0, wgmma_tile(8, m, n, k, epi), epi) for dt in KERNEL_DTYPES
@@ -236,7 +236,8 @@ INSTANTIATIONS = sorted(
        for epi in EPILOGUES
        if epi != "gelu_and_mul" or (m, n, k) == (128, 4096, 4096)}
     | {wgmma_x_instantiation(dt, nx, bits, norm) for dt in KERNEL_DTYPES for nx, bits in
-       ((32, 16), (64, 16), (16, 8), (24, 8), (32, 8), *((nx, b) for nx in (48, *range(64, 225, 32)) for b in (4, 8)))
+       ((16, 16), (32, 16), (64, 16), (16, 8), (24, 8), (32, 8),
+        *((nx, b) for nx in (48, *range(64, 225, 32)) for b in (4, 8)))
        for norm in (False, True)})
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from cuinfer.ops import quant, runtime
 from cuinfer.ops.activation import REFERENCES, act_and_mul_reference
-from cuinfer.ops.linear import linear, linear_argmax, linear_reference, path
+from cuinfer.ops.linear import GEMV_MAX_M, linear, linear_argmax, linear_reference, path
 from cuinfer.ops.linear_mma import (
     GATED,
     INSTANTIATIONS,
@@ -112,7 +112,8 @@ def test_paths():
     rows = (1, 8, MMA_MIN_M, 16, MMA_MAX_M, MMA_MAX_M + 1, WGMMA_MAX_M, WGMMA_MAX_M + 1)
     assert [path(4, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "mma", "cublas"]
     assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "mma", "cublas"]
-    assert [path(16, m) for m in (16, 17, WGMMA16_MAX_M, WGMMA16_MAX_M + 1)] == ["gemv", "mma", "mma", "cublas"]
+    rows = (GEMV_MAX_M[16], GEMV_MAX_M[16] + 1, 16, 17, WGMMA16_MAX_M, WGMMA16_MAX_M + 1)
+    assert [path(16, m) for m in rows] == ["gemv", "mma", "mma", "mma", "mma", "cublas"]
 
 
 def test_tiles_fit_the_sm_and_the_instantiations():
@@ -140,9 +141,9 @@ def test_tiles_fit_the_sm_and_the_instantiations():
         for t in WG_TILES:
             assert wgmma_smem_bytes(bits, gs, t) <= 227 * 1024
     for k, n in SHAPES:  # 16-bit weights
-        for m in range(MMA_MIN_M, WGMMA16_MAX_M + 1):
+        for m in range(GEMV_MAX_M[16] + 1, WGMMA16_MAX_M + 1):
             t = wgmma_tile(16, m, n, k)
-            assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024 and t.nx == (32 if m <= 32 else 64)
+            assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024 and t.nx == (16 if m <= 16 else 32 if m <= 32 else 64)
             assert wgmma_instantiation(np.float16, 16, 0, t) in INSTANTIATIONS, (m, n, k, t)
     for t in WG16_TILES:
         assert wgmma_smem_bytes(16, 0, t) <= 227 * 1024
@@ -174,8 +175,9 @@ WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgT
             WgTile(32, 2, 6, 1), WgTile(192, 2, 3, 2), WgTile(224, 2, 2, 1), WgTile(160, 2, 3, 3), WgTile(96, 2, 4, 1),
             WgTile(48, 2, 6, 2)]
 WG_FORMATS = [f for f in FORMATS if f[0] == "int4"]  # the wgmma kernel: int4 with integer zeros
-WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgTile(128, 3, 3, 1), WgTile(64, 2, 3, 8)]
-WG16_ROWS = [17, 31, 32, 33, 64, 100]
+WG16_TILES = [WgTile(32, 4, 4, 1), WgTile(32, 2, 2, 2), WgTile(64, 4, 4, 3), WgTile(128, 3, 3, 1), WgTile(64, 2, 3, 8),
+              WgTile(16, 4, 4, 1), WgTile(16, 4, 4, 3)]
+WG16_ROWS = [2, 5, 13, 16, 17, 31, 32, 33, 64, 100]
 WG16_N = [1, 17, 111, 989, 2096]
 WG16_K = [128, 3 * 128, 4096 + 128]
 WG8_TILES = [WgTile(128, 4, 4, 1), WgTile(64, 6, 6, 1), WgTile(128, 2, 2, 3), WgTile(64, 2, 3, 8), WgTile(128, 3, 2, 2),
