@@ -16,9 +16,9 @@ from .sampling import SamplingParams
 
 
 def warm_up_rows(budget: int) -> list:
-    """The token counts Engine.warm_up runs a forward of: 1-16 (the GEMV's row counts; quantized
-    weights take the GEMMs from 9), the GEMMs' buckets to 128, then steps of 1.5x to the budget
-    (cuBLAS picks its kernel by shape)."""
+    """The token counts Engine.warm_up runs a forward of: 1-16 one by one (the GEMV's row counts, and
+    the small tiles of the GEMMs that take over from 2 or 9 rows), the GEMMs' buckets to 128, then
+    steps of 1.5x to the budget (cuBLAS picks its kernel by shape)."""
     rows, n = list(range(1, 17)) + [24, 32, 48, 64, 96, 128], 192
     while n < budget:
         rows.append(n)
