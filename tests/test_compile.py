@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from cuinfer import ops
-from cuinfer.ops import runtime
+from cuinfer.ops import build, runtime
 
 pytest.importorskip("cupy")
 
@@ -76,7 +76,7 @@ CASES = [pytest.param(family, i, id=f"{family}-{i + 1}of{len(rounds(family))}")
 def test_family_compiles(family, round_, arch, pdl, pool):
     programs = rounds(family)[round_]
     k = len(programs)
-    results = pool.map(runtime.compile_family, [family] * k, programs, [arch] * k, [pdl] * k)
+    results = pool.map(build.compile_family, [family] * k, programs, [arch] * k, [pdl] * k)
     for program, compiled in zip(programs, results):
         assert set(compiled.lowered) == set(program)
         assert len(compiled.cubin) > 0
@@ -86,25 +86,25 @@ def test_family_compiles(family, round_, arch, pdl, pool):
 def test_kernel_compiles_without_pdl(family):
     exprs = kernel_templates(family)
     assert exprs, f"{family} registers no instantiations"
-    compiled = runtime.compile_family(family, exprs, "sm_90", False)
+    compiled = build.compile_family(family, exprs, "sm_90", False)
     assert set(compiled.lowered) == set(exprs) and len(compiled.cubin) > 0
 
 
 def test_pdl_is_the_only_difference():
     """The claim test_kernel_compiles_without_pdl rests on: no source but common.cuh's PDL helpers
     reads CUINFER_PDL."""
-    users = [p.name for p in sorted(runtime.source_dir().iterdir()) if "CUINFER_PDL" in p.read_text()]
+    users = [p.name for p in sorted(build.source_dir().iterdir()) if "CUINFER_PDL" in p.read_text()]
     assert users == ["common.cuh"], users
-    common = (runtime.source_dir() / "common.cuh").read_text()
+    common = (build.source_dir() / "common.cuh").read_text()
     assert common.count("defined(CUINFER_PDL)") == 2, "CUINFER_PDL guards more than pdl_wait and pdl_trigger"
 
 
 def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
     (tmp_path / "broken.cu").write_text("template <int N> __global__ void broken_kernel() { int x = ; }\n")
     (tmp_path / "common.cuh").write_text("")
-    monkeypatch.setattr(runtime, "source_dir", lambda: tmp_path)
+    monkeypatch.setattr(build, "source_dir", lambda: tmp_path)
     with pytest.raises(runtime.CompileError, match=r"broken\.cu\(1\)"):
-        runtime.compile_family("broken", ["broken_kernel<1>"], "sm_90")
+        build.compile_family("broken", ["broken_kernel<1>"], "sm_90")
 
 
 def test_compile_set_covers_every_argument():

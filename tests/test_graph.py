@@ -352,7 +352,8 @@ def test_gpu_pdl_attribute_only_on_captured_launches(cp, monkeypatch):
         pytest.skip("programmatic dependent launch needs sm_90 and CUINFER_PDL not 0")
     calls = []
     real = runtime._launch_ex
-    monkeypatch.setattr(runtime, "_launch_ex", lambda *a: (calls.append(a[0].name) if a[-1] else None, real(*a)))
+    monkeypatch.setattr(runtime, "_launch_ex",
+                        lambda *a: (calls.append(a[0].name) if a[-1] is not None else None, real(*a)))
     x = cp.random.standard_normal((3, 256), dtype=cp.float32).astype(cp.float16)
     w = cp.random.standard_normal(256, dtype=cp.float32).astype(cp.float16)
     eager = rms_norm(x, w, 1e-5)

@@ -1,13 +1,14 @@
-"""runtime: compile options and the launch helpers' argument checks (no GPU needed)."""
+"""runtime, build and driver: compile options, the disk cache and the launch helpers' argument checks
+(no GPU needed)."""
 import numpy as np
 import pytest
 
-from cuinfer.ops import runtime
+from cuinfer.ops import build, driver, runtime
 
 
 def test_sm90_builds_for_the_arch_specific_target():
-    assert "-arch=sm_90a" in runtime.compile_options("sm_90")  # wgmma, setmaxnreg
-    assert "-arch=sm_80" in runtime.compile_options("sm_80")
+    assert "-arch=sm_90a" in build.compile_options("sm_90")  # wgmma, setmaxnreg
+    assert "-arch=sm_80" in build.compile_options("sm_80")
 
 
 def test_a_measurement_build_is_its_own_cache_entry_and_program():
@@ -18,14 +19,14 @@ def test_a_measurement_build_is_its_own_cache_entry_and_program():
     pytest.importorskip("cupy")  # NVRTC
 
     lm = importlib.import_module("cuinfer.ops.linear_mma")
-    assert runtime.compile_options("sm_90", True, ("CUINFER_TIMELINE",))[-1] == "-DCUINFER_TIMELINE=1"
-    assert runtime.compile_options("sm_90", True, ()) == runtime.compile_options("sm_90", True)
+    assert build.compile_options("sm_90", True, ("CUINFER_TIMELINE",))[-1] == "-DCUINFER_TIMELINE=1"
+    assert build.compile_options("sm_90", True, ()) == build.compile_options("sm_90", True)
     expr = lm.wgmma_instantiation(np.float16, 8, 0, lm.WgTile(32, 8, 6, 2))
-    plain = runtime._cache_paths("linear_mma", expr, "sm_90", True)
-    assert runtime._cache_paths("linear_mma", expr, "sm_90", True, ()) == plain
-    assert runtime._cache_paths("linear_mma", expr, "sm_90", True, ("CUINFER_TIMELINE",))[0] != plain[0]
+    plain = build.cache_paths("linear_mma", expr, "sm_90", True)
+    assert build.cache_paths("linear_mma", expr, "sm_90", True, ()) == plain
+    assert build.cache_paths("linear_mma", expr, "sm_90", True, ("CUINFER_TIMELINE",))[0] != plain[0]
     for defines, has in (((), False), (("CUINFER_TIMELINE",), True)):
-        cubin = runtime.compile_family("linear_mma", [expr], "sm_90", True, defines).cubin
+        cubin = build.compile_family("linear_mma", [expr], "sm_90", True, defines).cubin
         assert (b"linear_wgmma_timeline" in cubin) == has
 
 
@@ -34,12 +35,12 @@ def test_a_measurement_build_is_its_own_cache_entry_and_program():
                                              ((8, 2, 64), np.float16, (8, 64))])      # box rank != array rank
 def test_tensor_map_refuses_what_tma_cannot_copy(shape, dtype, box):
     with pytest.raises(ValueError, match="tensor_map"):
-        runtime.tensor_map(np.zeros(shape, dtype), box)
+        driver.tensor_map(np.zeros(shape, dtype), box)
 
 
 def test_tensor_map_refuses_a_strided_view():
     with pytest.raises(ValueError, match="C-contiguous"):
-        runtime.tensor_map(np.zeros((8, 2, 128), np.float16)[:, :, :64], (8, 1, 64))
+        driver.tensor_map(np.zeros((8, 2, 128), np.float16)[:, :, :64], (8, 1, 64))
 
 
 @pytest.mark.parametrize("dtype,shape,strides,box", [
@@ -50,7 +51,7 @@ def test_tensor_map_refuses_a_strided_view():
     (np.float16, (2, 8, 64), (128, 256, 2), (8, 64))])     # box rank != view rank
 def test_tensor_map_device_refuses_what_tma_cannot_copy(dtype, shape, strides, box):
     with pytest.raises(ValueError, match="tensor_map_device"):
-        runtime.tensor_map_device(np.zeros(64, dtype), shape, strides, box)
+        driver.tensor_map_device(np.zeros(64, dtype), shape, strides, box)
 
 
 def test_precompile_fills_the_cache_kernel_reads(tmp_path, monkeypatch):
@@ -67,6 +68,6 @@ def test_precompile_fills_the_cache_kernel_reads(tmp_path, monkeypatch):
     assert runtime.precompile(pairs, "sm_90", True, workers=2) == 0
     assert runtime.precompile(pairs[:1], "sm_80", False) == 1  # another build, other keys
     for e in exprs:
-        path, lowered = runtime.cached_cubin("rope", e, "sm_90", True)
+        path, lowered = build.cached_cubin("rope", e, "sm_90", True)
         assert path.parent == tmp_path / "kernels" and path.stat().st_size > 0
-        assert lowered == runtime.compile_family("rope", [e], "sm_90", True).lowered[e]
+        assert lowered == build.compile_family("rope", [e], "sm_90", True).lowered[e]

@@ -14,7 +14,7 @@ first imported; importing every family here first keeps the function on top).
 """
 import importlib
 
-from . import runtime
+from . import build
 from .activation import gelu_and_mul, silu_and_mul
 from .embedding import embedding
 from .flash_attention import flash_attention, flash_attention_paged
@@ -28,7 +28,7 @@ from .sampling import sampling
 from .softmax import softmax
 from .write_kv import write_kv
 
-FAMILIES = tuple(sorted(p.stem for p in runtime.source_dir().glob("*.cu")))
+FAMILIES = tuple(sorted(p.stem for p in build.source_dir().glob("*.cu")))
 
 
 def family_module(family: str):

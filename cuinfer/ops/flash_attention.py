@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from . import fp8, runtime
+from . import driver, fp8, runtime
 from .attention_ref import default_scale, paged_prefix_attention, varlen_attention
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -244,5 +244,5 @@ def launch_kernel(q, k, v, out, cu_q, context_lens, block_tables, block_size, nu
         args += (np.int32(num_seqs), np.int32(m_blocks))
     if kind == "tma":
         kv_box = (1, block_size, 1, 64) if paged else (bn, 1, 64)
-        args += (runtime.tensor_map(q, (bm, 1, 64)), runtime.tensor_map(k, kv_box), runtime.tensor_map(v, kv_box))
+        args += (driver.tensor_map(q, (bm, 1, 64)), driver.tensor_map(k, kv_box), driver.tensor_map(v, kv_box))
     runtime.launch(kern, grid, (32 * warps,), args, smem=smem_bytes(d, tile, q.dtype.itemsize, fp8_cache))

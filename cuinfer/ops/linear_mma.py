@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import runtime
+from . import driver, runtime
 from .activation import act_and_mul_reference
 from .quant import GROUP_SIZES, TILE_ROWS, Int4Weight, Int8Weight
 from .rms_norm import rms_norm, rms_norm_reference
@@ -361,12 +361,12 @@ def weight_map(w, gated: bool):
     if isinstance(w, Int8Weight):
         (n_w, k), q = w.shape, w.qweight.view(runtime.require_cupy().uint16)
         g = 2 if gated else 1
-        return runtime.tensor_map_device(q, (k // 128, g, n_w // g, 64), (128, n_w // g * k, k, 2),
+        return driver.tensor_map_device(q, (k // 128, g, n_w // g, 64), (128, n_w // g * k, k, 2),
                                          (1, g, 128 // g, 64))
     (n_w, k), e = w.shape, w.itemsize
     g = 2 if gated else 1
     shape, strides = (k // 64, g, n_w // g, 64), (64 * e, n_w // g * k * e, k * e, e)
-    return runtime.tensor_map_device(w, shape, strides, (2, g, 128 // g, 64))
+    return driver.tensor_map_device(w, shape, strides, (2, g, 128 // g, 64))
 
 
 def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeline=False):
