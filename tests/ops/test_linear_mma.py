@@ -1,5 +1,7 @@
-"""linear_mma: the quantized GEMM (M = 17..256) against the float64 reference, its epilogues, tiles,
+"""linear_mma: the GEMMs (quantized M = 9..256, 16-bit 2..64) against the float64 reference, its epilogues, tiles,
 argument checks, linear()'s dispatch to it and its replay in a CUDA graph."""
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -114,6 +116,24 @@ def test_paths():
     assert [path(8, m) for m in rows] == ["gemv", "gemv", "mma", "mma", "mma", "mma", "mma", "cublas"]
     rows = (GEMV_MAX_M[16], GEMV_MAX_M[16] + 1, 16, 17, WGMMA16_MAX_M, WGMMA16_MAX_M + 1)
     assert [path(16, m) for m in rows] == ["gemv", "mma", "mma", "mma", "mma", "cublas"]
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_route_resolves_the_gemms_rows_by_weight(monkeypatch, fits):
+    """linear's path for a weight: the GEMMs where they take it; a 16-bit weight the wgmma kernel does
+    not take stays on the GEMV to its 16 rows, then cuBLAS; quantized ones take mma.sync to MMA_MAX_M
+    whatever the wgmma kernel takes (no GPU: wgmma_fits decided here)."""
+    linear_module = importlib.import_module("cuinfer.ops.linear")
+    monkeypatch.setattr(linear_module, "wgmma_fits", lambda w, k, activation=None: fits)
+    w16 = np.zeros((64, 128), np.float16)
+    w4 = quant.quantize(np.zeros((64, 128), np.float32), "int4", 128)
+    rows = (1, 2, 16, 17, WGMMA16_MAX_M, WGMMA16_MAX_M + 1)
+    want = ["gemv", "mma", "mma", "mma", "mma", "cublas"] if fits else ["gemv", "gemv", "gemv", "cublas", "cublas",
+                                                                        "cublas"]
+    assert [linear_module.route(w16, m, 128) for m in rows] == want
+    rows = (8, MMA_MIN_M, MMA_MAX_M, MMA_MAX_M + 1, WGMMA_MAX_M + 1)
+    want = ["gemv", "mma", "mma", "mma" if fits else "cublas", "cublas"]
+    assert [linear_module.route(w4, m, 128) for m in rows] == want
 
 
 def test_tiles_fit_the_sm_and_the_instantiations():
