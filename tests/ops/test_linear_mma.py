@@ -1,5 +1,5 @@
-"""linear_mma: the GEMMs (quantized M = 9..256, 16-bit 2..64) against the float64 reference, its epilogues, tiles,
-argument checks, linear()'s dispatch to it and its replay in a CUDA graph."""
+"""linear_mma: the GEMMs (quantized M = 9..256, 16-bit 2..64) against the float64 reference, their
+epilogues, tiles, argument checks, linear()'s dispatch to them and their replay in a CUDA graph."""
 import importlib
 
 import numpy as np
