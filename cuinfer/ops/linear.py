@@ -259,13 +259,14 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
     """x @ W.T (+ bias), or its act-and-mul of the two halves, of x or its RMSNorm, plus a
     residual; with add, (that, the new x); see the module docstring."""
     dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm), *_add_arrays(add, norm), add_out)
-    m, k, n_w, bits = _check_inputs(x, w, dev)
+    m, k, n_w, _ = _check_inputs(x, w, dev)
     n, out = check_epilogue(x, n_w, bias, out, activation, residual)
     _check_norm(norm, x)
+    via = route(w, m, k, activation) if dev else None
     if add is not None:
         runtime.check("add y0", add[0], dtype=x.dtype, shape=x.shape)
         runtime.check("add weight", add[1], dtype=x.dtype, shape=(k,))
-        if not (dev and route(w, m, k, activation) == "gemv" and norm_fits(m, k, x.dtype)):  # the add first
+        if not (via == "gemv" and norm_fits(m, k, x.dtype)):  # the add first, on its own
             x = rms_norm(add[0], add[1], norm[1], add_to=x, out=add_out)
             return linear(x, w, bias, out, activation, norm, residual), x
         add_out = runtime.check_out(add_out, x.shape, x.dtype, x)
@@ -280,7 +281,6 @@ def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None,
         out[...] = y if residual is None else (y.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
         return out
     runtime.check("out", out, align=16)
-    via = route(w, m, k, activation)
     if via == "mma":
         return linear_mma(x, w, bias, out, activation, residual, norm)
     if norm is not None and (via != "gemv" or not norm_fits(m, k, x.dtype)):
@@ -333,7 +333,7 @@ def argmax_workspace_size(n: int) -> int:
 def linear_argmax(x, w, out=None, workspace=None, norm=None):
     """int32 [M]: argmax over N of x (or its RMSNorm) @ W.T rounded to x's dtype, ties to the lowest index."""
     dev = runtime.on_device(x, out, workspace, _norm_weight(norm))
-    m, k, n, bits = _check_inputs(x, w, dev)
+    m, k, n, _ = _check_inputs(x, w, dev)
     _check_norm(norm, x)
     out = runtime.check_out(out, (m,), np.int32, x)
     if not dev:
