@@ -87,7 +87,12 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     read (from L2) once per 64 rows of x instead of 32. int4 stays at NT = 4: with its per-group sums
     NT = 8 needs 230-255 registers and spills in half the configurations (bf16, fractional zeros,
     2 warps). 2 warps when even a split of 8 leaves most SMs idle (N = 1024); grids below one block
-    per SM split K over a cluster of up to 8, each block keeping >= 4 stages."""
+    per SM split K over a cluster of up to 8, each block keeping >= 4 stages. At NT = 3 and 4, grids of
+    one to two blocks an SM split in two as well: at 1.7 blocks an SM (llama3-8b's gate_up at 17-32
+    rows, 224 blocks) the kernel is latency-bound (ncu, H200: 10 % of the SM's warps active, a warp
+    issuing every 4.2 cycles). H200, llama3-8b int4 decode, alternating in one process, tok/s: b=24
+    7,107 -> 7,331, b=32 8,778 -> 8,803; at NT = 2 the split's epilogue costs more than the warps gain
+    (b=16 5,550 -> 5,434), and qkv's 192 blocks split 8 instead of 4 lost (b=24 6,967, b=32 8,537)."""
     nt = 8 if bits == 8 and m > 32 else 2 if m <= 16 else 3 if m <= 24 else 4
     minb = 3 if nt <= 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
@@ -98,7 +103,8 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
 
     warps = 2 if blocks(4) * 8 < sms else 4
     split = 1
-    while clusters and split < 8 and blocks(warps) * split < sms and -(-stages_k // (2 * split)) >= 4:
+    while (clusters and split < 8 and -(-stages_k // (2 * split)) >= 4
+           and (blocks(warps) * split < sms or (split == 1 and nt in (3, 4) and blocks(warps) < 2 * sms))):
         split *= 2
     return MmaTile(nt, 2, warps, 3, split, minb)
 
