@@ -34,7 +34,7 @@ def make(rng, tokens, n_heads, n_kv, d, dtype, n_blocks, block_size, max_pos=409
     return q, k, v, pos, slots
 
 
-def norm_flip_slack(x, weight, dtype):
+def norm_flip_slack(x, weight, eps, dtype):
     """Per element of the rotated heads, what a flipped rounding of the head norm can carry into them.
     rms_norm rounds twice (n = x / rms to the dtype, then weight * n again), and the kernel's 1 / rms
     differs from NumPy's in its last bits (summation order, rsqrt): where x / rms lies that close
@@ -49,7 +49,7 @@ def norm_flip_slack(x, weight, dtype):
         return 2.0 ** (np.floor(np.log2(a)) - mant)
 
     x32 = x.astype(np.float32)
-    n = x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True))
+    n = x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))
     near_tie = (n * (1 - 2.0 ** -20)).astype(dtype) != (n * (1 + 2.0 ** -20)).astype(dtype)
     w = np.abs(weight.astype(np.float64))
     e = np.where(near_tie, w * ulp(n) + ulp(w * n), 0.0)
@@ -209,12 +209,13 @@ def test_write_kv_norm_kernel(cp, tokens, heads, d, dtype, in_place, per_token, 
     res = write_kv(q_d, cp.asarray(k), cp.asarray(v), cp.asarray(pos), kc, vc, cp.asarray(slots), cp.asarray(inv),
                    out=out, q_norm=cp.asarray(wq), k_norm=cp.asarray(wk), eps=1e-6)
     assert res is out
-    assert_close(out, want_q, dtype, slack=norm_flip_slack(q, wq, dtype))
+    assert_close(out, want_q, dtype, slack=norm_flip_slack(q, wq, 1e-6, dtype))
     got_k = cp.asnumpy(kc).astype(np.float32)
     keep = ~np.isnan(ref_kc.astype(np.float32))
     assert np.array_equal(np.isnan(got_k), ~keep)  # untouched slots stay NaN
     k_slack = np.full(shape, np.nan)  # k's, where the reference wrote each token's k
-    k_slack.reshape(-1, *shape[2:])[slots[slots >= 0]] = (norm_flip_slack(k, wk, dtype) + np.zeros(k.shape))[slots >= 0]
+    written = slots >= 0
+    k_slack.reshape(-1, *shape[2:])[slots[written]] = (norm_flip_slack(k, wk, 1e-6, dtype) + np.zeros(k.shape))[written]
     assert_close(got_k[keep], ref_kc.astype(np.float32)[keep], dtype, slack=k_slack[keep])
     assert np.array_equal(cp.asnumpy(vc)[keep], ref_vc[keep])
 
