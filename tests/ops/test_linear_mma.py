@@ -136,6 +136,18 @@ def test_route_resolves_the_gemms_rows_by_weight(monkeypatch, fits):
     assert [linear_module.route(w4, m, 128) for m in rows] == want
 
 
+def test_mma_tile_splits_k_to_fill_the_sms():
+    """K splits over a cluster while the grid is below one block an SM; at NT = 3 and 4 (17-32 rows) a
+    grid of one to two blocks an SM splits in two as well, at NT = 2 (9-16 rows) it does not; larger
+    grids keep K whole. Llama-3-8B int4 shapes on 132 SMs (blocks: gated 64 outputs, else 128)."""
+    for m, nt in ((16, 2), (24, 3), (32, 4)):
+        assert mma_tile(4, m, 6144, 4096).split == 4  # 48 blocks
+        assert mma_tile(4, m, 4096, 14336).split == 8  # 32 blocks, capped at a cluster of 8
+        assert mma_tile(4, m, 14336, 4096, "silu_and_mul").split == (1 if nt == 2 else 2)  # 224 blocks
+        assert mma_tile(4, m, 128256, 4096).split == 1  # 1,002 blocks
+        assert mma_tile(4, m, 14336, 4096, "silu_and_mul", clusters=False).split == 1
+
+
 def test_tiles_fit_the_sm_and_the_instantiations():
     """Every tile fits the H100's shared memory at its promised occupancy; the Llama-3-8B shapes pick
     tiles whose kernels the compile check builds (without clusters: no split)."""
