@@ -92,7 +92,10 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     rows, 224 blocks) the kernel is latency-bound (ncu, H200: 10 % of the SM's warps active, a warp
     issuing every 4.2 cycles). H200, llama3-8b int4 decode, alternating in one process, tok/s: b=24
     7,107 -> 7,331, b=32 8,778 -> 8,803; at NT = 2 the split's epilogue costs more than the warps gain
-    (b=16 5,550 -> 5,434), and qkv's 192 blocks split 8 instead of 4 lost (b=24 6,967, b=32 8,537)."""
+    (b=16 5,550 -> 5,434), and qkv's 192 blocks split 8 instead of 4 lost (b=24 6,967, b=32 8,537).
+    A grid that a fourth block an SM brings within one wave takes it where the stages fit (int4 NT <= 3):
+    gate_up at 17-24 rows split in two, 448 blocks, b=20 6,162 -> 6,225 tok/s, b=24 7,297 -> 7,375 (H200,
+    as above; every NT = 3 call at 4 an SM, the grids that fit one wave at 3 included, lost 6.5 %)."""
     nt = 8 if bits == 8 and m > 32 else 2 if m <= 16 else 3 if m <= 24 else 4
     minb = 3 if nt <= 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
@@ -106,7 +109,10 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     while (clusters and split < 8 and -(-stages_k // (2 * split)) >= 4
            and (blocks(warps) * split < sms or (split == 1 and nt in (3, 4) and blocks(warps) < 2 * sms))):
         split *= 2
-    return MmaTile(nt, 2, warps, 3, split, minb)
+    tile = MmaTile(nt, 2, warps, 3, split, minb)
+    if minb * sms < blocks(warps) * split <= 4 * sms and 4 * (smem_bytes(bits, 32, tile) + 1024) <= 228 * 1024:
+        return tile._replace(minb=4)  # the grid in one wave at 128 registers (ptxas spills 20-36 bytes)
+    return tile
 
 
 class WgTile(NamedTuple):
@@ -223,7 +229,7 @@ def _formats():
 INSTANTIATIONS = sorted(
     {instantiation(dt, b, g, iz, mma_tile(b, m, n, k, epi, integer_zeros=iz), epi) for dt in KERNEL_DTYPES
      for b, g, iz in _formats()
-     for m in (9, 17, 32, 64, 128) for n in (1024, 4096, 6144, 14336, 128256) for k in (4096, 14336)
+     for m in (9, 17, 32, 64, 128) for n in (1024, 4096, 6144, 14336, 28672, 128256) for k in (4096, 14336)
      for epi in EPILOGUES
      if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)}  # GELU differs from SiLU in its activation only
     | {wgmma_instantiation(dt, b, g, wgmma_tile(b, m, n, k, epi), epi) for dt in KERNEL_DTYPES

@@ -139,11 +139,13 @@ def test_route_resolves_the_gemms_rows_by_weight(monkeypatch, fits):
 def test_mma_tile_splits_k_to_fill_the_sms():
     """K splits over a cluster while the grid is below one block an SM; at NT = 3 and 4 (17-32 rows) a
     grid of one to two blocks an SM splits in two as well, at NT = 2 (9-16 rows) it does not; larger
-    grids keep K whole. Llama-3-8B int4 shapes on 132 SMs (blocks: gated 64 outputs, else 128)."""
+    grids keep K whole; a grid that a fourth block an SM brings within one wave takes it where the
+    stages fit (NT = 3). Llama-3-8B int4 shapes on 132 SMs (blocks: gated 64 outputs, else 128)."""
     for m, nt in ((16, 2), (24, 3), (32, 4)):
         assert mma_tile(4, m, 6144, 4096).split == 4  # 48 blocks
         assert mma_tile(4, m, 4096, 14336).split == 8  # 32 blocks, capped at a cluster of 8
-        assert mma_tile(4, m, 14336, 4096, "silu_and_mul").split == (1 if nt == 2 else 2)  # 224 blocks
+        gated = mma_tile(4, m, 14336, 4096, "silu_and_mul")  # 224 blocks; split in two, 448 fit 4 an SM at NT = 3
+        assert (gated.split, gated.minb) == {2: (1, 3), 3: (2, 4), 4: (2, 3)}[nt]
         assert mma_tile(4, m, 128256, 4096).split == 1  # 1,002 blocks
         assert mma_tile(4, m, 14336, 4096, "silu_and_mul", clusters=False).split == 1
 
@@ -202,7 +204,7 @@ def n_choices(fmt, gated=False):
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2), MmaTile(3, 2, 4, 3, 1, 3), MmaTile(3, 2, 2, 3, 4, 2),
-         MmaTile(2, 2, 4, 3, 2, 3)]
+         MmaTile(2, 2, 4, 3, 2, 3), MmaTile(3, 2, 4, 3, 2, 4)]
 WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3),
             WgTile(32, 2, 6, 1), WgTile(192, 2, 3, 2), WgTile(224, 2, 2, 1), WgTile(160, 2, 3, 3), WgTile(96, 2, 4, 1),
             WgTile(48, 2, 6, 2)]
