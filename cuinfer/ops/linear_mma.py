@@ -110,8 +110,9 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
            and (blocks(warps) * split < sms or (split == 1 and nt in (3, 4) and blocks(warps) < 2 * sms))):
         split *= 2
     tile = MmaTile(nt, 2, warps, 3, split, minb)
-    if minb * sms < blocks(warps) * split <= 4 * sms and 4 * (smem_bytes(bits, 32, tile) + 1024) <= 228 * 1024:
-        return tile._replace(minb=4)  # the grid in one wave at 128 registers (ptxas spills 20-36 bytes)
+    fourth = minb == 3 and 3 * sms < blocks(warps) * split <= 4 * sms  # a fourth block: the grid in one wave
+    if fourth and 4 * (smem_bytes(bits, 32, tile) + 1024) <= 228 * 1024:
+        return tile._replace(minb=4)  # at 128 registers (ptxas spills 20-36 bytes)
     return tile
 
 
