@@ -48,16 +48,27 @@ using namespace cuinfer;
 
 // CUINFER_TIMELINE (a measurement build: `bench linear --timeline`, linear_mma._launch's timeline):
 // per block b = blockIdx.x + gridDim.x blockIdx.y < 1024, [%globaltimer at its start, clock64 there,
-// clock64 once the consumers' first stage is ready, at the end of their main loop, at the block's
-// exit, %globaltimer there, clock64 once its cluster's blocks all hold their results in shared memory
-// (split > 1: after store_rows' first cluster_sync), the SM's id, and with a split clock64 once the
-// block has read its units' sums from the cluster and once it has stored them (before the closing
-// barrier)]. At file scope: inside the anonymous namespace the array's symbol gets an internal name
-// that the host cannot look up.
+// clock64 once the block's first stage is ready (wgmma: the consumers'), at the end of the main loop,
+// at the block's exit, %globaltimer there, clock64 once its cluster's blocks all hold their results in
+// shared memory (split > 1: after store_rows' first cluster_sync), the SM's id, and with a split
+// clock64 once the block has read its units' sums from the cluster and once it has stored them
+// (before the closing barrier)]. Stamped by the block's first thread (wgmma: thread 0, then the
+// consumers' first, thread 128). At file scope: inside the anonymous namespace the array's symbol
+// gets an internal name that the host cannot look up.
 #ifdef CUINFER_TIMELINE
-__device__ unsigned long long linear_wgmma_timeline[1024][10];
+__device__ unsigned long long linear_timeline[1024][10];
 #define WG_STAMP(cond, i, v) \
-  if (cond) linear_wgmma_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
+  if (cond) linear_timeline[blockIdx.x + gridDim.x * blockIdx.y][i] = (v)
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 #else
 #define WG_STAMP(cond, i, v)
 #endif
@@ -347,6 +358,10 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
   const unsigned base = smem_u32(smem);
   const int warp = threadIdx.x >> 5;
 
+  WG_STAMP(threadIdx.x == 0, 0, global_ns());
+  WG_STAMP(threadIdx.x == 0, 1, clock64());
+  WG_STAMP(threadIdx.x == 0, 7, sm_id());
+
   const Loader<T, WBITS, GS, NT, RT, WARPS, STAGES, EPI> load(x, w, scales, b, M, N, K);
   // The first stages' weights are issued before pdl_wait (no kernel of a graph writes weights).
 #pragma unroll
@@ -370,6 +385,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
   for (int t = b.t_begin; t < b.t_end; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage t has landed for every thread, and every warp is done with stage t - 1
+    WG_STAMP(threadIdx.x == 0 && t == b.t_begin, 2, clock64());
     const int tn = t + STAGES - 1;
     if (tn < b.t_end) {
       const unsigned slot = base + ((tn - b.t_begin) % STAGES) * G::kStage;
@@ -384,10 +400,13 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
     else
       int8_stage<T, NT, RT, G::kXRow>(acc, st + warp * RT * 2048, st + G::kW, t, K);
   }
+  WG_STAMP(threadIdx.x == 0, 3, clock64());
   cp_async_wait<0>();
   __syncthreads();  // the ring is free: the epilogue's fragments reuse it
   mma_epilogue<T, WBITS, NT, RT, WARPS, SPLIT, EPI>(acc, reinterpret_cast<float*>(smem), scales, bias, residual, out,
                                                      b, M, N);
+  WG_STAMP(threadIdx.x == 0, 4, clock64());
+  WG_STAMP(threadIdx.x == 0, 5, global_ns());
 }
 
 #include "linear_wgmma.cuh"

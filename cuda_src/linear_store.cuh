@@ -121,18 +121,18 @@ __device__ __forceinline__ void store_rows(const float* red, const __half* __res
     for (int i = 0; i < MAXU; ++i)
       if (unit(u0 + i * SPLIT * THREADS, mi, r0, m, row)) in[i].load(scales, residual, m, row, N, vec);
     cluster_sync();  // every block's results are in its shared memory
-    WG_STAMP(tid == 128, 6, clock64());
+    WG_STAMP(threadIdx.x == (THREADS < 256 ? 0 : 128), 6, clock64());
     float y[MAXU][8], g[MAXU][8];
 #pragma unroll
     for (int i = 0; i < MAXU; ++i)
       if (unit(u0 + i * SPLIT * THREADS, mi, r0, m, row)) unit_sums<ROWS, OUTS, SPLIT, GATED>(y[i], g[i], red, mi, r0);
-    WG_STAMP(tid == 128, 8, clock64());
+    WG_STAMP(threadIdx.x == (THREADS < 256 ? 0 : 128), 8, clock64());
     cluster_arrive();  // this thread's reads of the others' shared memory are done
 #pragma unroll
     for (int i = 0; i < MAXU; ++i)
       if (unit(u0 + i * SPLIT * THREADS, mi, r0, m, row))
         store_unit<T, WBITS, EPI>(y[i], g[i], in[i], bias, residual != nullptr, out, m, row, N, vec);
-    WG_STAMP(tid == 128, 9, clock64());
+    WG_STAMP(threadIdx.x == (THREADS < 256 ? 0 : 128), 9, clock64());
     cluster_wait();  // every block's reads of this one's are done: it may exit
 #else
     __trap();  // unreachable: SPLIT > 1 is launched on sm_90 and newer only (ops/linear_mma.py)

@@ -200,19 +200,6 @@ __device__ __forceinline__ void wgmma_results(float* red, const float (&acc)[NX 
   for (int i = 0; i < NX / 2; ++i) red[(8 * (i >> 2) + mr + (i & 1)) * RS + lr + 8 * ((i >> 1) & 1)] = acc[i];
 }
 
-#ifdef CUINFER_TIMELINE  // the stamps' clocks (WG_STAMP: linear_mma.cu)
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned sm_id() {
-  unsigned id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
-#endif
-
 // A block's work as every role of linear_wgmma_kernel sees it: its tiles (with a split, its cluster's
 // one tile and the block's share of K) and the addresses of its mbarriers.
 template <int NX, int WS, int XS, int SPLIT, int EPI> struct WgWork {

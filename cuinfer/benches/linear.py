@@ -17,8 +17,8 @@ its neighbours (split, warps, stages, NT) on the five shapes.
 `--layer PRESET` instead times one decoder layer's four linear calls at each --m as the engine makes
 them (ops.linear: qkv and gate_up with their RMSNorm, gate_up's SiLU, o and down with the residual),
 per --formats, against the fp16 layer (cuBLAS above 16 rows) in the same run.
-`--timeline PRESET` instead runs each of those calls that the wgmma kernel takes at each --m once in
-its CUINFER_TIMELINE build (after warm-up, on a weight copy not in L2) and summarizes its blocks'
+`--timeline PRESET` instead runs each of those calls that a GEMM (mma.sync or wgmma) takes at each --m
+once in its CUINFER_TIMELINE build (after warm-up, on a weight copy not in L2) and summarizes its blocks'
 stamps: when the first stage was ready, how long the main loop and the epilogue took (medians over
 blocks, us; with a split, the epilogue's parts: the wait until every block of the cluster holds its
 results, reading the block's sums from them, storing them, and the closing barrier), and when the
@@ -33,7 +33,7 @@ import numpy as np
 from .. import bench
 from ..cli import int_in
 from ..ops import runtime
-from ..ops.linear import GEMV_ROWS, QUAD_K, Tile, _gemv, instantiation, linear, path, stages_x, tile_config
+from ..ops.linear import GEMV_ROWS, QUAD_K, Tile, _gemv, instantiation, linear, route, stages_x, tile_config
 from ..ops.linear_mma import _launch as mma_launch
 from ..ops.linear_mma import instantiation as mma_instantiation
 from ..ops.linear_mma import mma_tile, smem_bytes
@@ -56,7 +56,7 @@ def add_arguments(parser):
     parser.add_argument("--mma-sweep", action="store_true",
                         help="instead: time the quantized GEMM's tiles around mma_tile's pick at each --m")
     parser.add_argument("--timeline", metavar="PRESET",
-                        help="instead: the wgmma kernel's per-block timeline of a preset's layer calls at each --m")
+                        help="instead: the GEMMs' per-block timelines of a preset's layer calls at each --m")
     parser.add_argument("--layer", metavar="PRESET",
                         help="instead: time a decoder layer's four linear calls of a models/*.json preset at each --m")
 
@@ -253,7 +253,7 @@ def _layer(cp, preset, rows_m, formats):
 
 
 def _timeline(cp, preset, rows_m, formats):
-    """One row per wgmma call of the preset's layer at each M and format (see the module docstring);
+    """One row per GEMM call of the preset's layer at each M and format (see the module docstring);
     ms: the call's span, first block start to last block end."""
     from ..convert import load_preset
     from ..ops.linear_mma import _launch, on_wgmma, wgmma_instantiation, wgmma_tile
@@ -261,14 +261,19 @@ def _timeline(cp, preset, rows_m, formats):
     rows, sms = [], runtime.device_info()["sm_count"]
     for m, fmt, (name, k, n, epi, _, _) in itertools.product(rows_m, formats, decode_gemvs(load_preset(preset))):
         bits, gs = SWEEP_BITS[fmt]
-        copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k)]
-        if not (path(bits, m) == "mma" and on_wgmma(copies[0], m, k, epi)):
-            continue  # the call is not the wgmma kernel's
-        copies += [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(2)]
+        copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(3)]
+        if route(copies[0], m, k, epi) != "mma":
+            continue  # the call is a GEMV's or cuBLAS's
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
-        out, tile = cp.empty((m, n), cp.float16), wgmma_tile(bits, m, n, k, epi, sms)
-        stamps = runtime.module_global("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epi),
-                                       "linear_wgmma_timeline", cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
+        out = cp.empty((m, n), cp.float16)
+        if on_wgmma(copies[0], m, k, epi):
+            tile = wgmma_tile(bits, m, n, k, epi, sms)
+            expr = wgmma_instantiation(x.dtype, bits, gs, tile, epi)
+        else:
+            tile = mma_tile(bits, m, n, k, epi, sms, integer_zeros=bits == 8 or copies[0].integer_zeros)
+            expr = mma_instantiation(x.dtype, bits, gs, bits == 4 and copies[0].integer_zeros, tile, epi)
+        stamps = runtime.module_global("linear_mma", expr, "linear_timeline", cp.uint64, (1024, 10),
+                                       ("CUINFER_TIMELINE",))
         for w in copies[1:] * 2:
             _launch(x, w, None, None, out, tile, epi, timeline=True)
         cp.cuda.Device().synchronize()
@@ -284,11 +289,12 @@ def _timeline(cp, preset, rows_m, formats):
         wait = (" ({:.2f} until the cluster's results, {:.2f} reading them, {:.2f} storing, {:.2f} at the closing "
                 "barrier)".format(*parts)) if tile.split > 1 else ""
         start, end = (a[:, 0] - a[:, 0].min()) / 1e3, (a[:, 5] - a[:, 0].min()) / 1e3
+        kernel = "wgmma" if on_wgmma(copies[0], m, k, epi) else "mma.sync"
         rows.append(dict(
             name=f"{preset} {name} {fmt} M={m}", dtype="float16", ms=end.max() / 1e3, bytes=copies[0].nbytes,
-            shape=f"{len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}: first stage {first:.2f}, main "
-                  f"loop {loop:.2f}, epilogue {epi_us:.2f}{wait} us; starts within {start.max():.2f}, ends "
-                  f"{end.min():.2f}-{end.max():.2f} us"))
+            shape=f"{kernel}, {len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}: first stage "
+                  f"{first:.2f}, main loop {loop:.2f}, epilogue {epi_us:.2f}{wait} us; starts within "
+                  f"{start.max():.2f}, ends {end.min():.2f}-{end.max():.2f} us"))
         del copies
         cp.get_default_memory_pool().free_all_blocks()
     return rows

@@ -384,9 +384,8 @@ def weight_map(w, gated: bool):
 
 def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeline=False):
     """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
-    checked arguments (tile.split > 1: sm_90 only; norm, timeline: WgTile only). timeline: the
-    CUINFER_TIMELINE build, which stamps its blocks into linear_wgmma_timeline (bench linear
-    --timeline)."""
+    checked arguments (tile.split > 1: sm_90 only; norm: WgTile only). timeline: the CUINFER_TIMELINE
+    build, which stamps its blocks into linear_timeline (bench linear --timeline)."""
     (m, k), bits = x.shape, 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
@@ -410,7 +409,8 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeli
         grid = (tiles if tile.split > 1 else min(tiles, runtime.device_info()["sm_count"]), tile.split)
         runtime.launch(kern, grid, (384,), (xs,) + args[1:], wgmma_smem_bytes(bits, gs, tile))
         return out
-    kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue))
+    kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue),
+                          ("CUINFER_TIMELINE",) if timeline else ())
     rows = 16 * tile.rt * (tile.warps // 2 if epilogue in GATED else tile.warps)
     grid = (-(-n // rows) * -(-m // (8 * tile.nt)), tile.split)
     runtime.launch(kern, grid, (32 * tile.warps,), args, smem_bytes(bits, gs, tile))

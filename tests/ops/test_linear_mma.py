@@ -24,6 +24,7 @@ from cuinfer.ops.linear_mma import (
     instantiation,
     linear_mma,
     mma_tile,
+    on_wgmma,
     smem_bytes,
     wgmma_fits,
     wgmma_instantiation,
@@ -649,12 +650,13 @@ def test_device_argument_checks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,split_m", [("int8", 32), ("int4", 64), ("float", 32)])
+@pytest.mark.parametrize("fmt,split_m", [("int8", 32), ("int4", 64), ("float", 32), ("int4", 32)])
 def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
     """The CUINFER_TIMELINE build (bench linear --timeline) writes the plain build's bytes and stamps
     each block: started, first stage ready, main loop done and exit in that order (with a split the
-    cluster's results, the block's sums read and stored in between the last two, else unstamped), on
-    distinct SMs for a one-wave grid, for a split and a persistent grid."""
+    cluster's results, the block's sums read and stored in between the last two, else unstamped); the
+    wgmma kernel's on distinct SMs for a one-wave grid, for a split and a persistent grid; int4 at 32
+    rows, the mma.sync kernel's."""
     import cupy as cp
 
     need_sm90()
@@ -664,18 +666,28 @@ def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
         w = make_weight(rng, 2 * n if epi != "store" else n, k, fmt, 128)
         w = cp.asarray(w.astype(np.float16)) if fmt == "float" else w.to_device()
         bits = fmt_bits(fmt)
-        tile = wgmma_tile(bits, m, n, k, epi, sms)
+        gs = 128 if bits == 4 else 0
+        wg = on_wgmma(w, m, k, epi)
+        assert wg == ((fmt, split_m) != ("int4", 32))
+        if wg:
+            tile = wgmma_tile(bits, m, n, k, epi, sms)
+            expr = wgmma_instantiation(np.float16, bits, gs, tile, epi)
+            tiles = -(-n // (64 if epi != "store" else 128)) * -(-m // tile.nx)
+            blocks = min(tiles, sms) if tile.split == 1 else tiles * tile.split
+        else:
+            iz = bits == 4 and w.integer_zeros
+            tile = mma_tile(bits, m, n, k, epi, sms, integer_zeros=bits == 8 or iz)
+            expr = instantiation(np.float16, bits, gs, iz, tile, epi)
+            rows = 16 * tile.rt * (tile.warps // 2 if epi != "store" else tile.warps)
+            blocks = -(-n // rows) * -(-m // (8 * tile.nt)) * tile.split
         x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
-        stamps = runtime.module_global("linear_mma", wgmma_instantiation(np.float16, bits, 128 if bits == 4 else 0,
-                                                                         tile, epi),
-                                       "linear_wgmma_timeline", cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
+        stamps = runtime.module_global("linear_mma", expr, "linear_timeline", cp.uint64, (1024, 10),
+                                       ("CUINFER_TIMELINE",))
         stamps[...] = 0
         got = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi, timeline=True)
         want = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi)
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
         a = cp.asnumpy(stamps).astype(np.int64)
-        tiles = -(-n // (64 if epi != "store" else 128)) * -(-m // tile.nx)
-        blocks = min(tiles, sms) if tile.split == 1 else tiles * tile.split
         assert (a[:blocks, 0] > 0).all() and not a[blocks:].any()
         a = a[:blocks]
         assert (np.diff(a[:, [1, 2, 3, 4]], axis=1) >= 0).all() and (a[:, 5] >= a[:, 0]).all()
@@ -683,4 +695,4 @@ def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
             assert (np.diff(a[:, [3, 6, 8, 9, 4]], axis=1) >= 0).all()
         else:
             assert not a[:, [6, 8, 9]].any()
-        assert len(set(a[:, 7])) == blocks
+        assert len(set(a[:, 7])) == blocks or not wg
