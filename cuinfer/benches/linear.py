@@ -265,8 +265,8 @@ def _timeline(cp, preset, rows_m, formats):
         if route(copies[0], m, k, epi) != "mma":
             continue  # the call is a GEMV's or cuBLAS's
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
-        out = cp.empty((m, n), cp.float16)
-        if on_wgmma(copies[0], m, k, epi):
+        out, wg = cp.empty((m, n), cp.float16), on_wgmma(copies[0], m, k, epi)
+        if wg:
             tile = wgmma_tile(bits, m, n, k, epi, sms)
             expr = wgmma_instantiation(x.dtype, bits, gs, tile, epi)
         else:
@@ -289,11 +289,10 @@ def _timeline(cp, preset, rows_m, formats):
         wait = (" ({:.2f} until the cluster's results, {:.2f} reading them, {:.2f} storing, {:.2f} at the closing "
                 "barrier)".format(*parts)) if tile.split > 1 else ""
         start, end = (a[:, 0] - a[:, 0].min()) / 1e3, (a[:, 5] - a[:, 0].min()) / 1e3
-        kernel = "wgmma" if on_wgmma(copies[0], m, k, epi) else "mma.sync"
         rows.append(dict(
             name=f"{preset} {name} {fmt} M={m}", dtype="float16", ms=end.max() / 1e3, bytes=copies[0].nbytes,
-            shape=f"{kernel}, {len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}: first stage "
-                  f"{first:.2f}, main loop {loop:.2f}, epilogue {epi_us:.2f}{wait} us; starts within "
+            shape=f"{'wgmma' if wg else 'mma.sync'}, {len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}: "
+                  f"first stage {first:.2f}, main loop {loop:.2f}, epilogue {epi_us:.2f}{wait} us; starts within "
                   f"{start.max():.2f}, ends {end.min():.2f}-{end.max():.2f} us"))
         del copies
         cp.get_default_memory_pool().free_all_blocks()
