@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   const size_t head0 = (size_t)seq * n_heads + (size_t)kv_head * group;  // first q head of the group
   int* const arrival = arrivals + (size_t)seq * n_kv_heads + kv_head;
   extern __shared__ float smem[];
-  float* scores = smem;                       // [G][partition]
+  float* scores = smem;                       // [partition][G]: a row's G scores in one load
   float* red = scores + G * partition;        // [WARPS][G][D]
   float* stat = red + WARPS * G * D;          // [2][G][WARPS]: max, sum
   int* blocks = reinterpret_cast<int*>(stat + 2 * G * WARPS);  // the split's block-table entries
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     if (cap_log2 > 0.0f) d[0] = cap_log2 * tanhf(d[0] / cap_log2);
     if (t < end) {
       mh = fmaxf(mh, d[0]);
-      if (owner) scores[head * partition + t - start] = d[0];
+      if (owner) scores[(t - start) * G + head] = d[0];
     }
   });
 #pragma unroll
@@ -399,8 +399,8 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   float l = 0.0f;
   if (owner)
     for (int t = base0 + sub; t < end; t += STEP) {
-      const float p = exp2f(scores[head * partition + t - start] - m);
-      scores[head * partition + t - start] = p;
+      const float p = exp2f(scores[(t - start) * G + head] - m);
+      scores[(t - start) * G + head] = p;
       l += p;
     }
 #pragma unroll
@@ -417,11 +417,21 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     const bool live = t < end;
     t = min(t, end - 1);
     const VecF<T, 8> vf = VecF<T, 8>::from(v);
+    float p[G];  // the row's G probabilities: 16-byte loads from G = 4 on
+    if constexpr (G % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < G / 4; ++i) {
+        const float4 p4 = reinterpret_cast<const float4*>(scores + (t - start) * G)[i];
+        p[4 * i] = p4.x, p[4 * i + 1] = p4.y, p[4 * i + 2] = p4.z, p[4 * i + 3] = p4.w;
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < G; ++g) p[g] = scores[(t - start) * G + g];
+    }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float p = live ? scores[g * partition + t - start] : 0.0f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g * 8 + e] = fmaf(p, vf.v[e], acc[g * 8 + e]);
+      for (int e = 0; e < 8; ++e) acc[g * 8 + e] = fmaf(live ? p[g] : 0.0f, vf.v[e], acc[g * 8 + e]);
     }
   });
   // reduce over the rows a warp step covers (lanes with the same chunk), scattered over them; then over warps

@@ -222,7 +222,7 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
 
 def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
                u: int, new_kv: bool = False, warps: int = 4, chunk_bytes: int = 16) -> int:
-    """Scores [group, partition] + the cross-warp output reduction [warps, group, head_dim] (fp32)
+    """Scores [partition, group] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
     partition // block_size + 2 blocks). With new_kv, head_dim <= STAGE_MAX_DIM and a split of one
     loop step (partition <= STEP * U) the stage of its K and V rows follows, 16-byte aligned:
