@@ -240,7 +240,7 @@ def _check_weight(w, k, dev):
 
 
 def _check_inputs(x, w, dev):
-    """Check x and w (dtype, shape, K alignment on the device); returns (M, K, N, bits)."""
+    """Check x and w (dtype, shape, K alignment on the device); returns (M, K, N)."""
     runtime.check("x", x, dtype=KERNEL_DTYPES, ndim=2)
     m, k = x.shape
     n = _check_weight(w, k, dev)
@@ -252,14 +252,14 @@ def _check_inputs(x, w, dev):
             raise ValueError(f"x: got K = {k} columns, need a multiple of {need} for {bits}-bit weights")
         runtime.check("x", x, align=16)
         runtime.check("w" if bits == 16 else "w.qweight", w if bits == 16 else w.qweight, align=16)
-    return m, k, n, bits
+    return m, k, n
 
 
 def linear(x, w, bias=None, out=None, activation=None, norm=None, residual=None, add=None, add_out=None):
     """x @ W.T (+ bias), or its act-and-mul of the two halves, of x or its RMSNorm, plus a
     residual; with add, (that, the new x); see the module docstring."""
     dev = runtime.on_device(x, bias, out, residual, _norm_weight(norm), *_add_arrays(add, norm), add_out)
-    m, k, n_w, _ = _check_inputs(x, w, dev)
+    m, k, n_w = _check_inputs(x, w, dev)
     n, out = check_epilogue(x, n_w, bias, out, activation, residual)
     _check_norm(norm, x)
     via = route(w, m, k, activation) if dev else None
@@ -333,7 +333,7 @@ def argmax_workspace_size(n: int) -> int:
 def linear_argmax(x, w, out=None, workspace=None, norm=None):
     """int32 [M]: argmax over N of x (or its RMSNorm) @ W.T rounded to x's dtype, ties to the lowest index."""
     dev = runtime.on_device(x, out, workspace, _norm_weight(norm))
-    m, k, n, _ = _check_inputs(x, w, dev)
+    m, k, n = _check_inputs(x, w, dev)
     _check_norm(norm, x)
     out = runtime.check_out(out, (m,), np.int32, x)
     if not dev:

@@ -41,7 +41,7 @@ def norm_flip_slack(x, weight, eps, dtype):
     (2^-20 relative) to a rounding tie, n may round the other way, weight amplifies that ulp and weight
     * n may round the other way too; RoPE mixes each element with its pair. Zero everywhere else."""
     if np.dtype(dtype) == np.float32:
-        return 0.0
+        return np.zeros(x.shape)
     mant = 10 if np.dtype(dtype) == np.float16 else 7
 
     def ulp(a):
@@ -215,7 +215,7 @@ def test_write_kv_norm_kernel(cp, tokens, heads, d, dtype, in_place, per_token, 
     assert np.array_equal(np.isnan(got_k), ~keep)  # untouched slots stay NaN
     k_slack = np.full(shape, np.nan)  # k's, where the reference wrote each token's k
     written = slots >= 0
-    k_slack.reshape(-1, *shape[2:])[slots[written]] = (norm_flip_slack(k, wk, 1e-6, dtype) + np.zeros(k.shape))[written]
+    k_slack.reshape(-1, *shape[2:])[slots[written]] = norm_flip_slack(k, wk, 1e-6, dtype)[written]
     assert_close(got_k[keep], ref_kc.astype(np.float32)[keep], dtype, slack=k_slack[keep])
     assert np.array_equal(cp.asnumpy(vc)[keep], ref_vc[keep])
 
