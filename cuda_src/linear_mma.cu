@@ -116,8 +116,10 @@ __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-// The cp.async copies of one stage, their sources kept as 32-bit byte offsets computed once (a
-// stage adds t times a constant): this thread's chunks i = threadIdx.x + j 32 WARPS. Weights go row
+// The cp.async copies of one stage: this thread's chunks i = threadIdx.x + j 32 WARPS. Their sources
+// are 32-bit byte offsets computed once, added to a stage's base pointer (uniform across the block,
+// so the copies need no address arithmetic of their own); their slot offsets are linear in the bits
+// of i, so chunk j's is thread 0's chunk j's (a constant) plus this thread's chunk 0's. Weights go row
 // by row: a block tile's row rr is weight row half N + min(first + rr, N - 1) (any N; the up half of
 // an int4 [gate; up] may start inside a storage tile). In a slot each block tile is 16 rows of 64
 // bytes per quad (int8: two quads), its int4 (scale, zero) pairs 64 bytes per group, then the x
@@ -129,13 +131,24 @@ template <typename T, int WBITS, int GS, int NT, int RT, int WARPS, int STAGES, 
   static constexpr int kSC = WBITS == 4 ? G::kTiles * G::kGroups * 16 / THREADS : 0;  // 4-byte pair copies
   static constexpr int kXC = 8 * NT * 16 / THREADS;                           // x chunks a thread
   static_assert(kWC * THREADS == G::kTiles * (WBITS == 4 ? 64 : 128) && kXC * THREADS == 8 * NT * 16 &&
-                    (WBITS == 8 || kSC * THREADS == G::kTiles * G::kGroups * 16),
-                "whole chunks per thread");
+                    (WBITS == 8 || kSC * THREADS == G::kTiles * G::kGroups * 16) && THREADS % 16 == 0 &&
+                    (THREADS & (THREADS - 1)) == 0,
+                "whole chunks per thread; slot offsets linear in the bits of i");
   const char* w;
   const char* s;
   const char* x;
   unsigned w_off[kWC], s_off[kSC > 0 ? kSC : 1], x_off[kXC];
-  int K, n_groups;
+  int w_end, x_end, n_groups;  // a stage t copies this thread's int8 / x chunks while 128 t < w_end / x_end
+
+  // Slot offsets of chunk i: weights (int4: tile i / 64, row (i / 4) % 16, 16-byte chunk i % 4, in
+  // order; int8: tile i / 128, row (i / 8) % 16, chunk i % 8 of the row's 128 k into quad (i / 4) % 2),
+  // int4 pairs (4 bytes each, in order), x (row i / 16, chunk i % 16).
+  __host__ __device__ static constexpr unsigned w_dst(int i) {
+    return WBITS == 4 ? i * 16 : (i >> 7) * 2048 + ((i >> 2) & 1) * 1024 + ((i >> 3) & 15) * 64 + (i & 3) * 16;
+  }
+  __host__ __device__ static constexpr unsigned x_dst(int i) {
+    return G::kW + G::kS + (i >> 4) * G::kXRow + (i & 15) * 16;
+  }
 
   __device__ __forceinline__ static int weight_row(int ti, int rr, int row0, int N) {
     int half;
@@ -144,16 +157,17 @@ template <typename T, int WBITS, int GS, int NT, int RT, int WARPS, int STAGES, 
   }
 
   __device__ __forceinline__ Loader(const T* x_, const void* w_, const __half* scales, const Block& b, int M, int N,
-                                    int K_)
+                                    int K)
       : w(static_cast<const char*>(w_)), s(reinterpret_cast<const char*>(scales)),
-        x(reinterpret_cast<const char*>(x_)), K(K_), n_groups(WBITS == 4 ? K_ / GS : 0) {
+        x(reinterpret_cast<const char*>(x_)), w_end(K - 16 * (threadIdx.x & 7)), x_end(K - 8 * (threadIdx.x & 15)),
+        n_groups(WBITS == 4 ? K / GS : 0) {
 #pragma unroll
     for (int j = 0; j < kWC; ++j) {
       const int i = threadIdx.x + j * THREADS;
-      if constexpr (WBITS == 4) {  // i: tile i / 64, row (i / 4) % 16, 16-byte chunk i % 4
+      if constexpr (WBITS == 4) {
         const int row = weight_row(i >> 6, (i >> 2) & 15, b.row0, N);
         w_off[j] = static_cast<unsigned>(tiled_row(row, (K + 127) / 128) * 64 + (i & 3) * 16);
-      } else {  // i: tile i / 128, row (i / 8) % 16, chunk i % 8 of the row's 128 k
+      } else {
         const int row = weight_row(i >> 7, (i >> 3) & 15, b.row0, N);
         w_off[j] = static_cast<unsigned>((size_t)row * K + 16 * (i & 7));
       }
@@ -165,7 +179,7 @@ template <typename T, int WBITS, int GS, int NT, int RT, int WARPS, int STAGES, 
       s_off[j] = static_cast<unsigned>((tiled_row(row, n_groups) + 16 * gi) * 4);
     }
 #pragma unroll
-    for (int j = 0; j < kXC; ++j) {  // i: x row i / 16, 16-byte chunk i % 16
+    for (int j = 0; j < kXC; ++j) {
       const int i = threadIdx.x + j * THREADS, m = min(b.m0 + (i >> 4), M - 1);
       x_off[j] = static_cast<unsigned>(((size_t)m * K + 8 * (i & 15)) * sizeof(T));
     }
@@ -173,34 +187,31 @@ template <typename T, int WBITS, int GS, int NT, int RT, int WARPS, int STAGES, 
 
   // Stage t's weights (and int4 pairs) into the slot at shared address st.
   __device__ __forceinline__ void weights(unsigned st, int t) const {
+    const char* wt = w + (size_t)t * (WBITS == 4 ? 1024 : 128);
+    const unsigned dst = st + w_dst(threadIdx.x);
+    if constexpr (WBITS == 4) {
 #pragma unroll
-    for (int j = 0; j < kWC; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      if constexpr (WBITS == 4) {
-        cp_async16(st + i * 16, w + w_off[j] + (size_t)t * 1024);
-      } else {
-        const bool ok = t * 128 + 16 * (i & 7) < K;
-        cp_async16(st + (i >> 7) * 2048 + ((i >> 2) & 1) * 1024 + ((i >> 3) & 15) * 64 + (i & 3) * 16,
-                   w + (ok ? w_off[j] + (size_t)t * 128 : 0), ok);
+      for (int j = 0; j < kWC; ++j) cp_async16(dst + w_dst(j * THREADS), wt + w_off[j]);
+      const char* stt = s + (size_t)t * G::kGroups * 64;
+#pragma unroll
+      for (int j = 0; j < kSC; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        if (t * G::kGroups + (i / 16) % G::kGroups < n_groups) cp_async4(st + G::kW + i * 4, stt + s_off[j]);
       }
-    }
+    } else {  // past K: zeros, copied from the stage's first byte (stage t starts inside row 0 of w)
+      const bool ok = t * 128 < w_end;
 #pragma unroll
-    for (int j = 0; j < kSC; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      if (t * G::kGroups + (i / 16) % G::kGroups < n_groups)
-        cp_async4(st + G::kW + i * 4, s + s_off[j] + (size_t)t * G::kGroups * 64);
+      for (int j = 0; j < kWC; ++j) cp_async16(dst + w_dst(j * THREADS), wt + (ok ? w_off[j] : 0u), ok);
     }
   }
 
-  // Stage t's x rows into the slot at shared address st.
+  // Stage t's x rows into the slot at shared address st (past K: zeros, as above).
   __device__ __forceinline__ void rows(unsigned st, int t) const {
+    const char* xt = x + (size_t)t * 128 * sizeof(T);
+    const unsigned dst = st + x_dst(threadIdx.x);
+    const bool ok = t * 128 < x_end;
 #pragma unroll
-    for (int j = 0; j < kXC; ++j) {
-      const int i = threadIdx.x + j * THREADS;
-      const bool ok = t * 128 + 8 * (i & 15) < K;
-      cp_async16(st + G::kW + G::kS + (i >> 4) * G::kXRow + (i & 15) * 16,
-                 x + (ok ? x_off[j] + (size_t)t * 128 * sizeof(T) : 0), ok);
-    }
+    for (int j = 0; j < kXC; ++j) cp_async16(dst + x_dst(j * THREADS) - x_dst(0), xt + (ok ? x_off[j] : 0u), ok);
   }
 };
 
@@ -382,18 +393,20 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
+  int slot = 0;  // stage t's slot: (t - t_begin) % STAGES; the slot that stage t + STAGES - 1 loads into is slot - 1
   for (int t = b.t_begin; t < b.t_end; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage t has landed for every thread, and every warp is done with stage t - 1
     WG_STAMP(threadIdx.x == 0 && t == b.t_begin, 2, clock64());
     const int tn = t + STAGES - 1;
     if (tn < b.t_end) {
-      const unsigned slot = base + ((tn - b.t_begin) % STAGES) * G::kStage;
-      load.weights(slot, tn);
-      load.rows(slot, tn);
+      const unsigned next = base + (slot == 0 ? STAGES - 1 : slot - 1) * G::kStage;
+      load.weights(next, tn);
+      load.rows(next, tn);
     }
     cp_async_commit();
-    const unsigned char* st = smem + ((t - b.t_begin) % STAGES) * G::kStage;
+    const unsigned char* st = smem + slot * G::kStage;
+    slot = slot == STAGES - 1 ? 0 : slot + 1;
     if constexpr (WBITS == 4)
       int4_stage<T, GS, IZ, NT, RT, G::kXRow>(acc, st + warp * RT * 1024, st + G::kW + warp * RT * G::kGroups * 64,
                                               st + G::kW + G::kS, t, K / GS);
