@@ -6,42 +6,49 @@
 
 namespace {
 
-// What a unit (8 consecutive outputs of an x row) needs from global memory besides its sums: the
-// residual and, int8, the row scales (gated: then the up rows'). Loaded by itself, so that a split
+// W outputs of T as one vector (W = 8: 16 bytes, 4: 8).
+template <int BYTES> struct VecOfBytes;
+template <> struct VecOfBytes<16> { using type = uint4; };
+template <> struct VecOfBytes<8> { using type = uint2; };
+template <typename T, int W> using UnitVec = typename VecOfBytes<W * sizeof(T)>::type;
+
+// What a unit (W = 8 or 4 consecutive outputs of an x row) needs from global memory besides its sums:
+// the residual and, int8, the row scales (gated: then the up rows'). Loaded by itself, so that a split
 // call can issue the loads before it waits for its cluster.
-template <typename T, int WBITS, int EPI>
+template <typename T, int WBITS, int EPI, int W>
 struct UnitInputs {
-  static constexpr int kScales = WBITS == 8 ? (mma_gated(EPI) ? 16 : 8) : 0;
-  T res[8];
+  static constexpr int kScales = WBITS == 8 ? (mma_gated(EPI) ? 2 * W : W) : 0;
+  T res[W];
   __half sc[kScales > 0 ? kScales : 1];
   __device__ __forceinline__ void load(const __half* __restrict__ scales, const T* __restrict__ residual, int m,
                                        int row, int N, bool vec) {
+    using V = UnitVec<T, W>;
     if (EPI == MMA_EPI_STORE && residual != nullptr) {
-      if (vec) *reinterpret_cast<uint4*>(res) = *reinterpret_cast<const uint4*>(residual + (size_t)m * N + row);
+      if (vec) *reinterpret_cast<V*>(res) = *reinterpret_cast<const V*>(residual + (size_t)m * N + row);
       else
 #pragma unroll
-        for (int k = 0; k < 8; ++k) res[k] = row + k < N ? residual[(size_t)m * N + row + k] : T();
+        for (int k = 0; k < W; ++k) res[k] = row + k < N ? residual[(size_t)m * N + row + k] : T();
     }
 #pragma unroll
-    for (int k = 0; k < kScales; ++k) sc[k] = scales[min(row + k % 8, N - 1) + (k / 8) * N];
+    for (int k = 0; k < kScales; ++k) sc[k] = scales[min(row + k % W, N - 1) + (k / W) * N];
   }
 };
 
-// A unit's 8 sums (gated: and their up rows' in g) through the epilogue to out[m][row .. row + 8).
-template <typename T, int WBITS, int EPI>
-__device__ __forceinline__ void store_unit(const float (&y)[8], const float (&g)[8],
-                                           const UnitInputs<T, WBITS, EPI>& in, const T* __restrict__ bias,
+// A unit's W sums (gated: and their up rows' in g) through the epilogue to out[m][row .. row + W).
+template <typename T, int WBITS, int EPI, int W>
+__device__ __forceinline__ void store_unit(const float (&y)[W], const float (&g)[W],
+                                           const UnitInputs<T, WBITS, EPI, W>& in, const T* __restrict__ bias,
                                            bool residual, T* __restrict__ out, int m, int row, int N, bool vec) {
-  T o[8];
+  T o[W];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
+  for (int k = 0; k < W; ++k) {
     const int rk = min(row + k, N - 1);  // past N: computed, not stored
     float v = y[k];
     if constexpr (WBITS == 8) v *= __half2float(in.sc[k]);
     if (bias != nullptr) v += to_float(bias[rk]);
     if constexpr (mma_gated(EPI)) {
       float up = g[k];
-      if constexpr (WBITS == 8) up *= __half2float(in.sc[k + 8]);
+      if constexpr (WBITS == 8) up *= __half2float(in.sc[k + W]);
       if (bias != nullptr) up += to_float(bias[rk + N]);
       v = (EPI == MMA_EPI_SILU_AND_MUL ? silu(v) : gelu_tanh(v)) * up;
     }
@@ -49,23 +56,24 @@ __device__ __forceinline__ void store_unit(const float (&y)[8], const float (&g)
       v = to_float(from_float<T>(v)) + to_float(in.res[k]);  // round(round(y) + residual)
     o[k] = from_float<T>(v);
   }
-  if (vec) *reinterpret_cast<uint4*>(out + (size_t)m * N + row) = *reinterpret_cast<const uint4*>(o);
+  if (vec) *reinterpret_cast<UnitVec<T, W>*>(out + (size_t)m * N + row) = *reinterpret_cast<const UnitVec<T, W>*>(o);
   else
 #pragma unroll
-    for (int k = 0; k < 8; ++k)
+    for (int k = 0; k < W; ++k)
       if (row + k < N) out[(size_t)m * N + row + k] = o[k];
 }
 
 // A unit's sums from red ([8 NT x rows][red_stride(ROWS)] fp32: an x row's ROWS weight rows in order,
 // gated the first half the gate rows and the second their up rows) of each of the cluster's SPLIT
 // blocks, added in rank order (SPLIT > 1: through distributed shared memory).
-template <int ROWS, int OUTS, int SPLIT, bool GATED>
-__device__ __forceinline__ void unit_sums(float (&y)[8], float (&g)[8], const float* red, int mi, int r0) {
+template <int ROWS, int OUTS, int SPLIT, bool GATED, int W>
+__device__ __forceinline__ void unit_sums(float (&y)[W], float (&g)[W], const float* red, int mi, int r0) {
+  constexpr int P = W / 4;  // 16-byte pieces of y
 #pragma unroll
   for (int s = 0; s < SPLIT; ++s)
 #pragma unroll
-    for (int q = 0; q < (GATED ? 4 : 2); ++q) {  // 16-byte pieces: y, then gated the up rows
-      const float* p = red + mi * red_stride(ROWS) + r0 + (q & 1) * 4 + (q >> 1) * OUTS;
+    for (int q = 0; q < (GATED ? 2 : 1) * P; ++q) {  // y, then gated the up rows
+      const float* p = red + mi * red_stride(ROWS) + r0 + (q % P) * 4 + (q / P) * OUTS;
       float4 v;
       if constexpr (SPLIT > 1) {
 #if __CUDA_ARCH__ >= 900
@@ -74,30 +82,35 @@ __device__ __forceinline__ void unit_sums(float (&y)[8], float (&g)[8], const fl
       } else {
         v = *reinterpret_cast<const float4*>(p);
       }
-      float* d = (q >> 1 ? g : y) + (q & 1) * 4;
+      float* d = (q / P ? g : y) + (q % P) * 4;
       if (s == 0) d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
       else d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
     }
 }
 
 // The block's results in red summed over the cluster's blocks and stored through the epilogue by
-// THREADS threads, a unit at a time (16-byte loads and stores where N % 8 == 0 and out and residual
-// are 16-byte aligned). tid: the thread's index among the THREADS; NAMED: they are not the whole
-// block, and meet at named barrier 1 instead of __syncthreads. With SPLIT > 1 each block of the
-// cluster finishes 1 / SPLIT of the units, at most MAXU a thread: it loads their inputs before the
+// THREADS threads, a unit of W outputs at a time (W-element loads and stores where N % W == 0 and out
+// and residual are aligned to them). tid: the thread's index among the THREADS; NAMED: they are not
+// the whole block, and meet at named barrier 1 instead of __syncthreads. With SPLIT > 1 each block of
+// the cluster finishes 1 / SPLIT of the units, at most MAXU a thread: it loads their inputs before the
 // cluster's barrier and arrives at the closing one as soon as it has read the others' results, so
-// neither the global loads nor the stores sit between the two barriers.
+// neither the global loads nor the stores sit between the two barriers. Units are 8 outputs, or 4
+// where that spreads them over more of the cluster's threads (llama3-8b's o and down at 25-32 rows:
+// 512 units of 8 on 8 blocks of 128 threads would leave four blocks idle and the others reading 16
+// remote pieces a thread).
 template <typename T, int WBITS, int ROWS, int XR, int THREADS, int SPLIT, int EPI, bool NAMED = false>
 __device__ __forceinline__ void store_rows(const float* red, const __half* __restrict__ scales,
                                            const T* __restrict__ bias, const T* __restrict__ residual,
                                            T* __restrict__ out, const Block& b, int M, int N,
                                            int tid) {
   constexpr bool GATED = mma_gated(EPI);
-  constexpr int OUTS = GATED ? ROWS / 2 : ROWS, UNITS = XR * OUTS / 8;
+  constexpr int OUTS = GATED ? ROWS / 2 : ROWS, U8 = XR * OUTS / 8, ST = SPLIT * THREADS;
+  constexpr int W = SPLIT > 1 && (2 * U8 + ST - 1) / ST * 4 < (U8 + ST - 1) / ST * 8 ? 4 : 8, UNITS = XR * OUTS / W;
   static_assert(ROWS % 32 == 0, "red_stride(ROWS) = 4 mod 32");
-  const bool vec = N % 8 == 0 && ((reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(residual)) & 15) == 0;
+  const bool vec = N % W == 0 &&
+                   ((reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(residual)) & (W * sizeof(T) - 1)) == 0;
   const auto unit = [&](int u, int& mi, int& r0, int& m, int& row) {
-    mi = u / (OUTS / 8), r0 = u % (OUTS / 8) * 8, m = b.m0 + mi, row = b.row0 + r0;
+    mi = u / (OUTS / W), r0 = u % (OUTS / W) * W, m = b.m0 + mi, row = b.row0 + r0;
     return u < UNITS && m < M && row < N;
   };
   int mi, r0, m, row;
@@ -106,32 +119,32 @@ __device__ __forceinline__ void store_rows(const float* red, const __half* __res
     else __syncthreads();
     for (int u = tid; u < UNITS; u += THREADS) {
       if (!unit(u, mi, r0, m, row)) continue;
-      float y[8], g[8];
-      unit_sums<ROWS, OUTS, 1, GATED>(y, g, red, mi, r0);
-      UnitInputs<T, WBITS, EPI> in;
+      float y[W], g[W];
+      unit_sums<ROWS, OUTS, 1, GATED, W>(y, g, red, mi, r0);
+      UnitInputs<T, WBITS, EPI, W> in;
       in.load(scales, residual, m, row, N, vec);
-      store_unit<T, WBITS, EPI>(y, g, in, bias, residual != nullptr, out, m, row, N, vec);
+      store_unit<T, WBITS, EPI, W>(y, g, in, bias, residual != nullptr, out, m, row, N, vec);
     }
   } else {
 #if __CUDA_ARCH__ >= 900
-    constexpr int MAXU = (UNITS + SPLIT * THREADS - 1) / (SPLIT * THREADS);
+    constexpr int MAXU = (UNITS + ST - 1) / ST;
     const int u0 = cluster_rank() * THREADS + tid;
-    UnitInputs<T, WBITS, EPI> in[MAXU];
+    UnitInputs<T, WBITS, EPI, W> in[MAXU];
 #pragma unroll
     for (int i = 0; i < MAXU; ++i)
-      if (unit(u0 + i * SPLIT * THREADS, mi, r0, m, row)) in[i].load(scales, residual, m, row, N, vec);
+      if (unit(u0 + i * ST, mi, r0, m, row)) in[i].load(scales, residual, m, row, N, vec);
     cluster_sync();  // every block's results are in its shared memory
     WG_STAMP(threadIdx.x == (THREADS < 256 ? 0 : 128), 6, clock64());
-    float y[MAXU][8], g[MAXU][8];
+    float y[MAXU][W], g[MAXU][W];
 #pragma unroll
     for (int i = 0; i < MAXU; ++i)
-      if (unit(u0 + i * SPLIT * THREADS, mi, r0, m, row)) unit_sums<ROWS, OUTS, SPLIT, GATED>(y[i], g[i], red, mi, r0);
+      if (unit(u0 + i * ST, mi, r0, m, row)) unit_sums<ROWS, OUTS, SPLIT, GATED, W>(y[i], g[i], red, mi, r0);
     WG_STAMP(threadIdx.x == (THREADS < 256 ? 0 : 128), 8, clock64());
     cluster_arrive();  // this thread's reads of the others' shared memory are done
 #pragma unroll
     for (int i = 0; i < MAXU; ++i)
-      if (unit(u0 + i * SPLIT * THREADS, mi, r0, m, row))
-        store_unit<T, WBITS, EPI>(y[i], g[i], in[i], bias, residual != nullptr, out, m, row, N, vec);
+      if (unit(u0 + i * ST, mi, r0, m, row))
+        store_unit<T, WBITS, EPI, W>(y[i], g[i], in[i], bias, residual != nullptr, out, m, row, N, vec);
     WG_STAMP(threadIdx.x == (THREADS < 256 ? 0 : 128), 9, clock64());
     cluster_wait();  // every block's reads of this one's are done: it may exit
 #else
