@@ -117,13 +117,13 @@ __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
 }
 
 // The cp.async copies of one stage: this thread's chunks i = threadIdx.x + j 32 WARPS. Their sources
-// are 32-bit byte offsets computed once, added to a stage's base pointer (uniform across the block,
-// so the copies need no address arithmetic of their own); their slot offsets are linear in the bits
-// of i, so chunk j's is thread 0's chunk j's (a constant) plus this thread's chunk 0's. Weights go row
-// by row: a block tile's row rr is weight row half N + min(first + rr, N - 1) (any N; the up half of
-// an int4 [gate; up] may start inside a storage tile). In a slot each block tile is 16 rows of 64
-// bytes per quad (int8: two quads), its int4 (scale, zero) pairs 64 bytes per group, then the x
-// rows (kXRow bytes apart, zeros past K). The first weights are issued before pdl_wait.
+// are 32-bit byte offsets computed once, added to the stage's base pointer (one value for the whole
+// block); their slot offsets are linear in the bits of i, so chunk j's is thread 0's chunk j's (a
+// constant) plus this thread's chunk 0's. Weights go row by row: a block tile's row rr is weight row
+// half N + min(first + rr, N - 1) (any N; the up half of an int4 [gate; up] may start inside a
+// storage tile). In a slot each block tile is 16 rows of 64 bytes per quad (int8: two quads), its
+// int4 (scale, zero) pairs 64 bytes per group, then the x rows (kXRow bytes apart, zeros past K).
+// The first weights are issued before pdl_wait.
 template <typename T, int WBITS, int GS, int NT, int RT, int WARPS, int STAGES, int EPI> struct Loader {
   using G = Geo<WBITS, GS, NT, RT, WARPS, STAGES>;
   static constexpr int THREADS = 32 * WARPS;
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[r][n][j] = 0.0f;
-  int slot = 0;  // stage t's slot: (t - t_begin) % STAGES; the slot that stage t + STAGES - 1 loads into is slot - 1
+  int slot = 0;  // stage t's, (t - t_begin) % STAGES; stage t + STAGES - 1 loads into the one before it
   for (int t = b.t_begin; t < b.t_end; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage t has landed for every thread, and every warp is done with stage t - 1

@@ -105,7 +105,9 @@ __device__ __forceinline__ void store_rows(const float* red, const __half* __res
                                            int tid) {
   constexpr bool GATED = mma_gated(EPI);
   constexpr int OUTS = GATED ? ROWS / 2 : ROWS, U8 = XR * OUTS / 8, ST = SPLIT * THREADS;
-  constexpr int W = SPLIT > 1 && (2 * U8 + ST - 1) / ST * 4 < (U8 + ST - 1) / ST * 8 ? 4 : 8, UNITS = XR * OUTS / W;
+  // units of 4 where they lower the most outputs a thread finishes (a split's units spread over more threads)
+  constexpr int W = SPLIT > 1 && (2 * U8 + ST - 1) / ST * 4 < (U8 + ST - 1) / ST * 8 ? 4 : 8;
+  constexpr int UNITS = XR * OUTS / W;
   static_assert(ROWS % 32 == 0, "red_stride(ROWS) = 4 mod 32");
   const bool vec = N % W == 0 &&
                    ((reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(residual)) & (W * sizeof(T) - 1)) == 0;
