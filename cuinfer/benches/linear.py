@@ -256,24 +256,18 @@ def _timeline(cp, preset, rows_m, formats):
     """One row per GEMM call of the preset's layer at each M and format (see the module docstring);
     ms: the call's span, first block start to last block end."""
     from ..convert import load_preset
-    from ..ops.linear_mma import _launch, on_wgmma, wgmma_instantiation, wgmma_tile
+    from ..ops.linear_mma import WgTile, _launch, call_tile, kernel_instantiation
 
-    rows, sms = [], runtime.device_info()["sm_count"]
+    rows = []
     for m, fmt, (name, k, n, epi, _, _) in itertools.product(rows_m, formats, decode_gemvs(load_preset(preset))):
-        bits, gs = SWEEP_BITS[fmt]
         copies = [_random_weight(cp, fmt, 2 * n if epi != "store" else n, k) for _ in range(3)]
         if route(copies[0], m, k, epi) != "mma":
             continue  # the call is a GEMV's or cuBLAS's
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
-        out, wg = cp.empty((m, n), cp.float16), on_wgmma(copies[0], m, k, epi)
-        if wg:
-            tile = wgmma_tile(bits, m, n, k, epi, sms)
-            expr = wgmma_instantiation(x.dtype, bits, gs, tile, epi)
-        else:
-            tile = mma_tile(bits, m, n, k, epi, sms, integer_zeros=bits == 8 or copies[0].integer_zeros)
-            expr = mma_instantiation(x.dtype, bits, gs, bits == 4 and copies[0].integer_zeros, tile, epi)
-        stamps = runtime.module_global("linear_mma", expr, "linear_timeline", cp.uint64, (1024, 10),
-                                       ("CUINFER_TIMELINE",))
+        out, tile = cp.empty((m, n), cp.float16), call_tile(copies[0], m, n, k, epi)
+        wg = isinstance(tile, WgTile)
+        stamps = runtime.module_global("linear_mma", kernel_instantiation(x.dtype, copies[0], tile, epi),
+                                       "linear_timeline", cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
         for w in copies[1:] * 2:
             _launch(x, w, None, None, out, tile, epi, timeline=True)
         cp.cuda.Device().synchronize()

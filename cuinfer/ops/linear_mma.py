@@ -220,6 +220,30 @@ def instantiation(dtype, bits: int, group_size: int, integer_zeros: bool, tile: 
             f"{tile.stages}, {tile.split}, {EPILOGUES[epilogue]}, {tile.minb}>")
 
 
+def weight_bits(w) -> int:
+    """16 for an fp16 / bf16 array, 8 for an Int8Weight, 4 for an Int4Weight."""
+    return 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
+
+
+def call_tile(w, m: int, n: int, k: int, epilogue="store"):
+    """The tile linear_mma runs M rows of x by w on (N outputs, K inputs) on this device: a WgTile where
+    on_wgmma, else an MmaTile."""
+    bits, info = weight_bits(w), runtime.device_info()
+    if on_wgmma(w, m, k, epilogue):
+        return wgmma_tile(bits, m, n, k, epilogue, info["sm_count"])
+    return mma_tile(bits, m, n, k, epilogue, info["sm_count"], int(info["arch"][3:]) >= 90,
+                    bits == 4 and w.integer_zeros)
+
+
+def kernel_instantiation(dtype, w, tile, epilogue="store") -> str:
+    """The kernel _launch runs with `tile` (a WgTile or an MmaTile) for weight w and x of `dtype`."""
+    bits = weight_bits(w)
+    gs = w.group_size if bits == 4 else 0
+    if isinstance(tile, WgTile):
+        return wgmma_instantiation(dtype, bits, gs, tile, epilogue)
+    return instantiation(dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue)
+
+
 def _formats():
     yield 8, 0, False
     for g in GROUP_SIZES:
@@ -335,7 +359,7 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=N
         xn = x if norm is None else rms_norm_reference(x, *norm)
         out[...] = linear_mma_reference(xn, w, bias, activation, residual)
         return out
-    bits = 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
+    bits = weight_bits(w)
     if bits == 16 and not wgmma_fits(w, k, activation):
         raise ValueError(f"w: {x.dtype} weights need sm_90, K a multiple of {WGMMA_K} and a C-contiguous, "
                          "16-byte aligned array (wgmma_fits)")
@@ -354,14 +378,11 @@ def linear_mma(x, w, bias=None, out=None, activation=None, residual=None, norm=N
             raise ValueError(f"{name}: got {a.nbytes} bytes, need < 4 GiB")
     if out is x or (residual is not None and residual is x):
         raise ValueError("out: must not be x")
-    info = runtime.device_info()
-    if on_wgmma(w, m, k, activation):
-        return _launch(x, w, bias, residual, out, wgmma_tile(bits, m, n, k, activation or "store", info["sm_count"]),
-                       activation or "store", norm)
+    tile = call_tile(w, m, n, k, activation or "store")
+    if isinstance(tile, WgTile):
+        return _launch(x, w, bias, residual, out, tile, activation or "store", norm)
     if norm is not None:
         x = rms_norm(x, *norm)
-    tile = mma_tile(bits, m, n, k, activation or "store", info["sm_count"], int(info["arch"][3:]) >= 90,
-                    bits == 4 and w.integer_zeros)
     return _launch(x, w, bias, residual, out, tile, activation or "store")
 
 
@@ -386,13 +407,15 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeli
     """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
     checked arguments (tile.split > 1: sm_90 only; norm: WgTile only). timeline: the CUINFER_TIMELINE
     build, which stamps its blocks into linear_timeline (bench linear --timeline)."""
-    (m, k), bits = x.shape, 16 if is_plain(w) else 4 if isinstance(w, Int4Weight) else 8
+    (m, k), bits = x.shape, weight_bits(w)
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
     null = np.uint64(0)
     wg = isinstance(tile, WgTile)
     if wg and not wgmma_fits(w, k, epilogue):
         raise ValueError("the wgmma kernel does not take this weight (wgmma_fits)")
+    kern = runtime.kernel("linear_mma", kernel_instantiation(x.dtype, w, tile, epilogue),
+                          ("CUINFER_TIMELINE",) if timeline else ())
     weight = weight_map(w, epilogue in GATED) if bits == 16 or (wg and bits == 8) else w.qweight
     scales = null if bits == 16 else w.scales_zeros if bits == 4 else w.scales
     args = (x, weight, scales, null if bias is None else bias, null if residual is None else residual, out,
@@ -403,14 +426,10 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeli
         runtime.launch(runtime.kernel("linear_mma", wgmma_x_instantiation(x.dtype, tile.nx, bits, norm is not None)),
                        (rows,), (128,), (x, xs, null if norm is None else norm[0],
                                          np.float32(0.0 if norm is None else norm[1]), np.int32(m), np.int32(k)))
-        kern = runtime.kernel("linear_mma", wgmma_instantiation(x.dtype, bits, gs, tile, epilogue),
-                              ("CUINFER_TIMELINE",) if timeline else ())
         tiles = -(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx)
         grid = (tiles if tile.split > 1 else min(tiles, runtime.device_info()["sm_count"]), tile.split)
         runtime.launch(kern, grid, (384,), (xs,) + args[1:], wgmma_smem_bytes(bits, gs, tile))
         return out
-    kern = runtime.kernel("linear_mma", instantiation(x.dtype, bits, gs, bits == 4 and w.integer_zeros, tile, epilogue),
-                          ("CUINFER_TIMELINE",) if timeline else ())
     rows = 16 * tile.rt * (tile.warps // 2 if epilogue in GATED else tile.warps)
     grid = (-(-n // rows) * -(-m // (8 * tile.nt)), tile.split)
     runtime.launch(kern, grid, (32 * tile.warps,), args, smem_bytes(bits, gs, tile))

@@ -21,10 +21,11 @@ from cuinfer.ops.linear_mma import (
     MmaTile,
     WgTile,
     _launch,
+    call_tile,
     instantiation,
+    kernel_instantiation,
     linear_mma,
     mma_tile,
-    on_wgmma,
     smem_bytes,
     wgmma_fits,
     wgmma_instantiation,
@@ -33,7 +34,7 @@ from cuinfer.ops.linear_mma import (
 )
 from cuinfer.ops.rms_norm import rms_norm_reference
 from tests.conftest import assert_close, poison, tensor_core_error
-from tests.ops.test_linear import fmt_bits, make_weight, reference_rounded, rounds_w
+from tests.ops.test_linear import make_weight, reference_rounded, rounds_w
 
 DTYPES = [np.dtype(np.float16), runtime.bfloat16]
 FORMATS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("int4-mse", 32), ("int4-mse", 128)]
@@ -665,24 +666,18 @@ def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
     for m, k, n, epi in ((split_m, 4096, 1024, "store"), (split_m, 1024, 64 * (sms + 9), "silu_and_mul")):
         w = make_weight(rng, 2 * n if epi != "store" else n, k, fmt, 128)
         w = cp.asarray(w.astype(np.float16)) if fmt == "float" else w.to_device()
-        bits = fmt_bits(fmt)
-        gs = 128 if bits == 4 else 0
-        wg = on_wgmma(w, m, k, epi)
+        tile = call_tile(w, m, n, k, epi)
+        wg = isinstance(tile, WgTile)
         assert wg == ((fmt, split_m) != ("int4", 32))
         if wg:
-            tile = wgmma_tile(bits, m, n, k, epi, sms)
-            expr = wgmma_instantiation(np.float16, bits, gs, tile, epi)
             tiles = -(-n // (64 if epi != "store" else 128)) * -(-m // tile.nx)
             blocks = min(tiles, sms) if tile.split == 1 else tiles * tile.split
         else:
-            iz = bits == 4 and w.integer_zeros
-            tile = mma_tile(bits, m, n, k, epi, sms, integer_zeros=bits == 8 or iz)
-            expr = instantiation(np.float16, bits, gs, iz, tile, epi)
             rows = 16 * tile.rt * (tile.warps // 2 if epi != "store" else tile.warps)
             blocks = -(-n // rows) * -(-m // (8 * tile.nt)) * tile.split
         x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
-        stamps = runtime.module_global("linear_mma", expr, "linear_timeline", cp.uint64, (1024, 10),
-                                       ("CUINFER_TIMELINE",))
+        stamps = runtime.module_global("linear_mma", kernel_instantiation(np.float16, w, tile, epi), "linear_timeline",
+                                       cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
         stamps[...] = 0
         got = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi, timeline=True)
         want = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi)
