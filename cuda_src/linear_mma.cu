@@ -348,15 +348,17 @@ __device__ __forceinline__ void int8_stage(float (&acc)[RT][NT][4], const unsign
   const T *__restrict__ x, const void *__restrict__ w, const __half *__restrict__ scales,                    \
       const T *__restrict__ bias, const T *__restrict__ residual, T *__restrict__ out, int M, int N, int K
 
-// grid: (ceil(N / (16 RT E)) * ceil(M / (8 NT)), SPLIT), E = WARPS (WARPS / 2 gated), the x tiles of
-// one row block adjacent (they share its weights through L2); clusters of (1, SPLIT, 1), sm_90 when
-// SPLIT > 1 · block: 32 WARPS · smem: dynamic Geo::kSmem bytes
+// grid: (tiles, SPLIT), tiles <= ceil(N / (16 RT E)) * ceil(M / (8 NT)) - block0, E = WARPS (WARPS / 2
+// gated): tiles block0 + blockIdx.x, the x tiles of one row block adjacent (they share its weights
+// through L2); clusters of (1, SPLIT, 1), sm_90 when SPLIT > 1 · block: 32 WARPS · smem: dynamic
+// Geo::kSmem bytes. A call may be two launches over its tiles at two splits (ops/linear_mma.py, MmaTile's
+// tail): the second's blocks take the SMs the first's leave, and wait for it to finish before they store.
 // x: [M, K] T (K % 32 == 0 int4, % 16 int8); w, scales: int8 q [N', K] and fp16 scales [N'], or
 // int4 q / (scale, zero) pairs as above, N' = N (2N gated: [gate; up]);
 // bias: [N'] T or null; residual: [M, N] T or null (EPI_STORE only, not aliasing out); out: [M, N] T.
 // Every weight byte is read from HBM once per launch (once more from L2 per further x tile).
 template <typename T, int WBITS, int GS, bool IZ, int NT, int RT, int WARPS, int STAGES, int SPLIT, int EPI, int MINB>
-__global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mma_kernel(MMA_ARGS) {
+__global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mma_kernel(MMA_ARGS, int block0) {
   using G = Geo<WBITS, GS, NT, RT, WARPS, STAGES>;
   static_assert(WBITS == 8 || GS == 32 || GS == 64 || GS == 128, "int4 group size");
   static_assert(!mma_gated(EPI) || WARPS % 2 == 0, "a gated epilogue needs an even warp count");
@@ -364,8 +366,8 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
   const int x_tiles = (M + 8 * NT - 1) / (8 * NT), n_st = (K + 127) / 128;
   const int per_split = (n_st + SPLIT - 1) / SPLIT, t_begin = (SPLIT > 1 ? blockIdx.y : 0) * per_split;
   constexpr int E = mma_gated(EPI) ? WARPS / 2 : WARPS;
-  const Block b{(int)(blockIdx.x / x_tiles) * 16 * RT * E, (int)(blockIdx.x % x_tiles) * 8 * NT, t_begin,
-                min(n_st, t_begin + per_split)};
+  const int tile = block0 + blockIdx.x;
+  const Block b{tile / x_tiles * 16 * RT * E, tile % x_tiles * 8 * NT, t_begin, min(n_st, t_begin + per_split)};
   const unsigned base = smem_u32(smem);
   const int warp = threadIdx.x >> 5;
 
@@ -378,8 +380,14 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
     if (b.t_begin + s < b.t_end) load.weights(base + s * G::kStage, b.t_begin + s);
-  pdl_wait();
-  pdl_trigger();
+  // A call's second launch (block0 > 0: MmaTile's tail) reads nothing its predecessor, the call's first
+  // launch, writes: it runs its main loop before pdl_wait and waits before its epilogue, so that it
+  // still finishes after the first launch and the next kernel's wait covers both.
+  const bool second = block0 > 0;
+  if (!second) {
+    pdl_wait();
+    pdl_trigger();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (b.t_begin + s < b.t_end) load.rows(base + s * G::kStage, b.t_begin + s);
@@ -416,6 +424,10 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) MMA_CLUSTER(SPLIT) linear_mm
   WG_STAMP(threadIdx.x == 0, 3, clock64());
   cp_async_wait<0>();
   __syncthreads();  // the ring is free: the epilogue's fragments reuse it
+  if (second) {
+    pdl_wait();
+    pdl_trigger();
+  }
   mma_epilogue<T, WBITS, NT, RT, WARPS, SPLIT, EPI>(acc, reinterpret_cast<float*>(smem), scales, bias, residual, out,
                                                      b, M, N);
   WG_STAMP(threadIdx.x == 0, 4, clock64());

@@ -94,20 +94,21 @@ __device__ __forceinline__ void unit_sums(float (&y)[W], float (&g)[W], const fl
 // the whole block, and meet at named barrier 1 instead of __syncthreads. With SPLIT > 1 each block of
 // the cluster finishes 1 / SPLIT of the units, at most MAXU a thread: it loads their inputs before the
 // cluster's barrier and arrives at the closing one as soon as it has read the others' results, so
-// neither the global loads nor the stores sit between the two barriers. Units are 8 outputs, or 4
-// where that spreads them over more of the cluster's threads (llama3-8b's o and down at 25-32 rows:
-// 512 units of 8 on 8 blocks of 128 threads would leave four blocks idle and the others reading 16
-// remote pieces a thread).
+// neither the global loads nor the stores sit between the two barriers. Units are 4 outputs with a
+// split, 8 without: a thread's 16-byte reads of the results then fall 16 bytes apart (32 with units of
+// 8: two passes of shared memory where one does), and a split's units spread over all of its
+// cluster's threads (llama3-8b's o and down at 25-32 rows: 512 units of 8 on 8 blocks of 128 threads
+// would leave four blocks idle and the others reading 16 remote pieces a thread). A block's own
+// results (no split) keep units of 8, which measured faster there, and so do splits whose threads
+// would finish more than 12 units of 4 (NX = 224 split 2: ptxas spills there).
 template <typename T, int WBITS, int ROWS, int XR, int THREADS, int SPLIT, int EPI, bool NAMED = false>
 __device__ __forceinline__ void store_rows(const float* red, const __half* __restrict__ scales,
                                            const T* __restrict__ bias, const T* __restrict__ residual,
                                            T* __restrict__ out, const Block& b, int M, int N,
                                            int tid) {
   constexpr bool GATED = mma_gated(EPI);
-  constexpr int OUTS = GATED ? ROWS / 2 : ROWS, U8 = XR * OUTS / 8, ST = SPLIT * THREADS;
-  // units of 4 where they lower the most outputs a thread finishes (a split's units spread over more threads)
-  constexpr int W = SPLIT > 1 && (2 * U8 + ST - 1) / ST * 4 < (U8 + ST - 1) / ST * 8 ? 4 : 8;
-  constexpr int UNITS = XR * OUTS / W;
+  constexpr int OUTS = GATED ? ROWS / 2 : ROWS, ST = SPLIT * THREADS;
+  constexpr int W = SPLIT > 1 && (XR * OUTS / 4 + ST - 1) / ST <= 12 ? 4 : 8, UNITS = XR * OUTS / W;
   static_assert(ROWS % 32 == 0, "red_stride(ROWS) = 4 mod 32");
   const bool vec = N % W == 0 &&
                    ((reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(residual)) & (W * sizeof(T) - 1)) == 0;

@@ -18,7 +18,8 @@ its neighbours (split, warps, stages, NT) on the five shapes.
 them (ops.linear: qkv and gate_up with their RMSNorm, gate_up's SiLU, o and down with the residual),
 per --formats, against the fp16 layer (cuBLAS above 16 rows) in the same run.
 `--timeline PRESET` instead runs each of those calls that a GEMM (mma.sync or wgmma) takes at each --m
-once in its CUINFER_TIMELINE build (after warm-up, on a weight copy not in L2) and summarizes its blocks'
+once in its CUINFER_TIMELINE build (replayed from a CUDA graph after warm-up, on a weight copy not in L2;
+a call of two launches, MmaTile's tail, with the second's blocks as they start in decode) and summarizes its blocks'
 stamps: when the first stage was ready, how long the main loop and the epilogue took (medians over
 blocks, us; with a split, the epilogue's parts: the wait until every block of the cluster holds its
 results, reading the block's sums from them, storing them, and the closing barrier), and when the
@@ -256,7 +257,8 @@ def _timeline(cp, preset, rows_m, formats):
     """One row per GEMM call of the preset's layer at each M and format (see the module docstring);
     ms: the call's span, first block start to last block end."""
     from ..convert import load_preset
-    from ..ops.linear_mma import WgTile, _launch, call_tile, kernel_instantiation
+    from ..ops.linear_mma import WgTile, _launch, call_tile, kernel_instantiation, tile_launches
+    from ..serving.runner import capture
 
     rows = []
     for m, fmt, (name, k, n, epi, _, _) in itertools.product(rows_m, formats, decode_gemvs(load_preset(preset))):
@@ -266,15 +268,19 @@ def _timeline(cp, preset, rows_m, formats):
         x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
         out, tile = cp.empty((m, n), cp.float16), call_tile(copies[0], m, n, k, epi)
         wg = isinstance(tile, WgTile)
-        stamps = runtime.module_global("linear_mma", kernel_instantiation(x.dtype, copies[0], tile, epi),
-                                       "linear_timeline", cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
-        for w in copies[1:] * 2:
+        stamps = [runtime.module_global("linear_mma", kernel_instantiation(x.dtype, copies[0], t, epi),
+                                        "linear_timeline", cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
+                  for t in tile_launches(tile)]  # a tail's launch stamps its own module's array
+        graph, _, _ = capture(lambda w=copies[0]: _launch(x, w, None, None, out, tile, epi, timeline=True),
+                              cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
+        for w in copies[1:] * 2:  # copies[0] out of L2
             _launch(x, w, None, None, out, tile, epi, timeline=True)
         cp.cuda.Device().synchronize()
-        stamps[...] = 0
-        _launch(x, copies[0], None, None, out, tile, epi, timeline=True)
+        for a in stamps:
+            a[...] = 0
+        graph.launch()
         cp.cuda.Device().synchronize()
-        a = cp.asnumpy(stamps).astype(np.int64)
+        a = np.concatenate([cp.asnumpy(a).astype(np.int64) for a in stamps])
         # start ns, start clock, first stage, loop end, exit clock, exit ns, cluster's results, SM, sums read, stored
         a = a[a[:, 0] > 0]
         clocks_ns = np.median((a[:, 4] - a[:, 1]) / np.maximum(a[:, 5] - a[:, 0], 1))
@@ -285,7 +291,8 @@ def _timeline(cp, preset, rows_m, formats):
         start, end = (a[:, 0] - a[:, 0].min()) / 1e3, (a[:, 5] - a[:, 0].min()) / 1e3
         rows.append(dict(
             name=f"{preset} {name} {fmt} M={m}", dtype="float16", ms=end.max() / 1e3, bytes=copies[0].nbytes,
-            shape=f"{'wgmma' if wg else 'mma.sync'}, {len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}: "
+            shape=f"{'wgmma' if wg else 'mma.sync'}, {len(a)} blocks on {len(set(a[:, 7]))} SMs, split {tile.split}"
+                  f"{f' (tiles past {tile.head}: {tile.tail})' if not wg and tile.tail else ''}: "
                   f"first stage {first:.2f}, main loop {loop:.2f}, epilogue {epi_us:.2f}{wait} us; starts within "
                   f"{start.max():.2f}, ends {end.min():.2f}-{end.max():.2f} us"))
         del copies

@@ -72,6 +72,8 @@ class MmaTile(NamedTuple):
     stages: int  # depth of the cp.async ring
     split: int  # blocks of a cluster splitting K (sm_90)
     minb: int  # blocks per SM the launch bounds promise (register cap 65536 / (32 WARPS MINB))
+    head: int = 0  # with tail: the tiles of the first launch (one wave), the rest in a second at split `tail`
+    tail: int = 0
 
 
 def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True,
@@ -95,7 +97,12 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     (b=16 5,550 -> 5,434), and qkv's 192 blocks split 8 instead of 4 lost (b=24 6,967, b=32 8,537).
     A grid that a fourth block an SM brings within one wave takes it where the stages fit (int4 NT <= 3):
     gate_up at 17-24 rows split in two, 448 blocks, b=20 6,162 -> 6,225 tok/s, b=24 7,297 -> 7,375 (H200,
-    as above; every NT = 3 call at 4 an SM, the grids that fit one wave at 3 included, lost 6.5 %)."""
+    as above; every NT = 3 call at 4 an SM, the grids that fit one wave at 3 included, lost 6.5 %).
+    Else a split grid past one wave (gate_up at 25-32 rows: 448 blocks for 396 slots) is two launches:
+    the tiles of one wave at the split (head), the rest at twice it (tail), whose blocks take the SMs the
+    first launch leaves and run their main loop before they wait for it (linear_mma.cu). H200, llama3-8b
+    int4 decode b=32, alternating in one process: one launch 9,593 / 9,595 tok/s, the rest at 4 9,881 /
+    9,913, at 8 9,762 / 9,777 (its epilogue 2 us longer, after the first launch's last block)."""
     nt = 8 if bits == 8 and m > 32 else 2 if m <= 16 else 3 if m <= 24 else 4
     minb = 3 if nt <= 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
@@ -113,6 +120,10 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     fourth = minb == 3 and 3 * sms < blocks(warps) * split <= 4 * sms  # a fourth block: the grid in one wave
     if fourth and 4 * (smem_bytes(bits, 32, tile) + 1024) <= 228 * 1024:
         return tile._replace(minb=4)  # at 128 registers (ptxas spills 20-36 bytes)
+    slots, head, tail = minb * sms, minb * sms // split, 2 * split
+    if (slots < blocks(warps) * split < 2 * slots and 1 < split < 8 and (blocks(warps) - head) * tail <= slots
+            and -(-stages_k // tail) >= 4):  # a partial second wave: its tiles at twice the split
+        return tile._replace(head=head, tail=tail)
     return tile
 
 
@@ -235,6 +246,13 @@ def call_tile(w, m: int, n: int, k: int, epilogue="store"):
                     bits == 4 and w.integer_zeros)
 
 
+def tile_launches(tile) -> list:
+    """The tiles of a call's launches: `tile`, or with a tail (MmaTile) the first wave's and the rest's."""
+    if isinstance(tile, WgTile) or not tile.tail:
+        return [tile]
+    return [tile._replace(head=0, tail=0), tile._replace(split=tile.tail, head=0, tail=0)]
+
+
 def kernel_instantiation(dtype, w, tile, epilogue="store") -> str:
     """The kernel _launch runs with `tile` (a WgTile or an MmaTile) for weight w and x of `dtype`."""
     bits = weight_bits(w)
@@ -252,11 +270,12 @@ def _formats():
 
 
 INSTANTIATIONS = sorted(
-    {instantiation(dt, b, g, iz, mma_tile(b, m, n, k, epi, integer_zeros=iz), epi) for dt in KERNEL_DTYPES
+    {instantiation(dt, b, g, iz, t, epi) for dt in KERNEL_DTYPES
      for b, g, iz in _formats()
      for m in (9, 17, 32, 64, 128) for n in (1024, 4096, 6144, 14336, 28672, 128256) for k in (4096, 14336)
      for epi in EPILOGUES
-     if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)}  # GELU differs from SiLU in its activation only
+     if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)  # GELU differs from SiLU in its activation only
+     for t in tile_launches(mma_tile(b, m, n, k, epi, integer_zeros=iz))}
     | {wgmma_instantiation(dt, b, g, wgmma_tile(b, m, n, k, epi), epi) for dt in KERNEL_DTYPES
        for b, g, iz in _formats() if iz and b == 4
        for m in (33, 49, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256)
@@ -405,8 +424,9 @@ def weight_map(w, gated: bool):
 
 def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeline=False):
     """Launch linear_mma_kernel (an MmaTile) or linear_wgmma_kernel (a WgTile: wgmma_fits) with `tile` on
-    checked arguments (tile.split > 1: sm_90 only; norm: WgTile only). timeline: the CUINFER_TIMELINE
-    build, which stamps its blocks into linear_timeline (bench linear --timeline)."""
+    checked arguments (tile.split > 1: sm_90 only; norm: WgTile only); an MmaTile with a tail as two
+    launches, its first `head` tiles at its split and the rest at split `tail`. timeline: the
+    CUINFER_TIMELINE build, which stamps its blocks into linear_timeline (bench linear --timeline)."""
     (m, k), bits = x.shape, weight_bits(w)
     n = out.shape[1]
     gs = w.group_size if bits == 4 else 0
@@ -414,8 +434,7 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeli
     wg = isinstance(tile, WgTile)
     if wg and not wgmma_fits(w, k, epilogue):
         raise ValueError("the wgmma kernel does not take this weight (wgmma_fits)")
-    kern = runtime.kernel("linear_mma", kernel_instantiation(x.dtype, w, tile, epilogue),
-                          ("CUINFER_TIMELINE",) if timeline else ())
+    defines = ("CUINFER_TIMELINE",) if timeline else ()
     weight = weight_map(w, epilogue in GATED) if bits == 16 or (wg and bits == 8) else w.qweight
     scales = null if bits == 16 else w.scales_zeros if bits == 4 else w.scales
     args = (x, weight, scales, null if bias is None else bias, null if residual is None else residual, out,
@@ -428,9 +447,15 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeli
                                          np.float32(0.0 if norm is None else norm[1]), np.int32(m), np.int32(k)))
         tiles = -(-n // (64 if epilogue in GATED else 128)) * -(-m // tile.nx)
         grid = (tiles if tile.split > 1 else min(tiles, runtime.device_info()["sm_count"]), tile.split)
+        kern = runtime.kernel("linear_mma", kernel_instantiation(x.dtype, w, tile, epilogue), defines)
         runtime.launch(kern, grid, (384,), (xs,) + args[1:], wgmma_smem_bytes(bits, gs, tile))
         return out
     rows = 16 * tile.rt * (tile.warps // 2 if epilogue in GATED else tile.warps)
-    grid = (-(-n // rows) * -(-m // (8 * tile.nt)), tile.split)
-    runtime.launch(kern, grid, (32 * tile.warps,), args, smem_bytes(bits, gs, tile))
+    tiles = -(-n // rows) * -(-m // (8 * tile.nt))
+    bounds = (0, min(tile.head, tiles), tiles) if tile.tail else (0, tiles)
+    for t, first, end in zip(tile_launches(tile), bounds, bounds[1:]):
+        if end > first:
+            kern = runtime.kernel("linear_mma", kernel_instantiation(x.dtype, w, t, epilogue), defines)
+            runtime.launch(kern, (end - first, t.split), (32 * t.warps,), args + (np.int32(first),),
+                           smem_bytes(bits, gs, t))
     return out

@@ -27,6 +27,7 @@ from cuinfer.ops.linear_mma import (
     linear_mma,
     mma_tile,
     smem_bytes,
+    tile_launches,
     wgmma_fits,
     wgmma_instantiation,
     wgmma_smem_bytes,
@@ -142,12 +143,16 @@ def test_mma_tile_splits_k_to_fill_the_sms():
     """K splits over a cluster while the grid is below one block an SM; at NT = 3 and 4 (17-32 rows) a
     grid of one to two blocks an SM splits in two as well, at NT = 2 (9-16 rows) it does not; larger
     grids keep K whole; a grid that a fourth block an SM brings within one wave takes it where the
-    stages fit (NT = 3). Llama-3-8B int4 shapes on 132 SMs (blocks: gated 64 outputs, else 128)."""
+    stages fit (NT = 3); else a split grid past one wave takes its first wave at the split and the rest
+    at twice the split (NT = 4: 198 tiles split 2 fill 396 slots, the other 26 split 4). Llama-3-8B int4
+    shapes on 132 SMs (blocks: gated 64 outputs, else 128)."""
     for m, nt in ((16, 2), (24, 3), (32, 4)):
         assert mma_tile(4, m, 6144, 4096).split == 4  # 48 blocks
         assert mma_tile(4, m, 4096, 14336).split == 8  # 32 blocks, capped at a cluster of 8
         gated = mma_tile(4, m, 14336, 4096, "silu_and_mul")  # 224 blocks; split in two, 448 fit 4 an SM at NT = 3
         assert (gated.split, gated.minb) == {2: (1, 3), 3: (2, 4), 4: (2, 3)}[nt]
+        assert (gated.head, gated.tail) == ((198, 4) if nt == 4 else (0, 0))
+        assert mma_tile(4, m, 14336, 1024, "silu_and_mul").tail == 0  # 8 stages: a split of 4 keeps < 4
         assert mma_tile(4, m, 128256, 4096).split == 1  # 1,002 blocks
         assert mma_tile(4, m, 14336, 4096, "silu_and_mul", clusters=False).split == 1
 
@@ -164,9 +169,10 @@ def test_tiles_fit_the_sm_and_the_instantiations():
                     assert t.minb * (smem_bytes(bits, gs or 128, t) + 1024) <= 228 * 1024
                     assert mma_tile(bits, m, n, k, epi, clusters=False).split == 1
     for k, n in SHAPES:
-        for m in (17, 64, MMA_MAX_M):
-            t = mma_tile(4, m, n, k)
-            assert instantiation(np.float16, 4, 128, True, t) in INSTANTIATIONS, (m, n, k, t)
+        for m in (17, 32, 64, MMA_MAX_M):
+            for epi in ("store", "silu_and_mul"):
+                for t in tile_launches(mma_tile(4, m, n, k, epi)):
+                    assert instantiation(np.float16, 4, 128, True, t, epi) in INSTANTIATIONS, (m, n, k, t)
         for m in (WGMMA_MIN_M, 48, 49, 65, 96, 128, 160, 192, 224, WGMMA_MAX_M):
             for bits, gs in ((4, 128),):
                 t = wgmma_tile(bits, m, n, k)
@@ -206,7 +212,8 @@ def n_choices(fmt, gated=False):
 
 TILES = [MmaTile(4, 2, 4, 3, 1, 3), MmaTile(4, 2, 2, 3, 8, 3), MmaTile(4, 2, 4, 3, 2, 3), MmaTile(8, 2, 4, 3, 1, 2),
          MmaTile(8, 2, 2, 3, 4, 2), MmaTile(3, 2, 4, 3, 1, 3), MmaTile(3, 2, 2, 3, 4, 2),
-         MmaTile(2, 2, 4, 3, 2, 3), MmaTile(3, 2, 4, 3, 2, 4)]
+         MmaTile(2, 2, 4, 3, 2, 3), MmaTile(3, 2, 4, 3, 2, 4), MmaTile(4, 2, 4, 3, 2, 3, head=1, tail=8),
+         MmaTile(3, 2, 4, 3, 1, 3, head=2, tail=4)]
 WG_TILES = [WgTile(128, 3, 3, 1), WgTile(64, 4, 4, 1), WgTile(128, 3, 3, 8), WgTile(64, 2, 2, 2), WgTile(128, 2, 4, 3),
             WgTile(32, 2, 6, 1), WgTile(192, 2, 3, 2), WgTile(224, 2, 2, 1), WgTile(160, 2, 3, 3), WgTile(96, 2, 4, 1),
             WgTile(48, 2, 6, 2)]
@@ -322,11 +329,12 @@ def test_int4_zero_scale_groups(dtype, m):
 @pytest.mark.parametrize("fmt,gs", FORMATS)
 @pytest.mark.parametrize("tile", TILES, ids=str)
 def test_every_tile(fmt, gs, tile):
-    """Tiles beyond mma_tile's picks (splits leaving blocks without a stage, 2 warps) agree with the
-    reference, for each epilogue; x rows past a tile and weight rows past N never stored."""
+    """Tiles beyond mma_tile's picks (splits leaving blocks without a stage, 2 warps, calls of two
+    launches at two splits) agree with the reference, for each epilogue; x rows past a tile and weight
+    rows past N never stored."""
     import cupy as cp
 
-    if tile.split > 1 and runtime.device_info()["arch"] < "sm_90":
+    if (tile.split > 1 or tile.tail) and runtime.device_info()["arch"] < "sm_90":
         pytest.skip("clusters need sm_90")
     rng = np.random.default_rng(sum(tile))
     for epi in ("store", "silu_and_mul"):  # GELU differs from SiLU in its activation only
@@ -582,7 +590,9 @@ def test_linear_dispatches_rows_17_to_256(fmt):
 def test_replays_in_a_cuda_graph(m):
     """The GEMM (a split-K cluster tile and a plain one; mma.sync at 40 rows, wgmma at 200 on sm_90;
     an fp16 weight: wgmma at 40, cuBLAS at 200) with its epilogues, captured once and replayed on new
-    inputs, gives the eager results: nothing allocated, no host sync inside."""
+    inputs, gives the eager results: nothing allocated, no host sync inside. On sm_90 also a call of two
+    launches (a tail), whose result the next call reads: in a replay the launches overlap (programmatic
+    dependent launch), so the next call must still find both finished."""
     import cupy as cp
 
     rng = np.random.default_rng(12)
@@ -594,6 +604,9 @@ def test_replays_in_a_cuda_graph(m):
     y_res = cp.empty_like(y)
     w16 = cp.asarray((rng.standard_normal((2 * n, k)) / 64).astype(np.float16))
     y16, act16 = cp.empty((m, 2 * n), cp.float16), cp.empty((m, n), cp.float16)
+    sm90 = runtime.device_info()["arch"] == "sm_90"
+    act_tail, down = cp.empty((m, n), cp.float16), cp.empty((m, k), cp.float16)
+    w_down = quant.quantize(rng.standard_normal((k, n)).astype(np.float32), "int4", 128).to_device()
     stream = cp.cuda.Stream(non_blocking=True)
 
     def step():
@@ -603,7 +616,11 @@ def test_replays_in_a_cuda_graph(m):
         linear(x, w, out=y_res, residual=y)
         linear(x, w16, out=y16)
         linear(x, w16, out=act16, activation="silu_and_mul")
+        if sm90:  # 16 row blocks x 2 x tiles (40 rows) or x 7 (200): the first 20 tiles split 2, the rest 8
+            _launch(x, w, None, None, act_tail, MmaTile(4, 2, 4, 3, 2, 3, head=20, tail=8), "silu_and_mul")
+            linear(act_tail, w_down, out=down)
 
+    outs = (y, act, y8, y_res, y16, act16, act_tail, down)
     with stream:
         step()
         stream.begin_capture()
@@ -612,9 +629,9 @@ def test_replays_in_a_cuda_graph(m):
         for _ in range(2):
             x[...] = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
             graph.launch(stream)
-            got = [a.copy() for a in (y, act, y8, y_res, y16, act16)]
+            got = [a.copy() for a in outs]
             step()
-            for a, b in zip(got, (y, act, y8, y_res, y16, act16)):
+            for a, b in zip(got, outs):
                 np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
 
 
@@ -657,37 +674,47 @@ def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
     each block: started, first stage ready, main loop done and exit in that order (with a split the
     cluster's results, the block's sums read and stored in between the last two, else unstamped); the
     wgmma kernel's on distinct SMs for a one-wave grid, for a split and a persistent grid; int4 at 32
-    rows, the mma.sync kernel's."""
+    rows, the mma.sync kernel's, its gated call past one wave as two launches (a tail), each stamping
+    its own module's array."""
     import cupy as cp
 
     need_sm90()
     rng = np.random.default_rng(9)
     sms = runtime.device_info()["sm_count"]
-    for m, k, n, epi in ((split_m, 4096, 1024, "store"), (split_m, 1024, 64 * (sms + 9), "silu_and_mul")):
-        w = make_weight(rng, 2 * n if epi != "store" else n, k, fmt, 128)
-        w = cp.asarray(w.astype(np.float16)) if fmt == "float" else w.to_device()
+    mma = (fmt, split_m) == ("int4", 32)
+    gated_n, gated_k = (64 * (3 * sms // 2 + sms // 8), 4096) if mma else (64 * (sms + 9), 1024)
+    for m, k, n, epi in ((split_m, 4096, 1024, "store"), (split_m, gated_k, gated_n, "silu_and_mul")):
+        if mma and epi != "store":  # quantized on the device: 2 x 13,696 x 4,096 on 132 SMs
+            w = quant.quantize(cp.asarray(rng.standard_normal((2 * n, k), dtype=np.float32)), "int4", 128)
+        else:
+            w = make_weight(rng, 2 * n if epi != "store" else n, k, fmt, 128)
+            w = cp.asarray(w.astype(np.float16)) if fmt == "float" else w.to_device()
         tile = call_tile(w, m, n, k, epi)
         wg = isinstance(tile, WgTile)
-        assert wg == ((fmt, split_m) != ("int4", 32))
+        assert wg != mma and (not mma or epi == "store" or tile.tail)
         if wg:
             tiles = -(-n // (64 if epi != "store" else 128)) * -(-m // tile.nx)
-            blocks = min(tiles, sms) if tile.split == 1 else tiles * tile.split
+            blocks = [min(tiles, sms) if tile.split == 1 else tiles * tile.split]
         else:
             rows = 16 * tile.rt * (tile.warps // 2 if epi != "store" else tile.warps)
-            blocks = -(-n // rows) * -(-m // (8 * tile.nt)) * tile.split
+            tiles = -(-n // rows) * -(-m // (8 * tile.nt))
+            bounds = (0, tile.head, tiles) if tile.tail else (0, tiles)
+            blocks = [(e - b) * t.split for t, b, e in zip(tile_launches(tile), bounds, bounds[1:])]
         x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
-        stamps = runtime.module_global("linear_mma", kernel_instantiation(np.float16, w, tile, epi), "linear_timeline",
-                                       cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
-        stamps[...] = 0
+        stamps = [runtime.module_global("linear_mma", kernel_instantiation(np.float16, w, t, epi), "linear_timeline",
+                                        cp.uint64, (1024, 10), ("CUINFER_TIMELINE",)) for t in tile_launches(tile)]
+        for a in stamps:
+            a[...] = 0
         got = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi, timeline=True)
         want = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi)
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
-        a = cp.asnumpy(stamps).astype(np.int64)
-        assert (a[:blocks, 0] > 0).all() and not a[blocks:].any()
-        a = a[:blocks]
-        assert (np.diff(a[:, [1, 2, 3, 4]], axis=1) >= 0).all() and (a[:, 5] >= a[:, 0]).all()
-        if tile.split > 1:
-            assert (np.diff(a[:, [3, 6, 8, 9, 4]], axis=1) >= 0).all()
-        else:
-            assert not a[:, [6, 8, 9]].any()
-        assert len(set(a[:, 7])) == blocks or not wg
+        for t, a, nb in zip(tile_launches(tile), stamps, blocks):
+            a = cp.asnumpy(a).astype(np.int64)
+            assert (a[:nb, 0] > 0).all() and not a[nb:].any()
+            a = a[:nb]
+            assert (np.diff(a[:, [1, 2, 3, 4]], axis=1) >= 0).all() and (a[:, 5] >= a[:, 0]).all()
+            if t.split > 1:
+                assert (np.diff(a[:, [3, 6, 8, 9, 4]], axis=1) >= 0).all()
+            else:
+                assert not a[:, [6, 8, 9]].any()
+            assert len(set(a[:, 7])) == nb or not wg
