@@ -196,7 +196,9 @@ __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
 //   * pdl_wait() in every thread before its first access to memory another kernel of the graph
 //     writes (activations, the KV cache, workspaces; weights are written only outside graphs, so
 //     the GEMV loads its first ones before it). It returns when the previous kernel has finished
-//     and its writes are visible, so the order of the whole stream stays transitive.
+//     and its writes are visible, so the order of the whole stream stays transitive. (A kernel that
+//     reads nothing its predecessor writes may read before it, and then waits before its first
+//     store: the second launch of a linear_mma call, which reads the x that the first launch reads.)
 //   * pdl_trigger() right after pdl_wait(): the next kernel may then be scheduled onto free SMs
 //     and run its part before pdl_wait() (its block table, staged K/V rows, first weights) under
 //     this one. Since every kernel triggers only after its own wait, when kernel N+1 starts

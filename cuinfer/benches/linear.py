@@ -270,7 +270,7 @@ def _timeline(cp, preset, rows_m, formats):
         wg = isinstance(tile, WgTile)
         stamps = [runtime.module_global("linear_mma", kernel_instantiation(x.dtype, copies[0], t, epi),
                                         "linear_timeline", cp.uint64, (1024, 10), ("CUINFER_TIMELINE",))
-                  for t in tile_launches(tile)]  # a tail's launch stamps its own module's array
+                  for t, _, _ in tile_launches(tile)]  # a tail's launch stamps its own module's array
         graph, _, _ = capture(lambda w=copies[0]: _launch(x, w, None, None, out, tile, epi, timeline=True),
                               cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool())
         for w in copies[1:] * 2:  # copies[0] out of L2

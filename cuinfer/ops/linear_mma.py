@@ -102,7 +102,8 @@ def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clust
     the tiles of one wave at the split (head), the rest at twice it (tail), whose blocks take the SMs the
     first launch leaves and run their main loop before they wait for it (linear_mma.cu). H200, llama3-8b
     int4 decode b=32, alternating in one process: one launch 9,593 / 9,595 tok/s, the rest at 4 9,881 /
-    9,913, at 8 9,762 / 9,777 (its epilogue 2 us longer, after the first launch's last block)."""
+    9,913, at 8 9,762 / 9,777 (its epilogue 2 us longer, after the first launch's last block); gemma2-9b
+    b=32 6,624 -> 6,788. A first launch of less than a wave lost (190 tiles of 224: 9,556 / 9,585)."""
     nt = 8 if bits == 8 and m > 32 else 2 if m <= 16 else 3 if m <= 24 else 4
     minb = 3 if nt <= 4 and (bits == 8 or integer_zeros) else 2
     stages_k = -(-k // STAGE_K)
@@ -246,11 +247,13 @@ def call_tile(w, m: int, n: int, k: int, epilogue="store"):
                     bits == 4 and w.integer_zeros)
 
 
-def tile_launches(tile) -> list:
-    """The tiles of a call's launches: `tile`, or with a tail (MmaTile) the first wave's and the rest's."""
+def tile_launches(tile, tiles: int = 0) -> list:
+    """(tile, first, end) for each launch of a call over `tiles` tiles: one, or with a tail (an MmaTile's)
+    tiles [0, head) at its split and [head, tiles) at split `tail`."""
     if isinstance(tile, WgTile) or not tile.tail:
-        return [tile]
-    return [tile._replace(head=0, tail=0), tile._replace(split=tile.tail, head=0, tail=0)]
+        return [(tile, 0, tiles)]
+    head = min(tile.head, tiles)
+    return [(tile._replace(head=0, tail=0), 0, head), (tile._replace(split=tile.tail, head=0, tail=0), head, tiles)]
 
 
 def kernel_instantiation(dtype, w, tile, epilogue="store") -> str:
@@ -275,7 +278,7 @@ INSTANTIATIONS = sorted(
      for m in (9, 17, 32, 64, 128) for n in (1024, 4096, 6144, 14336, 28672, 128256) for k in (4096, 14336)
      for epi in EPILOGUES
      if epi != "gelu_and_mul" or (m, n, k) == (64, 4096, 4096)  # GELU differs from SiLU in its activation only
-     for t in tile_launches(mma_tile(b, m, n, k, epi, integer_zeros=iz))}
+     for t, _, _ in tile_launches(mma_tile(b, m, n, k, epi, integer_zeros=iz))}
     | {wgmma_instantiation(dt, b, g, wgmma_tile(b, m, n, k, epi), epi) for dt in KERNEL_DTYPES
        for b, g, iz in _formats() if iz and b == 4
        for m in (33, 49, 65, 96, 128, 160, 192, 224, 256) for n in (1024, 4096, 6144, 14336, 128256)
@@ -451,9 +454,7 @@ def _launch(x, w, bias, residual, out, tile, epilogue="store", norm=None, timeli
         runtime.launch(kern, grid, (384,), (xs,) + args[1:], wgmma_smem_bytes(bits, gs, tile))
         return out
     rows = 16 * tile.rt * (tile.warps // 2 if epilogue in GATED else tile.warps)
-    tiles = -(-n // rows) * -(-m // (8 * tile.nt))
-    bounds = (0, min(tile.head, tiles), tiles) if tile.tail else (0, tiles)
-    for t, first, end in zip(tile_launches(tile), bounds, bounds[1:]):
+    for t, first, end in tile_launches(tile, -(-n // rows) * -(-m // (8 * tile.nt))):
         if end > first:
             kern = runtime.kernel("linear_mma", kernel_instantiation(x.dtype, w, t, epilogue), defines)
             runtime.launch(kern, (end - first, t.split), (32 * t.warps,), args + (np.int32(first),),

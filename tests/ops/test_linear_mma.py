@@ -171,7 +171,7 @@ def test_tiles_fit_the_sm_and_the_instantiations():
     for k, n in SHAPES:
         for m in (17, 32, 64, MMA_MAX_M):
             for epi in ("store", "silu_and_mul"):
-                for t in tile_launches(mma_tile(4, m, n, k, epi)):
+                for t, _, _ in tile_launches(mma_tile(4, m, n, k, epi)):
                     assert instantiation(np.float16, 4, 128, True, t, epi) in INSTANTIATIONS, (m, n, k, t)
         for m in (WGMMA_MIN_M, 48, 49, 65, 96, 128, 160, 192, 224, WGMMA_MAX_M):
             for bits, gs in ((4, 128),):
@@ -694,22 +694,20 @@ def test_gpu_timeline_build_stamps_every_block_in_order(fmt, split_m):
         assert wg != mma and (not mma or epi == "store" or tile.tail)
         if wg:
             tiles = -(-n // (64 if epi != "store" else 128)) * -(-m // tile.nx)
-            blocks = [min(tiles, sms) if tile.split == 1 else tiles * tile.split]
+            launches = [(tile, 0, min(tiles, sms) if tile.split == 1 else tiles)]
         else:
             rows = 16 * tile.rt * (tile.warps // 2 if epi != "store" else tile.warps)
-            tiles = -(-n // rows) * -(-m // (8 * tile.nt))
-            bounds = (0, tile.head, tiles) if tile.tail else (0, tiles)
-            blocks = [(e - b) * t.split for t, b, e in zip(tile_launches(tile), bounds, bounds[1:])]
+            launches = tile_launches(tile, -(-n // rows) * -(-m // (8 * tile.nt)))
         x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
         stamps = [runtime.module_global("linear_mma", kernel_instantiation(np.float16, w, t, epi), "linear_timeline",
-                                        cp.uint64, (1024, 10), ("CUINFER_TIMELINE",)) for t in tile_launches(tile)]
+                                        cp.uint64, (1024, 10), ("CUINFER_TIMELINE",)) for t, _, _ in launches]
         for a in stamps:
             a[...] = 0
         got = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi, timeline=True)
         want = _launch(x, w, None, None, poison(cp, (m, n), np.float16), tile, epi)
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
-        for t, a, nb in zip(tile_launches(tile), stamps, blocks):
-            a = cp.asnumpy(a).astype(np.int64)
+        for (t, first, end), a in zip(launches, stamps):
+            a, nb = cp.asnumpy(a).astype(np.int64), (end - first) * t.split
             assert (a[:nb, 0] > 0).all() and not a[nb:].any()
             a = a[:nb]
             assert (np.diff(a[:, [1, 2, 3, 4]], axis=1) >= 0).all() and (a[:, 5] >= a[:, 0]).all()
