@@ -72,8 +72,8 @@ class MmaTile(NamedTuple):
     stages: int  # depth of the cp.async ring
     split: int  # blocks of a cluster splitting K (sm_90)
     minb: int  # blocks per SM the launch bounds promise (register cap 65536 / (32 WARPS MINB))
-    head: int = 0  # with tail: the tiles of the first launch (one wave), the rest in a second at split `tail`
-    tail: int = 0
+    head: int = 0  # with a tail: the tiles of the first launch (one wave)
+    tail: int = 0  # the split of a second launch over the tiles past `head` (0: one launch)
 
 
 def mma_tile(bits: int, m: int, n: int, k: int, epilogue="store", sms=132, clusters=True,
