@@ -24,8 +24,10 @@ cuBLAS path's scratch holds it. 16-bit weights: one TMA copy a stage through the
 device memory (weight_map), both wgmma operands from shared memory. int8 weights: the bytes by TMA as
 they are, converted to exact values of T in registers, the row scales in the epilogue. Small grids
 split K over a thread-block cluster (sm_90), reduced in a fixed order through distributed shared
-memory. With `out` given, the mma.sync kernel allocates nothing and the wgmma path only its x scratch
-from the current pool (CUDA-graph safe: a capture allocates from its own pool).
+memory; a split mma.sync grid past one wave is two launches, the tiles past the first wave at twice
+the split (MmaTile.head / tail, tile_launches). With `out` given, the mma.sync kernel allocates nothing
+and the wgmma path only its x scratch from the current pool (CUDA-graph safe: a capture allocates from
+its own pool).
 numpy arrays run the reference: dequantize to float32, matmul in float32, epilogue, round.
 """
 from __future__ import annotations
