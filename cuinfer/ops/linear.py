@@ -56,6 +56,7 @@ from .linear_mma import (
     check_epilogue,
     check_quant_weight,
     linear_mma,
+    weight_bits,
     wgmma_fits,
 )
 from .quant import GROUP_SIZES, Int4Weight, Int8Weight
@@ -84,10 +85,6 @@ class Tile(NamedTuple):
     warps: int  # warps per block, splitting the block's K range
     split: int  # blocks of a cluster splitting K (sm_90)
     occupancy: int = 0  # blocks per SM the kernel's launch bounds promise (0: 16 / warps)
-
-
-def weight_bits(w) -> int:
-    return 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 16
 
 
 def path(bits: int, m: int) -> str:
