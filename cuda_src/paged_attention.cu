@@ -11,6 +11,8 @@
 // pass 2 turns them into exp2(s - max), pass 3 streams V. A row's lanes reduce their partial dot
 // products and a step's rows their partial outputs scattered (reduce_scatter): each lane ends with
 // one (row, head) score, and a fraction of the outputs, instead of all of them.
+// MMA (D = 64, 96, 128 in long splits): passes 1 and 3 on tensor cores instead, a warp taking tiles of 16
+// keys (mma.sync m16n8k16, the heads padded to 8 columns; paged_attention_mma.cuh).
 // With one split the CTA writes the output; otherwise it writes fp32 (out / sum, max, sum)
 // partials and counts itself in on an arrival counter of its (kv_head, sequence), and the
 // last CTA to arrive merges the partials of every split that holds rows of the context (splits
@@ -82,60 +84,13 @@ __device__ __forceinline__ Vec<T, 8> rope_chunk(const T* x, int c, const float (
   return y.to();
 }
 
-// Sums v over the lanes that differ in the lane bits OFF << l (UP) or OFF >> l, l = 0 .. LEVELS - 1, and
-// scatters the sums: at each level the lanes with that bit set keep the upper half of the values, the
-// others the lower half, adding the half their partner sends (N / 2 + N / 4 + ... shuffles instead of
-// N per level). Afterwards v[0 .. N >> LEVELS) holds the sums of values base .. base + (N >> LEVELS),
-// base the return value.
-template <int N, int LEVELS, int OFF, bool UP>
-__device__ __forceinline__ int reduce_scatter(float (&v)[N], int lane) {
-  if constexpr (LEVELS == 0) {
-    return 0;
-  } else {
-    constexpr int half = N / 2;
-    static_assert(half >= 1, "more levels than values");
-    const bool upper = lane & OFF;
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float send = upper ? v[i] : v[i + half];
-      v[i] = (upper ? v[i + half] : v[i]) + __shfl_xor_sync(0xffffffffu, send, OFF);
-    }
-    constexpr int next = UP ? OFF * 2 : OFF / 2;
-    return (upper ? half : 0) + reduce_scatter<half, LEVELS - 1, next, UP>(reinterpret_cast<float (&)[half]>(v), lane);
-  }
-}
-
-// row(chunk, t) for the rows t = base + u * STEP + sub of a lane, base = base0, base0 + STEP * U, ...
-// while base < end (rows past end: row() weighs them by 0, so they must be finite; the cache path
-// reads the clamped row, the stage gives zeros): with `staged` (one loop step) the chunks the lane
-// copied to stage[u * THREADS] (u < US; read where used), else from the cache, U rows loaded
-// before the first is used.
-template <typename T, typename C, int U, int STEP, int THREADS, bool COHERENT, typename Offset, typename Row>
-__device__ __forceinline__ void for_each_row(bool staged, const typename KvChunk<T, C>::Raw* stage, int US, int base0,
-                                             int sub, int end, const C* cache, Offset offset_of, Row row) {
-  if (staged) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (u < US) {  // rows past end get zeros: their slot may hold the new row as it was before its write
-        const int t = base0 + u * STEP + sub;
-        row(t < end ? KvChunk<T, C>::decode(stage[u * THREADS]) : Vec<T, 8>{}, t);
-      }
-    return;
-  }
-  for (int base = base0; base < end; base += STEP * U) {  // warp-uniform loop
-    typename KvChunk<T, C>::Raw r[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) r[u] = load_kv<COHERENT, T>(cache + offset_of(base + u * STEP + sub));
-#pragma unroll
-    for (int u = 0; u < U; ++u) row(KvChunk<T, C>::decode(r[u]), base + u * STEP + sub);
-  }
-}
-
+#include "paged_attention_lanes.cuh"
 #include "paged_attention_merge.cuh"
+#include "paged_attention_mma.cuh"
 
 // grid: (n_splits, n_kv_heads, num_seqs) · block: 32 * WARPS
-// smem: 4 * (G * partition + WARPS * G * D + 2 * WARPS * G + partition / block_size + 2), with NEW_KV
-// and partition <= STEP * U that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 32 * WARPS *
+// smem: 4 * (G * partition + WARPS * G * D + 2 * WARPS * G + partition / block_size + 2), with NEW_KV,
+// partition <= STEP * U and not MMA that rounded up to 16 bytes + the stage, 2 * ceil(partition / STEP) * 32 * WARPS *
 // sizeof(KvChunk<T, C>::Raw)
 // q, out: [num_seqs, n_heads, D]; k_cache, v_cache: [num_blocks, 1 << block_shift, n_kv_heads, D] of C
 // block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]
@@ -152,14 +107,16 @@ __device__ __forceinline__ void for_each_row(bool staged, const typename KvChunk
 // rows before it are never read), 0: [0, ctx). cap_log2 > 0 (a softcap c: c log2 e): each score s
 // (prescaled by scale log2 e) becomes cap_log2 * tanh(s / cap_log2).
 // G: query heads per KV head, padded (the real count is n_heads / n_kv_heads <= G).
-// U: K/V rows each lane loads before it uses the first (bytes in flight).
+// U: K/V rows each lane loads before it uses the first (bytes in flight; the lane loops only).
+// MMA: passes 1 and 3 on tensor cores (D a multiple of 32, at most 128; no stage).
 // WARPS: warps per CTA (4 to 8; 4 for G = 8), chosen by the op so that one wave of the grid holds as
 // many warps as the SMs' registers allow.
 // Launch bounds: the warps per SM resident_warps in the op assumes, 20 (<= 102 registers: 5 CTAs of 4
 // warps, 4 of 5, 3 of 6, 2 of 8) for G <= 4 and 3 CTAs of 4 (<= 168) for G = 8, without spills; the
 // plain G = 8 kernel fits 168 unbounded (and is left unbounded, which schedules it better), the NEW_KV
-// one would take up to 182 registers (bf16, D = 80 / 96).
-template <typename T, typename C, int D, int G, int U, int WARPS, bool NEW_KV>
+// one would take up to 182 registers (bf16, D = 80 / 96). The MMA kernels of a 16-bit cache at 96
+// registers (4 to 6 warps) spill 4-12 bytes at D = 128 and 12 bytes at D = 96, G = 1 (ptxas -v, sm_90a).
+template <typename T, typename C, int D, int G, int U, int WARPS, bool NEW_KV, bool MMA>
 __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 : 1)) paged_attention_kernel(
     const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, int* __restrict__ arrivals,
@@ -225,17 +182,18 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
 
   // D <= 128 only (ops/paged_attention.py STAGE_MAX_DIM): a D = 256 stage is 32 KB a CTA, and
   // loading its rows after the wait measured faster (docs/attention.md)
-  const bool staged = NEW_KV && D <= 128 && partition <= STEP * U;
+  const bool staged = !MMA && NEW_KV && D <= 128 && partition <= STEP * U;
   const int US = (partition + STEP - 1) / STEP;  // steps u of the loop that hold rows of the split
 
   const int block_mask = (1 << block_shift) - 1;
   const size_t row_stride = (size_t)n_kv_heads * D;
-  const size_t col = (size_t)kv_head * D + min(chunk, CHUNKS - 1) * 8;  // idle lanes re-read a valid chunk
-  // element offset of token t's row (t clamped to the split, so every load is in bounds)
-  auto offset_of = [&](int t) {
+  // element offset of token t's row of this KV head (t clamped to the split, so every load is in bounds)
+  auto row_of = [&](int t) {
     t = min(t, end - 1);
-    return (((size_t)blocks[(t >> block_shift) - first_block] << block_shift) + (t & block_mask)) * row_stride + col;
+    return (((size_t)blocks[(t >> block_shift) - first_block] << block_shift) + (t & block_mask)) * row_stride +
+           (size_t)kv_head * D;
   };
+  auto offset_of = [&](int t) { return row_of(t) + min(chunk, CHUNKS - 1) * 8; };  // idle lanes re-read a valid chunk
 
   float qv[G][8];
   if constexpr (NEW_KV) {
@@ -305,12 +263,15 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
                                 qk_norm ? k_norm : nullptr, eps);
     if (writer) vn = Vec<T, 8>::load(v_new + (size_t)seq * v_stride + (size_t)kv_head * D + chunk * 8);
     const T* q_group = q + (size_t)seq * q_stride + (size_t)kv_head * group * D;
+    T* q_rot = reinterpret_cast<T*>(red + D);  // MMA: the rotated q [group][D], after the angles
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       VecF<T, 8> x{};
-      if (g < group) {  // CTA-uniform: every lane rotates (and norms), the active ones keep it
+      // warp-uniform: every lane rotates (and norms), the active ones keep it (MMA: warp 0, into q_rot)
+      if (g < group && (!MMA || warp == 0)) {
         const Vec<T, 8> r = rope_chunk<T, D, KL>(q_group + g * D, chunk, cs, sn, q_w, eps);
         if (active) x = VecF<T, 8>::from(r);
+        if (MMA && sub == 0 && active) r.store(q_rot + g * D + chunk * 8);
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) qv[g][e] = x.v[e] * scale_log2;
@@ -346,7 +307,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
                     __ldcg(reinterpret_cast<const Raw*>(v_cache + src)));
       }
     }
-  } else {
+  } else if constexpr (!MMA) {  // (MMA loads q's fragments below)
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       VecF<T, 8> x{};
@@ -360,42 +321,73 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   const Raw* v_stage = k_stage + US * THREADS;
   const int base0 = start + warp * RPW;
 
-  // pass 1: scores. A row's KL lanes reduce its G dot products scattered (reduce_scatter): lane `chunk`
-  // ends with the score of query head `head` (the high bits of chunk pick it), the low bits of chunk
-  // hold copies (DUP lanes a head; the one with dup == 0 owns it) and write it to shared memory.
-  constexpr int LG = ilog2(G), DUP = KL / G;
+  // The owner of a (row, head) in pass 1 of the lane loops, and in pass 2: lanes of a row's chunks 0, DUP,
+  // 2 DUP, ... of the heads chunk / DUP
+  constexpr int DUP = KL / G;
   static_assert(DUP >= 1, "G must not exceed the lanes of a row");
   const bool owner = (chunk & (DUP - 1)) == 0;
   const int head = chunk / DUP;  // reduce_scatter's base (also in warps without rows, which never reduce)
-  float mh = Max::identity();  // max of this lane's rows for its head
-  for_each_row<T, C, U, STEP, THREADS, NEW_KV>(staged, k_stage, US, base0, sub, end, k_cache, offset_of,
-                                            [&](const Vec<T, 8>& k, int t) {
-    const VecF<T, 8> kf = VecF<T, 8>::from(k);
-    float d[G];
+  if constexpr (MMA) {
+    // pass 1 on tensor cores (paged_attention_mma.cuh): lane 4 g + t scores keys g, g + 8 for heads
+    // 2 t, 2 t + 1, and its maxima for those heads go over the lanes of the same t
+    unsigned qf[D / 32][4];
+    mma_q<T, D>(NEW_KV ? reinterpret_cast<const T*>(red + D) : q + head0 * D, group, lane, qf);
+    const int t4 = lane % 4;
+    float m0 = Max::identity(), m1 = Max::identity();
+    mma_scores<T, C, D, WARPS, NEW_KV>(qf, warp, lane, start, end, k_cache, row_of, [&](int t, float s0, float s1) {
+      s0 *= scale_log2, s1 *= scale_log2;
+      if (cap_log2 > 0.0f) s0 = cap_log2 * tanhf(s0 / cap_log2), s1 = cap_log2 * tanhf(s1 / cap_log2);
+      if (t < end) {
+        m0 = fmaxf(m0, s0), m1 = fmaxf(m1, s1);
+        float* row = scores + (t - start) * G + 2 * t4;
+        if constexpr (G == 1) {
+          if (t4 == 0) row[0] = s0;
+        } else if (2 * t4 < G) {
+          *reinterpret_cast<float2*>(row) = make_float2(s0, s1);
+        }
+      }
+    });
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      d[g] = 0.0f;
+    for (int o = 4; o < 32; o <<= 1)
+      m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o)), m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+    if (lane < 4 && 2 * lane < G) stat[2 * lane * WARPS + warp] = m0;
+    if (lane < 4 && 2 * lane + 1 < G) stat[(2 * lane + 1) * WARPS + warp] = m1;
+  } else {
+    // pass 1: scores. A row's KL lanes reduce its G dot products scattered (reduce_scatter): lane `chunk`
+    // ends with the score of query head `head` (the high bits of chunk pick it), the low bits of chunk
+    // hold copies (DUP lanes a head; the one with dup == 0 owns it) and write it to shared memory.
+    constexpr int LG = ilog2(G);
+    float mh = Max::identity();    // max of this lane's rows for its head
+    for_each_row<T, C, U, STEP, THREADS, NEW_KV>(staged, k_stage, US, base0, sub, end, k_cache, offset_of,
+                                              [&](const Vec<T, 8>& k, int t) {
+      const VecF<T, 8> kf = VecF<T, 8>::from(k);
+      float d[G];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) d[g] = fmaf(qv[g][e], kf.v[e], d[g]);
-    }
-    reduce_scatter<G, LG, KL / 2, false>(d, lane);
+      for (int g = 0; g < G; ++g) {
+        d[g] = 0.0f;
 #pragma unroll
-    for (int o = DUP / 2; o > 0; o >>= 1) d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
-    if (cap_log2 > 0.0f) d[0] = cap_log2 * tanhf(d[0] / cap_log2);
-    if (t < end) {
-      mh = fmaxf(mh, d[0]);
-      if (owner) scores[(t - start) * G + head] = d[0];
-    }
-  });
+        for (int e = 0; e < 8; ++e) d[g] = fmaf(qv[g][e], kf.v[e], d[g]);
+      }
+      reduce_scatter<G, LG, KL / 2, false>(d, lane);
 #pragma unroll
-  for (int o = KL; o < 32; o <<= 1) mh = fmaxf(mh, __shfl_xor_sync(0xffffffffu, mh, o));  // over the warp's rows
-  if (owner && sub == 0) stat[head * WARPS + warp] = mh;
+      for (int o = DUP / 2; o > 0; o >>= 1) d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
+      if (cap_log2 > 0.0f) d[0] = cap_log2 * tanhf(d[0] / cap_log2);
+      if (t < end) {
+        mh = fmaxf(mh, d[0]);
+        if (owner) scores[(t - start) * G + head] = d[0];
+      }
+    });
+#pragma unroll
+    for (int o = KL; o < 32; o <<= 1) mh = fmaxf(mh, __shfl_xor_sync(0xffffffffu, mh, o));  // over the warp's rows
+    if (owner && sub == 0) stat[head * WARPS + warp] = mh;
+  }
   __syncthreads();
+
   float m = stat[head * WARPS];  // the CTA's max for this lane's head: every row of the split has a finite score
 #pragma unroll
   for (int w = 1; w < WARPS; ++w) m = fmaxf(m, stat[head * WARPS + w]);
 
-  // pass 2: p = exp2(s - max) in place by the owners, over the rows they wrote; the row sums
+  // pass 2: p = exp2(s - max) in place by the owners, over rows base0 + sub, + STEP, ...; the row sums
   float l = 0.0f;
   if (owner)
     for (int t = base0 + sub; t < end; t += STEP) {
@@ -408,40 +400,59 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
   if (owner && sub == 0) stat[(G + head) * WARPS + warp] = l;
   __syncthreads();
 
-  // pass 3: acc = sum_t p_t v_t for this lane's 8 columns, each head's values at acc[8 g ..]
-  float acc[G * 8];
+  if constexpr (MMA) {
+    // pass 3 on tensor cores: lane 4 g + t holds elements 8 c + 2 e, + 1 of chunks c = g + 8 h for heads
+    // 2 t, 2 t + 1 (acc[h][e]: the m16n8 C fragment)
+    float acc[MmaTiles<D>::NH][4][4] = {};
+    mma_values<T, C, D, WARPS, NEW_KV>(acc, warp, lane, start, end, v_cache, row_of, [&](int t, int head) {
+      return head < G && t < end ? scores[(t - start) * G + head] : 0.0f;
+    });
+    const int g4 = lane / 4, t4 = lane % 4;
 #pragma unroll
-  for (int i = 0; i < G * 8; ++i) acc[i] = 0.0f;
-  for_each_row<T, C, U, STEP, THREADS, NEW_KV>(staged, v_stage, US, base0, sub, end, v_cache, offset_of,
-                                            [&](const Vec<T, 8>& v, int t) {
-    const bool live = t < end;
-    t = min(t, end - 1);
-    const VecF<T, 8> vf = VecF<T, 8>::from(v);
-    float p[G];  // the row's G probabilities: 16-byte loads from G = 4 on
-    if constexpr (G % 4 == 0) {
+    for (int h = 0; h < MmaTiles<D>::NH; ++h)
 #pragma unroll
-      for (int i = 0; i < G / 4; ++i) {
-        const float4 p4 = reinterpret_cast<const float4*>(scores + (t - start) * G)[i];
-        p[4 * i] = p4.x, p[4 * i + 1] = p4.y, p[4 * i + 2] = p4.z, p[4 * i + 3] = p4.w;
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (g4 + 8 * h < CHUNKS && 2 * t4 + j < G)
+            *reinterpret_cast<float2*>(red + (warp * G + 2 * t4 + j) * D + 8 * (g4 + 8 * h) + 2 * e) =
+                make_float2(acc[h][e][j], acc[h][e][2 + j]);
+  } else {
+    // pass 3: acc = sum_t p_t v_t for this lane's 8 columns, each head's values at acc[8 g ..]
+    float acc[G * 8];
+#pragma unroll
+    for (int i = 0; i < G * 8; ++i) acc[i] = 0.0f;
+    for_each_row<T, C, U, STEP, THREADS, NEW_KV>(staged, v_stage, US, base0, sub, end, v_cache, offset_of,
+                                              [&](const Vec<T, 8>& v, int t) {
+      const bool live = t < end;
+      t = min(t, end - 1);
+      const VecF<T, 8> vf = VecF<T, 8>::from(v);
+      float p[G];  // the row's G probabilities: 16-byte loads from G = 4 on
+      if constexpr (G % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < G / 4; ++i) {
+          const float4 p4 = reinterpret_cast<const float4*>(scores + (t - start) * G)[i];
+          p[4 * i] = p4.x, p[4 * i + 1] = p4.y, p[4 * i + 2] = p4.z, p[4 * i + 3] = p4.w;
+        }
+      } else {
+#pragma unroll
+        for (int g = 0; g < G; ++g) p[g] = scores[(t - start) * G + g];
       }
-    } else {
 #pragma unroll
-      for (int g = 0; g < G; ++g) p[g] = scores[(t - start) * G + g];
-    }
+      for (int g = 0; g < G; ++g) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+        for (int e = 0; e < 8; ++e) acc[g * 8 + e] = fmaf(live ? p[g] : 0.0f, vf.v[e], acc[g * 8 + e]);
+      }
+    });
+    // reduce over the rows a warp step covers (lanes with the same chunk), scattered over them; then over warps
+    constexpr int LR = ilog2(RPW), KEEP = G * 8 / RPW;
+    const int first = reduce_scatter<G * 8, LR, KL, true>(acc, lane);
+    if (active) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g * 8 + e] = fmaf(live ? p[g] : 0.0f, vf.v[e], acc[g * 8 + e]);
-    }
-  });
-  // reduce over the rows a warp step covers (lanes with the same chunk), scattered over them; then over warps
-  constexpr int LR = ilog2(RPW), KEEP = G * 8 / RPW;
-  const int first = reduce_scatter<G * 8, LR, KL, true>(acc, lane);
-  if (active) {
-#pragma unroll
-    for (int i = 0; i < KEEP; ++i) {
-      const int g = (first + i) / 8, e = (first + i) % 8;
-      red[(warp * G + g) * D + chunk * 8 + e] = acc[i];
+      for (int i = 0; i < KEEP; ++i) {
+        const int g = (first + i) / 8, e = (first + i) % 8;
+        red[(warp * G + g) * D + chunk * 8 + e] = acc[i];
+      }
     }
   }
   __syncthreads();

@@ -26,20 +26,25 @@ CORES = os.cpu_count() or 1
 
 def compile_set(family) -> list:
     """The family's INSTANTIATIONS, but of paged_attention's over an fp8 cache one per (dtype, head dim,
-    group, fused) only, its rows in flight and warps taken in turn from the group's list: 80 of 452,
-    every value of each template argument among them. They differ from the float cache's (all compiled)
-    only in KvChunk's type, and all 452 took ~6 more minutes an arch on 2 cores (~0.9 s each);
-    test_paged_attention's GPU tests launch every warps and rows-in-flight pair over an fp8 cache."""
+    group, fused) only, and of its tensor-core loops over a float cache one per (dtype, head dim, group,
+    fused) only, the other arguments taken in turn from each list: every value of each template
+    argument among them (580 of 1,216). The fp8 ones differ from the float cache's only in KvChunk's
+    type, the tensor-core ones across warps only in their loop stride and launch bounds, and at ~0.9 s
+    an instantiation on 2 cores all of them would add ~9 minutes an arch; test_paged_attention's GPU
+    tests launch every warps and rows-in-flight pair, and the tensor-core loops at every width, over
+    float and fp8 caches."""
     exprs = list(ops.family_module(family).INSTANTIATIONS)
     if family != "paged_attention":
         return exprs
-    groups = {}
+    groups, kept = {}, []
     for e in exprs:
-        if "__nv_fp8_e4m3" in e:
-            t, _, d, g, _, _, fused = e.split("<")[1].rstrip(">").split(", ")
-            groups.setdefault((t, d, g, fused), []).append(e)
-    thinned = [group[i % len(group)] for i, group in enumerate(groups.values())]
-    return [e for e in exprs if "__nv_fp8_e4m3" not in e] + thinned
+        t, c, d, g, _, _, fused, mma = e.split("<")[1].rstrip(">").split(", ")
+        if c == "__nv_fp8_e4m3" or mma == "true":
+            kind = "fp8" if c == "__nv_fp8_e4m3" else "mma"
+            groups.setdefault((t, kind, d, g, fused), []).append(e)
+        else:
+            kept.append(e)
+    return kept + [group[i % len(group)] for i, group in enumerate(groups.values())]
 
 
 def rounds(family) -> list:

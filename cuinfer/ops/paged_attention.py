@@ -102,6 +102,13 @@ def rows_in_flight(group: int, head_dim: int, partition: int, warps: int) -> int
     return 8
 
 
+def tensor_cores(head_dim: int, partition: int, warps: int) -> bool:
+    """Whether the kernel's scores and values run on tensor cores (mma.sync, cuda_src/paged_attention_mma.cuh)
+    rather than the lane loops: head dims of 32-lane multiples up to 128, in splits longer than one loop
+    step of the lane loops at U = 8 (a shorter one is what the fused decode stages before pdl_wait)."""
+    return head_dim % 32 == 0 and head_dim <= 128 and partition > 8 * loop_step(head_dim, warps)
+
+
 def resident_ctas(group: int) -> int:
     """CTAs per SM the decode kernel gets (ptxas -v, sm_90): G <= 4 uses <= 96 registers
     (5 x 128 threads per SM, the launch bounds ask for it), G = 8 uses 142-168 (3 per SM)."""
@@ -135,16 +142,17 @@ def cta_warps(ctas: int, group: int, sm_count: int) -> int:
 
 
 def instantiation(dtype, head_dim: int, group: int, u: int, new_kv: bool = False, warps: int = 4,
-                  cache_dtype=None) -> str:
-    """cache_dtype: the cache's (None: dtype's; uint8: fp8 E4M3)."""
+                  cache_dtype=None, mma: bool = False) -> str:
+    """cache_dtype: the cache's (None: dtype's; uint8: fp8 E4M3). mma: tensor_cores' loops (u unused: 8)."""
     cache = fp8.cache_ctype(dtype if cache_dtype is None else cache_dtype, dtype)
-    return (f"paged_attention_kernel<{runtime.ctype(dtype)}, {cache}, {head_dim}, {group}, {u}, {warps}, "
-            f"{str(new_kv).lower()}>")
+    return (f"paged_attention_kernel<{runtime.ctype(dtype)}, {cache}, {head_dim}, {group}, {8 if mma else u}, "
+            f"{warps}, {str(new_kv).lower()}, {str(mma).lower()}>")
 
 
-INSTANTIATIONS = [instantiation(dt, d, g, u, f, w, c) for dt in (np.float16, runtime.bfloat16) for c in (dt, fp8.FP8)
-                  for d in HEAD_DIMS for g in GROUPS for f in (False, True) for w in WARPS if g <= 4 or w == 4
-                  for u in sorted({rows_in_flight(g, d, p, w) for p in (MIN_PARTITION, MAX_PARTITION)})]
+INSTANTIATIONS = sorted({instantiation(dt, d, g, rows_in_flight(g, d, p, w), f, w, c, tensor_cores(d, p, w))
+                         for dt in (np.float16, runtime.bfloat16) for c in (dt, fp8.FP8) for d in HEAD_DIMS
+                         for g in GROUPS for f in (False, True) for w in WARPS if g <= 4 or w == 4
+                         for p in (MIN_PARTITION, 4 * loop_step(d, w) + 32, MAX_PARTITION)})
 
 
 def precompile(dtype, head_dim: int, n_heads: int, n_kv_heads: int, cache_dtype=None) -> int:
@@ -221,15 +229,15 @@ def decode_splits(num_seqs: int, n_heads: int, n_kv_heads: int, max_context_len:
 
 
 def smem_bytes(group: int, partition: int, head_dim: int, block_size: int,
-               u: int, new_kv: bool = False, warps: int = 4, chunk_bytes: int = 16) -> int:
+               u: int, new_kv: bool = False, warps: int = 4, chunk_bytes: int = 16, mma: bool = False) -> int:
     """Scores [partition, group] + the cross-warp output reduction [warps, group, head_dim] (fp32)
     + the split's block-table entries (a run of `partition` tokens touches at most
     partition // block_size + 2 blocks). With new_kv, head_dim <= STAGE_MAX_DIM and a split of one
-    loop step (partition <= STEP * U) the stage of its K and V rows follows, 16-byte aligned:
+    loop step (partition <= STEP * U; not with mma) the stage of its K and V rows follows, 16-byte aligned:
     [2][ceil(partition / STEP)][threads] x chunk_bytes (a lane's 8 elements: 16, or 8 in an fp8 cache)."""
     attend = group * partition + warps * group * head_dim + 2 * group * warps + partition // block_size + 2
     step = loop_step(head_dim, warps)
-    staged = new_kv and head_dim <= STAGE_MAX_DIM and partition <= step * u
+    staged = not mma and new_kv and head_dim <= STAGE_MAX_DIM and partition <= step * u
     stage = 2 * -(-partition // step) * 32 * warps * chunk_bytes if staged else 0
     return -(-4 * attend // 16) * 16 + stage
 
@@ -333,16 +341,17 @@ def _refuse_capture(names):
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
                   partition, workspace=None, u=None, new_kv=None, qk_norm=None, warps=None, window=0, softcap=None,
-                  chunk_rows=1):
+                  chunk_rows=1, mma=None):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
-    context length, partition a multiple of 32; warps per CTA from cta_warps and rows in flight from
-    rows_in_flight unless given.
+    context length, partition a multiple of 32; warps per CTA from cta_warps, rows in flight from
+    rows_in_flight and the loops from tensor_cores unless given.
     Arguments are checked by the caller."""
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     warps = warps or cta_warps(n_splits * n_kv * num_seqs, group, runtime.device_info()["sm_count"])
     u = u or rows_in_flight(group, d, partition, warps)
+    mma = tensor_cores(d, partition, warps) if mma is None else mma
     if n_splits > 1:
         need = split_workspace_elems(num_seqs, n_heads, n_kv, d, n_splits)
         if workspace is None:
@@ -362,7 +371,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
         k, v, slot_mapping, inv_freq = new_kv
     q_norm, k_norm, eps = qk_norm or (q, q, 0.0)  # unused without qk_norm
     kern = runtime.kernel("paged_attention", instantiation(q.dtype, d, group, u, new_kv is not None, warps,
-                                                          k_cache.dtype))
+                                                          k_cache.dtype, mma))
     args = (q, k_cache, v_cache, out, part_out, part_ml, arrivals, block_tables, context_lens,
             np.int32(block_tables.shape[1]), np.int32(bs.bit_length() - 1), np.int32(n_heads),
             np.int32(n_kv), np.int32(partition), np.float32(scale * LOG2E), k, v, slot_mapping, inv_freq,
@@ -370,4 +379,4 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, g
             np.float32(softcap * LOG2E if softcap else 0.0), q_norm, k_norm, np.int32(qk_norm is not None),
             np.float32(eps), np.int32(chunk_rows), np.int32(inv_freq.shape[1] if inv_freq.ndim == 2 else 0))
     runtime.launch(kern, (n_splits, n_kv, num_seqs), (32 * warps,), args,
-                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps, 8 * k_cache.itemsize))
+                   smem=smem_bytes(group, partition, d, bs, u, new_kv is not None, warps, 8 * k_cache.itemsize, mma))

@@ -85,7 +85,16 @@ def test_rows_in_flight():
         for dtype, new_kv, fp8_cache in itertools.product((np.float16, runtime.bfloat16), (False, True),
                                                           (False, True)):
             cache = fp8.FP8 if fp8_cache else dtype
-            assert pa.instantiation(dtype, d, group, u, new_kv, warps, cache) in pa.INSTANTIATIONS
+            mma = pa.tensor_cores(d, partition, warps)
+            assert pa.instantiation(dtype, d, group, u, new_kv, warps, cache, mma) in pa.INSTANTIATIONS
+
+
+def test_tensor_cores():
+    """The tensor-core loops for D = 64, 96, 128 in splits past one loop step of the lane loops at U = 8."""
+    pa = family_module("paged_attention")
+    assert pa.tensor_cores(128, 384, 5) and pa.tensor_cores(96, 1024, 4) and pa.tensor_cores(64, 288, 8)
+    assert not pa.tensor_cores(128, 128, 8) and pa.tensor_cores(128, 160, 8)  # 8 steps of 16 rows
+    assert not pa.tensor_cores(64, 256, 8) and not pa.tensor_cores(256, 1024, 4) and not pa.tensor_cores(80, 1024, 4)
 
 
 def test_argument_checks():
@@ -534,18 +543,20 @@ def test_chunk_rows_checks():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["", "fp8"])
-@pytest.mark.parametrize("u", [4, 8])
+@pytest.mark.parametrize("u", [4, 8, "mma"])
 @pytest.mark.parametrize("warps", WARPS)
 @pytest.mark.parametrize(("ratio", "d", "dtype"), [(4, 128, np.float16), (3, 64, runtime.bfloat16),
                                                    (2, 256, np.float16)])
 def test_cta_widths(cp, monkeypatch, u, warps, ratio, d, dtype, fp8_cache):
     """Every CTA width and rows-in-flight count (cta_warps and rows_in_flight pick them from the grid,
-    so small tests would see one), plain and fused, one split (staged rows when fused) and several; over
-    an fp8 cache too."""
-    if u == 8 and d > 128:
-        pytest.skip("D > 128 takes U = 4 only")
+    so small tests would see one), and the tensor-core loops at each width (tensor_cores picks them for
+    long splits only), plain and fused, one split (staged rows when fused, but not with mma) and
+    several; over an fp8 cache too."""
+    if u != 4 and d > 128:
+        pytest.skip("D > 128 takes U = 4 only, and not the tensor cores")
     monkeypatch.setattr(family_module("paged_attention"), "cta_warps", lambda *_: warps)
-    monkeypatch.setattr(family_module("paged_attention"), "rows_in_flight", lambda *_: u)
+    monkeypatch.setattr(family_module("paged_attention"), "rows_in_flight", lambda *_: 8 if u == "mma" else u)
+    monkeypatch.setattr(family_module("paged_attention"), "tensor_cores", lambda *_: u == "mma")
     rng = np.random.default_rng(warps * d)
     for lens in ([33, 1, 0, 70], [1300, 5]):
         lens_a = np.array(lens, np.int32)
