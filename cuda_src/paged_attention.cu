@@ -187,13 +187,15 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
 
   const int block_mask = (1 << block_shift) - 1;
   const size_t row_stride = (size_t)n_kv_heads * D;
-  // element offset of token t's row of this KV head (t clamped to the split, so every load is in bounds)
-  auto row_of = [&](int t) {
+  // element offset of token t's row plus col (t clamped to the split, so every load is in bounds): this
+  // lane's chunk (offset_of; idle lanes re-read a valid chunk), or the KV head's row (row_of, MMA)
+  auto offset_at = [&](int t, size_t col) {
     t = min(t, end - 1);
-    return (((size_t)blocks[(t >> block_shift) - first_block] << block_shift) + (t & block_mask)) * row_stride +
-           (size_t)kv_head * D;
+    return (((size_t)blocks[(t >> block_shift) - first_block] << block_shift) + (t & block_mask)) * row_stride + col;
   };
-  auto offset_of = [&](int t) { return row_of(t) + min(chunk, CHUNKS - 1) * 8; };  // idle lanes re-read a valid chunk
+  const size_t col = (size_t)kv_head * D + min(chunk, CHUNKS - 1) * 8;
+  auto offset_of = [&](int t) { return offset_at(t, col); };
+  auto row_of = [&](int t) { return offset_at(t, (size_t)kv_head * D); };
 
   float qv[G][8];
   if constexpr (NEW_KV) {
