@@ -50,44 +50,57 @@ __device__ __forceinline__ void chunk_words(typename KvChunk<T, C>::Raw r, unsig
   w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
 }
 
-// Pass 1: emit(key, s0, s1) with the raw dot products of key (keys past `end` included: the caller
-// drops them) with heads 2 t and 2 t + 1. row_of(key): the element offset of key's row of this KV
-// head (clamped to the split).
-template <typename T, typename C, int D, int WARPS, bool COHERENT, typename RowOf, typename Emit>
-__device__ __forceinline__ void mma_scores(const unsigned (&qf)[D / 32][4], int warp, int lane, int start, int end,
-                                           const C* cache, RowOf row_of, Emit emit) {
-  using Tiles = MmaTiles<D>;
-  constexpr int NI = Tiles::NI, NT = Tiles::NT;
-  const int g = lane / 4, t = lane % 4, n_tiles = (end - start + 15) / 16;
+// The walk both passes share: a warp's tiles w, w + WARPS, ... of the split, NT at a time. For each,
+// the lane loads chunks chunk_of(c) (c < CH) of its keys key_of(j) (j < KEYS, offsets in the tile)
+// before it uses the first, then use(first key of the tile, its chunks [KEYS][CH]). row_of(key): the
+// element offset of key's row of this KV head (clamped to the split).
+template <typename T, typename C, int D, int WARPS, int KEYS, int CH, bool COHERENT, typename KeyOf, typename ChunkOf,
+          typename RowOf, typename Use>
+__device__ __forceinline__ void for_each_tile(int warp, int start, int end, const C* cache, KeyOf key_of,
+                                              ChunkOf chunk_of, RowOf row_of, Use use) {
+  constexpr int NT = MmaTiles<D>::NT;
+  const int n_tiles = (end - start + 15) / 16;
   for (int tile = warp; tile < n_tiles; tile += WARPS * NT) {  // warp-uniform
-    typename KvChunk<T, C>::Raw r[NT][2][NI];
+    typename KvChunk<T, C>::Raw r[NT][KEYS][CH];
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const C* row = cache + row_of(start + 16 * (tile + n * WARPS) + g + 8 * h);
+      for (int j = 0; j < KEYS; ++j) {
+        const C* row = cache + row_of(start + 16 * (tile + n * WARPS) + key_of(j));
 #pragma unroll
-        for (int i = 0; i < NI; ++i) r[n][h][i] = load_kv<COHERENT, T>(row + (4 * i + t) * 8);
+        for (int c = 0; c < CH; ++c) r[n][j][c] = load_kv<COHERENT, T>(row + chunk_of(c) * 8);
       }
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int i = 0; i < NI; ++i) {
-        unsigned k0[4], k1[4];
-        chunk_words<T, C>(r[n][0][i], k0);
-        chunk_words<T, C>(r[n][1][i], k1);
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const unsigned a[4] = {k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1]};
-          mma16816<T>(c, a, qf[i][2 * s], qf[i][2 * s + 1]);
-        }
-      }
-      const int key = start + 16 * (tile + n * WARPS) + g;
-      emit(key, c[0], c[1]);
-      emit(key + 8, c[2], c[3]);
-    }
+    for (int n = 0; n < NT; ++n) use(start + 16 * (tile + n * WARPS), r[n]);
   }
+}
+
+// Pass 1: emit(key, s0, s1) with the raw dot products of key (keys past `end` included: the caller
+// drops them) with heads 2 t and 2 t + 1.
+template <typename T, typename C, int D, int WARPS, bool COHERENT, typename RowOf, typename Emit>
+__device__ __forceinline__ void mma_scores(const unsigned (&qf)[D / 32][4], int warp, int lane, int start, int end,
+                                           const C* cache, RowOf row_of, Emit emit) {
+  constexpr int NI = MmaTiles<D>::NI;
+  const int g = lane / 4, t = lane % 4;
+  using Raw = typename KvChunk<T, C>::Raw;
+  for_each_tile<T, C, D, WARPS, 2, NI, COHERENT>(
+      warp, start, end, cache, [&](int j) { return g + 8 * j; }, [&](int i) { return 4 * i + t; }, row_of,
+      [&](int key0, const Raw (&r)[2][NI]) {
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+          unsigned k0[4], k1[4];
+          chunk_words<T, C>(r[0][i], k0);
+          chunk_words<T, C>(r[1][i], k1);
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const unsigned a[4] = {k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1]};
+            mma16816<T>(c, a, qf[i][2 * s], qf[i][2 * s + 1]);
+          }
+        }
+        emit(key0 + g, c[0], c[1]);
+        emit(key0 + g + 8, c[2], c[3]);
+      });
 }
 
 // Pass 3: acc[h][e] += the tile (h, e) of O^T over the split's keys, p_of(key, head) the probability
@@ -95,37 +108,28 @@ __device__ __forceinline__ void mma_scores(const unsigned (&qf)[D / 32][4], int 
 template <typename T, typename C, int D, int WARPS, bool COHERENT, typename RowOf, typename P>
 __device__ __forceinline__ void mma_values(float (&acc)[MmaTiles<D>::NH][4][4], int warp, int lane, int start,
                                            int end, const C* cache, RowOf row_of, P p_of) {
-  using Tiles = MmaTiles<D>;
-  constexpr int NH = Tiles::NH, NT = Tiles::NT;
-  const int g = lane / 4, t = lane % 4, n_tiles = (end - start + 15) / 16;
-  for (int tile = warp; tile < n_tiles; tile += WARPS * NT) {  // warp-uniform
-    typename KvChunk<T, C>::Raw r[NT][4][NH];
+  constexpr int NH = MmaTiles<D>::NH;
+  const int g = lane / 4, t = lane % 4;
+  using Raw = typename KvChunk<T, C>::Raw;
+  for_each_tile<T, C, D, WARPS, 4, NH, COHERENT>(
+      warp, start, end, cache, [&](int w) { return 2 * t + (w & 1) + 8 * (w >> 1); },
+      [&](int h) { return min(g + 8 * h, D / 8 - 1); }, row_of, [&](int key0, const Raw (&r)[4][NH]) {
+        const int key = key0 + 2 * t;
+        const unsigned b0 = pack2<T>(p_of(key, g), p_of(key + 1, g));
+        const unsigned b1 = pack2<T>(p_of(key + 8, g), p_of(key + 9, g));
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
+        for (int h = 0; h < NH; ++h) {
+          unsigned v[4][4];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const C* row = cache + row_of(start + 16 * (tile + n * WARPS) + 2 * t + (w & 1) + 8 * (w >> 1));
+          for (int w = 0; w < 4; ++w) chunk_words<T, C>(r[w][h], v[w]);
 #pragma unroll
-        for (int h = 0; h < NH; ++h) r[n][w][h] = load_kv<COHERENT, T>(row + min(g + 8 * h, D / 8 - 1) * 8);
-      }
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int key = start + 16 * (tile + n * WARPS) + 2 * t;
-      const unsigned b0 = pack2<T>(p_of(key, g), p_of(key + 1, g)), b1 = pack2<T>(p_of(key + 8, g), p_of(key + 9, g));
-#pragma unroll
-      for (int h = 0; h < NH; ++h) {
-        unsigned v[4][4];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) chunk_words<T, C>(r[n][w][h], v[w]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const unsigned a[4] = {__byte_perm(v[0][e], v[1][e], 0x5410), __byte_perm(v[0][e], v[1][e], 0x7632),
-                                 __byte_perm(v[2][e], v[3][e], 0x5410), __byte_perm(v[2][e], v[3][e], 0x7632)};
-          mma16816<T>(acc[h][e], a, b0, b1);
+          for (int e = 0; e < 4; ++e) {
+            const unsigned a[4] = {__byte_perm(v[0][e], v[1][e], 0x5410), __byte_perm(v[0][e], v[1][e], 0x7632),
+                                   __byte_perm(v[2][e], v[3][e], 0x5410), __byte_perm(v[2][e], v[3][e], 0x7632)};
+            mma16816<T>(acc[h][e], a, b0, b1);
+          }
         }
-      }
-    }
-  }
+      });
 }
 
 }  // namespace

@@ -149,10 +149,11 @@ def instantiation(dtype, head_dim: int, group: int, u: int, new_kv: bool = False
             f"{warps}, {str(new_kv).lower()}, {str(mma).lower()}>")
 
 
+# every (rows in flight, loops) the rules pick: at the shortest split, the lane loops' longest, the longest
 INSTANTIATIONS = sorted({instantiation(dt, d, g, rows_in_flight(g, d, p, w), f, w, c, tensor_cores(d, p, w))
                          for dt in (np.float16, runtime.bfloat16) for c in (dt, fp8.FP8) for d in HEAD_DIMS
                          for g in GROUPS for f in (False, True) for w in WARPS if g <= 4 or w == 4
-                         for p in (MIN_PARTITION, 4 * loop_step(d, w) + 32, MAX_PARTITION)})
+                         for p in (MIN_PARTITION, 8 * loop_step(d, w), MAX_PARTITION)})
 
 
 def precompile(dtype, head_dim: int, n_heads: int, n_kv_heads: int, cache_dtype=None) -> int:
@@ -341,17 +342,17 @@ def _refuse_capture(names):
 
 def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, group, n_splits,
                   partition, workspace=None, u=None, new_kv=None, qk_norm=None, warps=None, window=0, softcap=None,
-                  chunk_rows=1, mma=None):
+                  chunk_rows=1):
     """Launch the decode kernel with an explicit split: n_splits * partition tokens must cover every
-    context length, partition a multiple of 32; warps per CTA from cta_warps, rows in flight from
-    rows_in_flight and the loops from tensor_cores unless given.
+    context length, partition a multiple of 32; warps per CTA from cta_warps and rows in flight from
+    rows_in_flight unless given, the loops from tensor_cores.
     Arguments are checked by the caller."""
     cp = runtime.require_cupy()
     num_seqs, n_heads, d = q.shape
     n_kv, bs = k_cache.shape[2], k_cache.shape[1]
     warps = warps or cta_warps(n_splits * n_kv * num_seqs, group, runtime.device_info()["sm_count"])
     u = u or rows_in_flight(group, d, partition, warps)
-    mma = tensor_cores(d, partition, warps) if mma is None else mma
+    mma = tensor_cores(d, partition, warps)
     if n_splits > 1:
         need = split_workspace_elems(num_seqs, n_heads, n_kv, d, n_splits)
         if workspace is None:
