@@ -1,5 +1,5 @@
 // Tensor-core helpers: mma.sync m16n8k16 and ldmatrix (sm_80+), and wgmma (sm_90a) with its
-// shared-memory descriptors. Included by the families that multiply tiles (flash_attention).
+// shared-memory descriptors. Included by the families that multiply tiles.
 #pragma once
 #include "common.cuh"
 

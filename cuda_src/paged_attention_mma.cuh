@@ -1,8 +1,8 @@
 // The tensor-core passes of paged_attention_kernel (MMA: D a multiple of 32, at most 128), included by
 // paged_attention.cu. A warp takes tiles of 16 consecutive keys (tile w, w + WARPS, ... of the split)
 // and multiplies them with mma.sync m16n8k16, the group's query heads padded to the 8 columns of n:
-// a tile's scores are 8 instructions at D = 128 and its values 8 more, where the lane loops spend
-// ~50 instructions of fp32 products and shuffles on every 2 rows. Lane l = 4 g + t loads 16-byte
+// a tile's scores are 8 instructions at D = 128 and its values 8 more, where the lane loops' value
+// pass alone is 539 SASS instructions a loop of 16 rows (docs/attention.md). Lane l = 4 g + t loads 16-byte
 // chunks of K and V rows straight from the cache (no shared memory), and the chunks' order inside a
 // fragment is chosen so that no lane moves data but its own:
 //
