@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(32 * WARPS, G <= 4 ? 20 / WARPS : (NEW_KV ? 3 
     // pass 1 on tensor cores (paged_attention_mma.cuh): lane 4 g + t scores keys g, g + 8 for heads
     // 2 t, 2 t + 1, and its maxima for those heads go over the lanes of the same t
     unsigned qf[D / 32][4];
-    mma_q<T, D>(NEW_KV ? reinterpret_cast<const T*>(red + D) : q + head0 * D, group, lane, qf);
+    mma_q<T, D>(NEW_KV ? reinterpret_cast<const T*>(red + D) : q + head0 * D, group, lane, qf);  // NEW_KV: q_rot
     const int t4 = lane % 4;
     float m0 = Max::identity(), m1 = Max::identity();
     mma_scores<T, C, D, WARPS, NEW_KV>(qf, warp, lane, start, end, k_cache, row_of, [&](int t, float s0, float s1) {
